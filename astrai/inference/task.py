@@ -5,12 +5,11 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 
 class RequestError(ValueError):
@@ -111,3 +110,216 @@ class GenerationParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class TaskStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class _Stop:
+    """The end-of-stream sentinel: a task's callback gets it exactly once, last."""
+
+    def __repr__(self) -> str:
+        return "STOP"
+
+
+STOP = _Stop()
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class TaskDelta:
+    """What one step added to a task: new text (stop-string candidates held back) and ids."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class TaskResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+class Detokenizer(Protocol):
+    def add(self, token_id: int) -> str: ...
+
+
+TaskCallback = Callable[["Task", "TaskDelta | _Stop"], None]
+
+_task_ids = itertools.count()
+
+
+class Task:
+    """One sequence being generated: its tokens, how much of it the KV cache holds, its text.
+
+    The scheduler thread owns every field once the task is queued; other threads only read
+    the result after the callback got STOP.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        callback: TaskCallback,
+        detokenizer: Detokenizer,
+        stop_token_ids: frozenset[int] = frozenset(),
+        parent: Task | None = None,
+    ) -> None:
+        self.id = next(_task_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.callback = callback
+        self.parent = parent
+        self.status = TaskStatus.WAITING
+        self.output_ids: list[int] = []
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self._detokenizer = detokenizer
+        self._stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else stop_token_ids
+        )
+        self._text = ""  # all text decoded so far
+        self._emitted = 0  # how much of _text went out through the callback
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (TaskStatus.FINISHED, TaskStatus.ABORTED, TaskStatus.FAILED)
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> TaskDelta:
+        """Add a sampled token, check the stop conditions and return the text it releases."""
+        self.output_ids.append(token_id)
+        if token_id in self._stop_ids:
+            self._finish_with("stop", token_id)
+        else:
+            self._text += self._detokenizer.add(token_id)
+            if (
+                self._cut_at_stop_string() is None
+                and len(self.output_ids) >= self.params.max_tokens
+            ):
+                self._finish_with("length", None)
+        end = len(self._text) if self.is_finished else len(self._text) - self._held_back()
+        piece = self._text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return TaskDelta(piece, [token_id], None if logprob is None else [logprob])
+
+    def _cut_at_stop_string(self) -> bool:
+        """Finish at the earliest stop string in the unreleased text, if there is one."""
+        tail = self._text[self._emitted :]
+        hits = [(tail.find(s), s) for s in self.params.stop if s in tail]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self._text = self._text[: self._emitted + index]
+        self._finish_with("stop", stop)
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that could still grow into a stop string."""
+        for stop in sorted(self.params.stop, key=len, reverse=True):
+            for k in range(min(len(stop) - 1, len(self._text) - self._emitted), 0, -1):
+                if self._text.endswith(stop[:k]):
+                    return k
+        return 0
+
+    def _finish_with(self, reason: str, stop_reason: str | int | None) -> None:
+        self.status = TaskStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def end(self, status: TaskStatus, reason: str, error: str | None = None) -> None:
+        """End a task that did not finish by itself (abort, error)."""
+        self.status = status
+        self.finish_reason = reason
+        self.error = error
+
+    def result(self) -> TaskResult:
+        return TaskResult(
+            text=self._text[: self._emitted] if self.is_finished else self._text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason or "",
+            stop_reason=self.stop_reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
+            error=self.error,
+        )
+
+
+class TaskManager:
+    """The lock-protected hand-off between caller threads and the scheduler loop.
+
+    Callers add tasks and ask for aborts; the loop drains both at the top of every step and
+    sleeps on the event when there is nothing to do.
+    """
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()
+        self._waiting: deque[Task] = deque()
+        self._aborts: set[int] = set()
+        self.wakeup = threading.Event()
+
+    def add_tasks(self, tasks: Sequence[Task]) -> None:
+        with self._lock:
+            if len(self._waiting) + len(tasks) > self.max_waiting:
+                raise QueueFullError(
+                    f"the waiting queue is full ({self.max_waiting} requests); retry later"
+                )
+            self._waiting.extend(tasks)
+        self.wakeup.set()
+
+    def abort(self, task_id: int) -> None:
+        with self._lock:
+            self._aborts.add(task_id)
+        self.wakeup.set()
+
+    def take_aborts(self) -> set[int]:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+        return aborts
+
+    def waiting(self) -> list[Task]:
+        with self._lock:
+            return list(self._waiting)
+
+    def remove_waiting(self, task: Task) -> None:
+        with self._lock:
+            self._waiting.remove(task)
+
+    def requeue_front(self, task: Task) -> None:
+        """Put a preempted task back at the head of the queue, ahead of new arrivals."""
+        with self._lock:
+            self._waiting.appendleft(task)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)

@@ -1,0 +1,396 @@
+"""InferenceEngine: the synchronous, streaming and asyncio faces of the scheduler loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from astrai.config import ConfigError, EngineConfig
+from astrai.inference.cache import PagedCache
+from astrai.inference.executor import ModelExecutor
+from astrai.inference.scheduler import InferenceScheduler
+from astrai.inference.task import (
+    STOP,
+    GenerationParams,
+    PromptTooLongError,
+    RequestError,
+    Task,
+    TaskDelta,
+    TaskManager,
+    TaskResult,
+)
+
+log = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A chat request: messages rendered through the model's chat template, plus settings."""
+
+    messages: tuple[dict[str, str], ...]
+    params: GenerationParams = field(default_factory=GenerationParams)
+    stream: bool = False
+
+    def __post_init__(self) -> None:
+        messages = tuple(self.messages)
+        if not messages:
+            raise RequestError("messages must hold at least one message")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise RequestError(f"messages[{i}] must be a dict with 'role' and 'content'")
+            if message.get("role") not in CHAT_ROLES:
+                raise RequestError(
+                    f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                    f"got {message.get('role')!r}"
+                )
+            if not isinstance(message.get("content"), str):
+                raise RequestError(f"messages[{i}].content must be a string")
+        object.__setattr__(self, "messages", messages)
+
+
+@dataclass
+class StreamEvent:
+    """One event of a request: a delta of sample `index`, or (last for that index) its result."""
+
+    index: int
+    delta: TaskDelta | None = None
+    result: TaskResult | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    pages_total: int
+    pages_free: int
+    pages_owned: int
+    pages_cached: int
+    prefix_hit_rate: float
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+
+
+Prompt = str | GenerationRequest
+
+
+class InferenceEngine:
+    """Continuous batching over a paged KV cache, run by one background thread.
+
+    Use it as a context manager so the loop thread stops and in-flight requests end cleanly.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: EngineConfig | None = None,
+        **overrides,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = replace(config or EngineConfig(), **overrides)
+        model_config = model.config
+        self.max_seq_len = self.config.max_seq_len or model_config.max_len
+        if self.max_seq_len > model_config.max_len:
+            raise ConfigError(
+                f"max_seq_len {self.max_seq_len} exceeds the model's context of "
+                f"{model_config.max_len} tokens"
+            )
+        weight = next(model.parameters())
+        page_size = self.config.page_size
+        budget_pages = PagedCache.pages_for_budget(
+            self.config.kv_cache_memory,
+            model_config.n_layers,
+            model_config.n_kv_heads,
+            model_config.head_dim,
+            page_size,
+            weight.dtype,
+            weight.device,
+        )
+        # More pages than a full batch of full-length sequences can never be used at once.
+        usable_pages = self.config.max_batch_size * -(-self.max_seq_len // page_size)
+        self.cache = PagedCache(
+            model_config.n_layers,
+            model_config.n_kv_heads,
+            model_config.head_dim,
+            min(budget_pages, usable_pages),
+            page_size,
+            dtype=weight.dtype,
+            device=weight.device,
+            enable_prefix_cache=self.config.enable_prefix_cache,
+        )
+        self.manager = TaskManager(self.config.max_waiting)
+        self.scheduler = InferenceScheduler(
+            ModelExecutor(model, self.cache), self.cache, self.manager, self.config
+        )
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="astrai-scheduler", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> InferenceEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _loop(self) -> None:
+        try:
+            self.scheduler.run_forever(self._stopped)
+        except BaseException as exc:
+            log.exception("the scheduler loop crashed")
+            self.scheduler.abort_all(f"the engine loop crashed: {exc}")
+            self._stopped.set()
+
+    def close(self) -> None:
+        """Stop the loop; requests still in flight end with finish_reason 'abort'."""
+        self._stopped.set()
+        self.manager.wakeup.set()
+        self._thread.join()
+        if self.scheduler.invariant_error is not None:
+            raise self.scheduler.invariant_error
+
+    # -- submitting -------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, GenerationRequest):
+            return list(self.tokenizer.apply_chat_template(list(prompt.messages)))
+        if not isinstance(prompt, str):
+            raise RequestError(f"a prompt must be a str or a GenerationRequest, got {prompt!r}")
+        return self.tokenizer.encode(prompt)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse at once a request that could never run, instead of truncating it."""
+        if prompt_tokens + max_tokens > self.max_seq_len:
+            raise PromptTooLongError(
+                prompt_tokens, max_tokens, self.max_seq_len, "the maximum sequence length"
+            )
+        pool_tokens = self.cache.n_pages * self.cache.page_size
+        if prompt_tokens + max_tokens > pool_tokens:
+            raise PromptTooLongError(prompt_tokens, max_tokens, pool_tokens, "the KV cache pool")
+
+    def submit(self, prompt_ids: Sequence[int], params: GenerationParams, callback) -> list[Task]:
+        """Queue params.n tasks of one prompt; callback(task, TaskDelta | STOP) runs on the loop."""
+        if self._stopped.is_set():
+            raise RuntimeError("the engine is closed")
+        if self.scheduler.invariant_error is not None:
+            raise self.scheduler.invariant_error
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        tasks: list[Task] = []
+        for i in range(params.n):
+            sample_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            tasks.append(
+                Task(
+                    prompt_ids,
+                    sample_params,
+                    callback,
+                    self.tokenizer.detokenizer(),
+                    self.tokenizer.stop_token_ids,
+                    parent=tasks[0] if tasks else None,
+                )
+            )
+        self.manager.add_tasks(tasks)
+        return tasks
+
+    def abort(self, task: Task | int) -> None:
+        self.manager.abort(task.id if isinstance(task, Task) else task)
+
+    # -- synchronous API --------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: GenerationParams | None = None,
+        *,
+        stream: bool | None = None,
+        **param_overrides: Any,
+    ):
+        """A prompt gives a str (a list of n for n > 1); a list of prompts gives a list.
+
+        stream=True yields text pieces for one prompt, (index, piece) pairs for a list.
+        """
+        single = isinstance(prompts, str | GenerationRequest)
+        if stream is None:
+            stream = single and isinstance(prompts, GenerationRequest) and prompts.stream
+        if stream:
+            return self._stream(prompts, params, single, param_overrides)
+        results = self.generate_results(prompts, params, **param_overrides)
+        return _map_results(results, lambda r: r.text)
+
+    def generate_results(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: GenerationParams | None = None,
+        **param_overrides: Any,
+    ):
+        """Like generate, but each sample is a TaskResult (ids, finish reason, counts)."""
+        single = isinstance(prompts, str | GenerationRequest)
+        items = [prompts] if single else list(prompts)
+        params = self._params(items, params, param_overrides)
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        groups = self._submit_all(items, params, lambda task, event: events.put((task, event)))
+        done = 0
+        total = sum(len(g) for g in groups)
+        try:
+            while done < total:
+                _, event = events.get()
+                done += event is STOP
+        finally:
+            if done < total:
+                self._abort_groups(groups)
+        shaped = [self._group_results(group) for group in groups]
+        return shaped[0] if single else shaped
+
+    def _stream(self, prompts, params, single: bool, overrides: dict) -> Iterator:
+        items = [prompts] if single else list(prompts)
+        params = self._params(items, params, overrides)
+        if params.n != 1:
+            raise RequestError("stream=True supports n=1 only; use submit_async for n > 1")
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        groups = self._submit_all(items, params, lambda task, event: events.put((task, event)))
+        return self._stream_events(groups, events, single)
+
+    def _stream_events(self, groups: list[list[Task]], events: queue.SimpleQueue, single: bool):
+        index = {group[0].id: i for i, group in enumerate(groups)}
+        open_tasks = len(groups)
+        try:
+            while open_tasks:
+                task, event = events.get()
+                if event is STOP:
+                    open_tasks -= 1
+                    _raise_if_failed(task.result())
+                elif event.text:
+                    yield event.text if single else (index[task.id], event.text)
+        finally:
+            if open_tasks:
+                self._abort_groups(groups)
+
+    # -- asyncio API ------------------------------------------------------------------------
+
+    def submit_async(
+        self, prompt_ids: Sequence[int], params: GenerationParams
+    ) -> AsyncIterator[StreamEvent]:
+        """Queue a request now (errors raise here) and return its events as an async iterator.
+
+        Call it inside a running event loop. Stopping the iteration early, or cancelling the
+        consuming task, aborts the request and frees its pages.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(task: Task, event: TaskDelta | object) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (task, event))
+
+        tasks = self.submit(prompt_ids, params, on_event)
+        return self._async_events(tasks, events)
+
+    async def _async_events(
+        self, tasks: list[Task], events: asyncio.Queue
+    ) -> AsyncIterator[StreamEvent]:
+        index = {task.id: i for i, task in enumerate(tasks)}
+        open_tasks = len(tasks)
+        try:
+            while open_tasks:
+                task, event = await events.get()
+                if event is STOP:
+                    open_tasks -= 1
+                    yield StreamEvent(index[task.id], result=task.result())
+                else:
+                    yield StreamEvent(index[task.id], delta=event)
+        finally:
+            if open_tasks:
+                for task in tasks:
+                    self.abort(task)
+
+    async def generate_async(
+        self, prompt: Prompt, params: GenerationParams | None = None, **param_overrides: Any
+    ) -> AsyncIterator[str]:
+        """Stream the text pieces of one prompt (n = 1) under asyncio."""
+        params = self._params([prompt], params, param_overrides)
+        if params.n != 1:
+            raise RequestError("generate_async supports n=1 only; use submit_async for n > 1")
+        async for event in self.submit_async(self.encode(prompt), params):
+            if event.result is not None:
+                _raise_if_failed(event.result)
+            elif event.delta.text:
+                yield event.delta.text
+
+    # -- stats ------------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        cache = self.cache.stats()
+        stats = self.scheduler.stats
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=self.manager.num_waiting,
+            pages_total=cache.n_pages,
+            pages_free=cache.free,
+            pages_owned=cache.owned,
+            pages_cached=cache.cached,
+            prefix_hit_rate=cache.hit_rate,
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            preemptions=stats.preemptions,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _params(
+        self, items: Sequence[Prompt], params: GenerationParams | None, overrides: dict
+    ) -> GenerationParams:
+        if params is None:
+            requests = [p for p in items if isinstance(p, GenerationRequest)]
+            params = requests[0].params if requests else GenerationParams()
+        return replace(params, **overrides) if overrides else params
+
+    def _submit_all(self, items: Sequence[Prompt], params: GenerationParams, callback):
+        """Encode and validate every prompt first, so a bad one queues nothing."""
+        encoded = [self.encode(item) for item in items]
+        for ids in encoded:
+            self.check_fits(len(ids), params.max_tokens)
+        groups: list[list[Task]] = []
+        try:
+            for ids in encoded:
+                groups.append(self.submit(ids, params, callback))
+        except Exception:
+            self._abort_groups(groups)
+            raise
+        return groups
+
+    def _abort_groups(self, groups: list[list[Task]]) -> None:
+        for group in groups:
+            for task in group:
+                self.abort(task)
+
+    @staticmethod
+    def _group_results(group: list[Task]) -> TaskResult | list[TaskResult]:
+        results = [task.result() for task in group]
+        for result in results:
+            _raise_if_failed(result)
+        return results[0] if len(results) == 1 else results
+
+
+def _raise_if_failed(result: TaskResult) -> None:
+    if result.finish_reason == "error":
+        raise RuntimeError(f"generation failed: {result.error}")
+
+
+def _map_results(results, fn):
+    if isinstance(results, TaskResult):
+        return fn(results)
+    return [_map_results(r, fn) for r in results]

@@ -1,0 +1,85 @@
+"""Runs one planned step: flattens it into a single ragged batch, runs the model, samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from astrai.inference.cache import PagedCache
+from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
+from astrai.inference.task import Task, TokenLogprob
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens of one task that a step feeds: positions start .. start + length - 1."""
+
+    task: Task
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """A chunk that reaches the task's last token yields the logits of its next token."""
+        return self.start + self.length == self.task.num_tokens
+
+
+@dataclass
+class SampledToken:
+    task: Task
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class ModelExecutor:
+    """Owns the model's forward pass; knows tensors, not scheduling policy."""
+
+    def __init__(
+        self, model: torch.nn.Module, cache: PagedCache, pipeline: SamplingPipeline | None = None
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.pipeline = pipeline or SamplingPipeline()
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
+        token_ids: list[int] = []
+        for chunk in chunks:
+            token_ids.extend(chunk.task.all_ids[chunk.start : chunk.start + chunk.length])
+        lengths = np.array([chunk.length for chunk in chunks], dtype=np.int64)
+        starts = np.array([chunk.start for chunk in chunks], dtype=np.int64)
+        # position of every flattened token: its chunk's start plus its offset in the chunk
+        chunk_offsets = np.cumsum(lengths) - lengths
+        positions = np.repeat(starts - chunk_offsets, lengths) + np.arange(lengths.sum())
+        sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
+        last_rows = (np.cumsum(lengths) - 1)[sampling]
+
+        view = self.cache.view([(c.task.id, c.start, c.length) for c in chunks])
+        logits = self.model(
+            torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            torch.from_numpy(positions).to(self.device),
+            view,
+            torch.from_numpy(last_rows).to(self.device),
+        )
+        tasks = [chunks[i].task for i in sampling]
+        if not tasks:
+            return []
+        batch = SamplingBatch.build(
+            [t.params for t in tasks],
+            [t.prompt_ids for t in tasks],
+            [t.output_ids for t in tasks],
+            self.device,
+        )
+        out = sample(logits, batch, self.pipeline)
+        results = []
+        for row, task in enumerate(tasks):
+            logprob = None
+            if task.params.logprobs is not None and out.logprobs is not None:
+                top = out.top_logprobs[row] if out.top_logprobs is not None else []
+                logprob = TokenLogprob(out.token_ids[row], out.logprobs[row], top)
+            results.append(SampledToken(task, out.token_ids[row], logprob))
+        return results
