@@ -1,0 +1,300 @@
+"""End-to-end engine behaviour on a tiny random-weight llama, against transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
+from astrai.inference.task import PromptTooLongError, RequestError
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
+
+
+@pytest.fixture(scope="module")
+def model(llama_dir):
+    return AutoModel.from_pretrained(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(llama_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+
+
+def make_engine(model, tokenizer, **config):
+    config.setdefault("check_invariants", True)
+    config.setdefault("kv_cache_memory", 64 << 20)
+    return InferenceEngine(model, tokenizer, **config)
+
+
+def kv_bytes(model):
+    """Bytes of K and V per token across all layers, in fp32."""
+    c = model.config
+    return c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
+
+
+def run_ids(engine, prompts, params):
+    """Submit token-id prompts (a list of lists) at once; return one TaskResult per prompt."""
+    events = queue.SimpleQueue()
+    groups = [
+        engine.submit(ids, p, lambda task, event: events.put((task, event)))
+        for ids, p in zip(prompts, params, strict=True)
+    ]
+    remaining = sum(len(g) for g in groups)
+    while remaining:
+        _, event = events.get(timeout=120)
+        remaining -= event is STOP
+    return [[task.result() for task in group] for group in groups]
+
+
+def hf_greedy(hf_model, ids, max_tokens, stop_ids):
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def mixed_workload(seed=0, n=16, vocab=512):
+    rng = random.Random(seed)
+    lengths = [1, 2, 15, 16, 17, 33, 64, 100, 150, 200, 250, 300] + [
+        rng.randint(1, 300) for _ in range(n - 12)
+    ]
+    prompts = [[rng.randrange(4, vocab) for _ in range(length)] for length in lengths]
+    max_tokens = [rng.randint(1, 24) for _ in prompts]
+    return prompts, max_tokens
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, tokenizer):
+    prompts, max_tokens = mixed_workload()
+    expected = [
+        hf_greedy(hf_model, p, m, tokenizer.stop_token_ids)
+        for p, m in zip(prompts, max_tokens, strict=True)
+    ]
+    return prompts, max_tokens, expected
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"enable_prefix_cache": False},
+        {"max_num_batched_tokens": 48},
+        {"page_size": 4, "max_batch_size": 5},
+    ],
+    ids=["default", "no-prefix-cache", "chunked-prefill", "small-pages"],
+)
+def test_greedy_batch_equals_transformers(model, tokenizer, reference, config):
+    prompts, max_tokens, expected = reference
+    params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    with make_engine(model, tokenizer, **config) as engine:
+        results = run_ids(engine, prompts, params)
+        assert engine.get_stats().pages_owned == 0
+    for result, want in zip(results, expected, strict=True):
+        assert result[0].token_ids == want
+        stopped = bool(want) and want[-1] in tokenizer.stop_token_ids
+        assert result[0].finish_reason == ("stop" if stopped else "length")
+
+
+def test_preemption_keeps_greedy_outputs(model, tokenizer, reference):
+    prompts, max_tokens, expected = reference
+    params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    # 40 pages of 16 tokens: the 300-token prompts alone need 20; running many at once preempts.
+    with make_engine(model, tokenizer, kv_cache_memory=40 * 16 * kv_bytes(model)) as engine:
+        assert engine.cache.n_pages == 40
+        results = run_ids(engine, prompts, params)
+        stats = engine.get_stats()
+    assert stats.preemptions > 0
+    assert stats.pages_owned == 0
+    assert [r[0].token_ids for r in results] == expected
+
+
+def test_shared_prefixes_hit_the_cache_and_keep_outputs(model, tokenizer, hf_model):
+    rng = random.Random(1)
+    system = [rng.randrange(4, 512) for _ in range(100)]
+    prompts = [
+        system + [rng.randrange(4, 512) for _ in range(rng.randint(1, 40))] for _ in range(8)
+    ]
+    # same tokens on page 2 after a different page 1: must not share page 2's K/V
+    prompts.append(prompts[0][:16] + [7] * 16 + prompts[0][32:64])
+    prompts.append(prompts[1][:16][::-1] + prompts[0][16:64])
+    expected = [hf_greedy(hf_model, p, 8, tokenizer.stop_token_ids) for p in prompts]
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    with make_engine(model, tokenizer) as engine:
+        first = run_ids(engine, prompts[:1], [params])
+        rest = run_ids(engine, prompts[1:], [params] * (len(prompts) - 1))
+        stats = engine.get_stats()
+    assert [r[0].token_ids for r in first + rest] == expected
+    assert stats.prefix_hit_rate > 0.3
+    assert all(r[0].cached_tokens >= 96 for r in rest[:7])
+
+
+def test_cached_pages_are_reclaimed_when_memory_is_needed(model, tokenizer):
+    rng = random.Random(2)
+    params = GenerationParams(max_tokens=4, temperature=0.0)
+    with make_engine(model, tokenizer, kv_cache_memory=24 * 16 * kv_bytes(model)) as engine:
+        for _ in range(6):
+            prompt = [rng.randrange(4, 512) for _ in range(200)]
+            [[result]] = run_ids(engine, [prompt], [params])
+            assert result.completion_tokens >= 1
+        stats = engine.get_stats()
+    assert stats.pages_owned == 0
+    assert stats.pages_cached > 0
+    assert stats.pages_free + stats.pages_cached == stats.pages_total
+
+
+def test_request_that_cannot_fit_is_refused_while_others_complete(model, tokenizer):
+    with make_engine(model, tokenizer, max_seq_len=256) as engine:
+        ok = engine.generate(["hello world"] * 3, max_tokens=5, temperature=0.0)
+        with pytest.raises(PromptTooLongError, match="256"):
+            engine.generate("hello " * 200, max_tokens=10)
+        with pytest.raises(PromptTooLongError, match="max_tokens|asked"):
+            engine.generate("hello", max_tokens=500)
+        with pytest.raises(RequestError, match="empty"):
+            engine.submit([], GenerationParams(), lambda *a: None)
+        assert engine.generate(["hello world"] * 3, max_tokens=5, temperature=0.0) == ok
+        assert engine.get_stats().pages_owned == 0
+
+
+def test_n_samples_share_prompt_pages(model, tokenizer):
+    prompt = list(range(10, 110))
+    with make_engine(model, tokenizer, enable_prefix_cache=False) as engine:
+        [group] = run_ids(engine, [prompt], [GenerationParams(max_tokens=6, n=4, seed=3)])
+        stats = engine.get_stats()
+    assert len(group) == 4
+    assert [r.cached_tokens for r in group] == [0, 96, 96, 96]
+    assert stats.pages_owned == 0
+    assert len({tuple(r.token_ids) for r in group}) > 1
+
+
+def test_seeded_sampling_is_batch_invariant(model, tokenizer):
+    seeded = GenerationParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    other = GenerationParams(max_tokens=20, temperature=0.8)
+    prompt = list(range(20, 60))
+    with make_engine(model, tokenizer) as engine:
+        [[alone]] = run_ids(engine, [prompt], [seeded])
+        batch = run_ids(
+            engine,
+            [list(range(5, 30)), prompt, list(range(100, 190))],
+            [other, seeded, other],
+        )
+        greedy = run_ids(engine, [prompt], [GenerationParams(max_tokens=12, temperature=0.0)])
+        top1 = run_ids(engine, [prompt], [GenerationParams(max_tokens=12, top_k=1, seed=9)])
+    assert batch[1][0].token_ids == alone.token_ids
+    assert top1[0][0].token_ids == greedy[0][0].token_ids
+
+
+def test_stream_concatenates_to_text(model, tokenizer):
+    with make_engine(model, tokenizer) as engine:
+        text = engine.generate("The quick brown fox", max_tokens=30, temperature=0.0)
+        pieces = list(
+            engine.generate("The quick brown fox", max_tokens=30, temperature=0.0, stream=True)
+        )
+        prompts = ["Hello", "你好世界", "Emoji 😀"]
+        texts = engine.generate(prompts, max_tokens=20, temperature=0.0)
+        streamed = {i: "" for i in range(3)}
+        for i, piece in engine.generate(prompts, max_tokens=20, temperature=0.0, stream=True):
+            streamed[i] += piece
+    assert "".join(pieces) == text
+    assert [streamed[i] for i in range(3)] == texts
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_abandoned_stream_aborts_and_frees_pages(model, tokenizer):
+    with make_engine(model, tokenizer) as engine:
+        stream = engine.generate("Hello there", max_tokens=200, ignore_eos=True, stream=True)
+        next(stream)
+        stream.close()
+        engine.generate("Hello", max_tokens=2)
+        assert engine.get_stats().pages_owned == 0
+
+
+def test_stop_strings_cut_the_output(model, tokenizer):
+    with make_engine(model, tokenizer) as engine:
+        params = GenerationParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        [[full]] = run_ids(engine, [tokenizer.encode("Once upon")], [params])
+        text = full.text
+        assert len(text) > 12
+        # a stop string that spans tokens: pick text across a token boundary
+        pieces = [tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+        boundary = next(len(p) for p in pieces if len(p) >= 6)
+        stop = text[boundary - 3 : boundary + 3]
+        cut = text[: text.find(stop)]
+        [[result]] = run_ids(
+            engine,
+            [tokenizer.encode("Once upon")],
+            [replace(params, stop=(stop,))],
+        )
+        streamed = "".join(engine.generate("Once upon", replace(params, stop=(stop,)), stream=True))
+    assert result.text == cut
+    assert result.finish_reason == "stop" and result.stop_reason == stop
+    assert streamed == cut
+
+
+def test_concurrent_async_consumers_complete(model, tokenizer):
+    async def consume(engine, i):
+        return "".join(
+            [p async for p in engine.generate_async(f"prompt {i}", max_tokens=8, temperature=0.0)]
+        )
+
+    async def main(engine):
+        return await asyncio.gather(*(consume(engine, i) for i in range(32)))
+
+    with make_engine(model, tokenizer) as engine:
+        outputs = asyncio.run(main(engine))
+        expected = engine.generate(
+            [f"prompt {i}" for i in range(32)], max_tokens=8, temperature=0.0
+        )
+        assert engine.get_stats().pages_owned == 0
+    assert outputs == expected
+
+
+def test_cancelled_async_consumer_frees_pages(model, tokenizer):
+    async def main(engine):
+        async def consume():
+            async for _ in engine.generate_async("Hello", max_tokens=500, ignore_eos=True):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with make_engine(model, tokenizer, max_seq_len=1024) as engine:
+        asyncio.run(main(engine))
+        engine.generate("Hello", max_tokens=2)
+        assert engine.get_stats().pages_owned == 0
+
+
+def test_chat_request_uses_template(model, tokenizer):
+    request = GenerationRequest(
+        messages=({"role": "user", "content": "hi"},),
+        params=GenerationParams(max_tokens=5, temperature=0.0),
+    )
+    with make_engine(model, tokenizer) as engine:
+        chat = engine.generate(request)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        [[direct]] = run_ids(engine, [ids], [request.params])
+    assert chat == direct.text
+    with pytest.raises(RequestError, match="role"):
+        GenerationRequest(messages=({"role": "wizard", "content": "x"},))
+    with pytest.raises(RequestError, match="at least one"):
+        GenerationRequest(messages=())
