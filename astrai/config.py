@@ -2,11 +2,252 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unsupported or out of range."""
+
+
+NATIVE_MODEL_TYPE = "astrai"
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder: everything the model needs to build itself.
+
+    head_dim is explicit because Qwen3 and others do not use dim // n_heads. rope_scaling is
+    None or a dict with "rope_type" ("linear" or "llama3") and that type's parameters
+    (ROPE_SCALING_KEYS), spelled as Hugging Face spells them. attention_bias means a bias on
+    the q/k/v projections only (Qwen2); use_qk_norm is Qwen3's per-head RMSNorm on q and k.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dim_ffn: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_len: int = 2048
+    tie_weight: bool = False
+    use_qk_norm: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dim_ffn")
+        for name in (*sizes, "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ConfigError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) "
+                "for grouped-query attention"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
+        if not (self.norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError(
+                f"norm_eps and rope_theta must be positive, got {self.norm_eps!r} "
+                f"and {self.rope_theta!r}"
+            )
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+            # A private copy: the caller's dict must not be able to change a frozen config.
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read path/config.json: astrai's native format or a Hugging Face Llama-family one."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise FileNotFoundError(
+                f"model directory {str(directory)!r} does not exist; pass a directory that "
+                "holds config.json and the model's safetensors weights"
+            )
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"no config.json in {str(directory)!r}; a model directory needs config.json "
+                "(native astrai or Hugging Face) next to its safetensors weights"
+            )
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{config_file} is not valid JSON: {error}") from error
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+        if raw.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE:
+            return cls._from_native(raw)
+        return cls.from_hf(raw)
+
+    @classmethod
+    def _from_native(cls, raw: dict[str, Any]) -> ModelConfig:
+        known = {field.name for field in fields(cls)}
+        settings = {key: value for key, value in raw.items() if key != "model_type"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown fields in native astrai config: {unknown}; known fields are "
+                f"{sorted(known)}"
+            )
+        missing = sorted(
+            field.name
+            for field in fields(cls)
+            if field.name not in settings and field.default is MISSING
+        )
+        if missing:
+            raise ConfigError(f"native astrai config lacks required fields: {missing}")
+        return cls(**settings)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Convert a Hugging Face config.json dict of model_type llama, mistral, qwen2 or qwen3.
+
+        Settings the model cannot honour are refused with a ConfigError rather than dropped,
+        because ignoring them would give a model that runs but computes something else.
+        """
+        model_type = hf.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; astrai loads "
+                f"{', '.join((NATIVE_MODEL_TYPE, *HF_MODEL_TYPES))}"
+            )
+
+        def required(key: str) -> Any:
+            if hf.get(key) is None:
+                raise ConfigError(f"{model_type} config.json lacks required key {key!r}")
+            return hf[key]
+
+        dim = required("hidden_size")
+        n_heads = required("num_attention_heads")
+        n_layers = required("num_hidden_layers")
+        max_len = required("max_position_embeddings")
+        _refuse_unsupported_hf(hf, model_type, n_layers, max_len)
+        rope_theta, rope_scaling = _hf_rope(hf, max_len)
+        return cls(
+            vocab_size=required("vocab_size"),
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or dim // n_heads,
+            dim_ffn=required("intermediate_size"),
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_len=max_len,
+            tie_weight=bool(hf.get("tie_word_embeddings", False)),
+            use_qk_norm=model_type == "qwen3",
+            attention_bias=model_type == "qwen2",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The native config.json content (model_type "astrai" plus every field)."""
+        return {"model_type": NATIVE_MODEL_TYPE, **asdict(self)}
+
+    def save(self, directory: str | Path) -> None:
+        """Write the native config.json into directory (created if needed)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _check_rope_scaling(rope_scaling: dict) -> None:
+    rope_type = rope_scaling.get("rope_type")
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ConfigError(
+            f"unsupported rope_scaling type {rope_type!r}; astrai supports "
+            f"{sorted(ROPE_SCALING_KEYS)} (or no scaling)"
+        )
+    missing = [key for key in ROPE_SCALING_KEYS[rope_type] if key not in rope_scaling]
+    if missing:
+        raise ConfigError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+    unknown = sorted(set(rope_scaling) - {"rope_type", *ROPE_SCALING_KEYS[rope_type]})
+    if unknown:
+        raise ConfigError(
+            f"rope_scaling of type {rope_type!r} has unknown keys {unknown}; it takes "
+            f"{list(ROPE_SCALING_KEYS[rope_type])} (rope_theta is a field of its own)"
+        )
+    if not rope_scaling["factor"] > 0:
+        raise ConfigError(f"rope_scaling factor must be positive, got {rope_scaling['factor']!r}")
+
+
+def _refuse_unsupported_hf(
+    hf: dict[str, Any], model_type: str, n_layers: int, max_len: int
+) -> None:
+    """Raise ConfigError for any HF setting that would make astrai compute a different model."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; astrai runs SwiGLU")
+    if hf.get("mlp_bias"):
+        raise ConfigError("mlp_bias=true is not supported: astrai's MLP has no biases")
+    # Qwen2 always has a q/k/v bias and no flag; elsewhere attention_bias also adds an o_proj bias.
+    if model_type != "qwen2" and hf.get("attention_bias"):
+        raise ConfigError(
+            f"attention_bias=true on {model_type} adds an o_proj bias, which astrai does not "
+            "implement; only Qwen2's q/k/v bias is supported"
+        )
+    if hf.get("quantization_config"):
+        raise ConfigError("quantized checkpoints are not supported; use unquantized weights")
+    window = hf.get("sliding_window")
+    if "layer_types" in hf:
+        layer_types = hf["layer_types"]
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ConfigError(f"unsupported attention layer types {unknown}")
+        sliding = "sliding_attention" in layer_types
+    elif model_type in ("qwen2", "qwen3"):
+        sliding = bool(hf.get("use_sliding_window")) and hf.get("max_window_layers", 0) < n_layers
+    else:
+        sliding = True
+    if sliding and window is not None and window < max_len:
+        raise ConfigError(
+            f"sliding_window={window} is shorter than max_position_embeddings={max_len}; astrai "
+            "attends over the whole context and does not implement sliding-window attention, "
+            "so it would compute a different model past the window"
+        )
+
+
+def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
+    """Read rope settings from transformers 5 (rope_parameters) or 4 (rope_theta, rope_scaling)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ConfigError("per-layer-type rope parameters are not supported")
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("partial rotary embedding (partial_rotary_factor != 1) is not supported")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ConfigError(
+            f"unsupported rope scaling type {rope_type!r}; astrai supports "
+            f"{sorted(ROPE_SCALING_KEYS)} (or no scaling)"
+        )
+    if rope_type == "llama3":
+        # As transformers does: a top-level original_max_position_embeddings wins.
+        original = hf.get("original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        params.setdefault("original_max_position_embeddings", max_len)
+    missing = [key for key in ROPE_SCALING_KEYS[rope_type] if params.get(key) is None]
+    if missing:
+        raise ConfigError(f"rope scaling of type {rope_type!r} lacks {missing}")
+    scaling = {"rope_type": rope_type}
+    scaling.update({key: params[key] for key in ROPE_SCALING_KEYS[rope_type]})
+    return theta, scaling
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,12 @@
+"""The Llama-family model and its loader."""
+
+from astrai.model.automodel import AutoModel, CheckpointError
+from astrai.model.transformer import AttentionBackend, DenseCausalAttention, Transformer
+
+__all__ = [
+    "AttentionBackend",
+    "AutoModel",
+    "CheckpointError",
+    "DenseCausalAttention",
+    "Transformer",
+]

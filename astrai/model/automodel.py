@@ -1,0 +1,200 @@
+"""Load a Transformer from a native astrai or Hugging Face Llama-family model directory.
+
+Weights come from safetensors only (one file, or shards listed in
+model.safetensors.index.json); pickled checkpoints are refused, since unpickling runs
+arbitrary code. The module is built on the meta device and the checkpoint's tensors are
+assigned in, so no memory is spent on a random init that would be overwritten at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from astrai.config import NATIVE_MODEL_TYPE, ConfigError, ModelConfig
+from astrai.model.transformer import WEIGHTS_FILE, Transformer
+
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# Native name (below layers.N.) -> the HF tensors it is made of, concatenated along dim 0.
+HF_LAYER_NAMES = {
+    "attention_norm.weight": ("input_layernorm.weight",),
+    "ffn_norm.weight": ("post_attention_layernorm.weight",),
+    "attention.wqkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
+    "attention.wqkv.bias": tuple(f"self_attn.{p}_proj.bias" for p in "qkv"),
+    "attention.wo.weight": ("self_attn.o_proj.weight",),
+    "attention.q_norm.weight": ("self_attn.q_norm.weight",),
+    "attention.k_norm.weight": ("self_attn.k_norm.weight",),
+    "feed_forward.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "feed_forward.w2.weight": ("mlp.down_proj.weight",),
+}
+HF_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Old HF checkpoints carry rope frequencies as tensors; transformers ignores them and so do we.
+IGNORED_HF_TENSOR = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A model directory's weights are missing, unreadable, or do not fit its config."""
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A floating torch.dtype from a torch.dtype or a name such as "bf16"."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ConfigError(
+        f"unsupported dtype {dtype!r}; pass a floating torch.dtype or one of {sorted(DTYPES)}"
+    )
+
+
+class AutoModel:
+    """Entry point: AutoModel.from_pretrained(directory) -> Transformer."""
+
+    @staticmethod
+    def from_pretrained(
+        path: str | Path,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> Transformer:
+        """Build the Transformer of a native or Hugging Face directory and load its weights.
+
+        Every tensor's shape is checked against the config; missing, unexpected and
+        mis-shaped tensors are all reported by name in one CheckpointError.
+        """
+        directory = Path(path)
+        dtype = resolve_dtype(dtype)
+        device = torch.device(device)
+        config = ModelConfig.from_pretrained(directory)
+        raw_config = json.loads((directory / "config.json").read_text())
+        native = raw_config.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE
+        with torch.device("meta"):
+            model = Transformer(config)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        layout = {name: _sources(config, name, shape, native) for name, shape in shapes.items()}
+        files = _tensor_files(directory)
+        with ExitStack() as stack:
+            handles = {
+                file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                for file in set(files.values())
+            }
+            _check(layout, files, handles, config, native)
+            state = {}
+            for name, parts in layout.items():
+                tensors = [handles[files[src]].get_tensor(src).to(dtype) for src, _ in parts]
+                state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)
+        model.load_state_dict(state, strict=True, assign=True)
+        # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
+        model.to(device)
+        return model.requires_grad_(False).eval()
+
+
+def _sources(
+    config: ModelConfig, name: str, shape: tuple[int, ...], native: bool
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors (name, shape) that make up native tensor `name`, in order."""
+    if native:
+        return [(name, shape)]
+    if name in HF_TOP_NAMES:
+        return [(HF_TOP_NAMES[name], shape)]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    assert match is not None, f"no HF name for native tensor {name}"
+    layer, suffix = match.groups()
+    hf_names = [f"model.layers.{layer}.{hf}" for hf in HF_LAYER_NAMES[suffix]]
+    if suffix.startswith("attention.wqkv"):
+        q_size = config.n_heads * config.head_dim
+        kv_size = config.n_kv_heads * config.head_dim
+        rows = [q_size, kv_size, kv_size]
+    elif suffix == "feed_forward.w13.weight":
+        rows = [config.dim_ffn, config.dim_ffn]
+    else:
+        rows = [shape[0]]
+    return [(hf, (n, *shape[1:])) for hf, n in zip(hf_names, rows, strict=True)]
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Map each tensor name in the directory's safetensors weights to the file holding it."""
+    single = directory / WEIGHTS_FILE
+    index = directory / INDEX_FILE
+    if single.is_file():
+        shards = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (needs a 'weight_map'): {error}"
+            ) from error
+        shards = [directory / shard for shard in sorted(set(weight_map.values()))]
+        absent = [shard.name for shard in shards if not shard.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} lists shards that are not in {directory}: {absent}")
+    elif any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise CheckpointError(
+            f"{directory} has only pickled weights (.bin/.pt); astrai never unpickles, since that "
+            "can run arbitrary code. Convert them to safetensors, e.g. with transformers: "
+            "AutoModelForCausalLM.from_pretrained(d).save_pretrained(d, safe_serialization=True)"
+        )
+    else:
+        raise CheckpointError(
+            f"no weights in {directory}: expected {WEIGHTS_FILE} or {INDEX_FILE} with its shards"
+        )
+    files: dict[str, Path] = {}
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt", device="cpu") as handle:
+                files.update((name, shard) for name in handle.keys())  # noqa: SIM118
+        except Exception as error:
+            raise CheckpointError(f"cannot read safetensors file {shard}: {error}") from error
+    return files
+
+
+def _check(layout, files, handles, config: ModelConfig, native: bool) -> None:
+    """Raise one CheckpointError naming every missing, unexpected or mis-shaped tensor."""
+    wanted = {source: shape for parts in layout.values() for source, shape in parts}
+    missing = sorted(set(wanted) - set(files))
+    allowed_extra = set()
+    if config.tie_weight:
+        # A tied checkpoint may still carry the head; the embedding is used for it regardless.
+        allowed_extra.add("output.weight" if native else "lm_head.weight")
+    unexpected = sorted(
+        name
+        for name in set(files) - set(wanted) - allowed_extra
+        if native or not IGNORED_HF_TENSOR.fullmatch(name)
+    )
+    misshaped = []
+    for source, shape in wanted.items():
+        if source in files:
+            found = tuple(handles[files[source]].get_slice(source).get_shape())
+            if found != shape:
+                misshaped.append(f"{source} has shape {list(found)}, expected {list(shape)}")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    if misshaped:
+        problems.append("mis-shaped tensors: " + "; ".join(misshaped))
+    if problems:
+        raise CheckpointError(
+            "checkpoint does not match its config.json: "
+            + ". ".join(problems)
+            + ". Check that config.json belongs to these weights."
+        )

@@ -1,0 +1,273 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as explicit tensor code.
+
+The model works on a flattened ragged batch: num_tokens rows, each with its own position,
+from any number of sequences at any offsets. It never sees how K/V are stored; each layer
+hands its q/k/v to the AttentionBackend it was given for this forward pass (the paged KV
+cache view in serving, DenseCausalAttention for whole padded sequences with no cache).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from astrai.config import ModelConfig
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class AttentionBackend(Protocol):
+    """Where one layer's attention happens: stores k/v if it caches, attends, returns outputs.
+
+    q is [num_tokens, n_heads, head_dim]; k and v are [num_tokens, n_kv_heads, head_dim], with
+    rope and q/k norm already applied. Returns [num_tokens, n_heads, head_dim], computed with
+    scale 1/sqrt(head_dim). layer_idx says which layer's cache to use.
+    """
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class DenseCausalAttention:
+    """AttentionBackend for a padded [B, T] batch with no cache: causal SDPA over each row.
+
+    attention_mask is [B, T], nonzero for real tokens (left or right padding). Pad keys are
+    hidden from every query; a pad query still sees itself so its row stays finite (its
+    output is garbage the caller ignores, but NaN would leak into later layers through V).
+    """
+
+    def __init__(self, attention_mask: Tensor):
+        batch, seq_len = attention_mask.shape
+        self.batch = batch
+        self.seq_len = seq_len
+        valid = attention_mask.bool()
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=valid.device).tril()
+        diagonal = torch.eye(seq_len, dtype=torch.bool, device=valid.device)
+        # [B, 1, T, T]: query i may see key j if j <= i and (j is real or j == i)
+        self.mask = (causal & (valid[:, None, :] | diagonal))[:, None]
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        batch, seq_len = self.batch, self.seq_len
+        # [B * T, heads, head_dim] -> [B, heads, T, head_dim]
+        q = q.view(batch, seq_len, *q.shape[1:]).transpose(1, 2)
+        k = k.view(batch, seq_len, *k.shape[1:]).transpose(1, 2)
+        v = v.view(batch, seq_len, *v.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(batch * seq_len, out.shape[1], out.shape[3])
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight, exactly as transformers does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Rotary inverse frequencies [head_dim // 2] in fp32, computed as transformers does.
+
+    The same float ops in the same order as transformers' rope init functions, so the angles
+    (and hence the logits) match bit for bit rather than to a tolerance.
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of each token's rotary angles; the frequencies stay fp32 whatever the dtype."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        # Explicit CPU: a real tensor even when the model is built under torch.device("meta").
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # .to(bfloat16) / .half() would round the frequencies and shift every angle; the buffer
+        # is a pure function of the config, so recompute it in fp32 on the new device instead.
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # [num_tokens, head_dim // 2], fp32
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [num_tokens, heads, head_dim] in transformers' rotate_half layout.
+
+    The two halves of head_dim are the (real, imaginary) parts; cos/sin are
+    [num_tokens, head_dim // 2] and are cast to x's dtype first, as transformers does.
+    """
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.n_heads * config.head_dim
+        kv_size = config.n_kv_heads * config.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.wo = nn.Linear(q_size, config.dim, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.n_heads, self.head_dim)  # [num_tokens, n_heads, head_dim]
+        k = k.view(num_tokens, self.n_kv_heads, self.head_dim)  # [num_tokens, n_kv_heads, head_dim]
+        v = v.view(num_tokens, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out = attention(self.layer_idx, q, k, v)  # [num_tokens, n_heads, head_dim]
+        return self.wo(out.reshape(num_tokens, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP; w13 is the fused gate (w1) and up (w3) projection."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w13 = nn.Linear(config.dim, 2 * config.dim_ffn, bias=False)
+        self.w2 = nn.Linear(config.dim_ffn, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)  # [num_tokens, dim_ffn] each
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder layer: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, layer_idx)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, attention)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder: embedding, n_layers blocks, final norm and lm_head (tied or not)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.rope = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        # A tied model has no output weight of its own, so none is saved or loaded.
+        self.output = (
+            None if config.tie_weight else nn.Linear(config.dim, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attention: AttentionBackend,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
+        """Logits of a flattened ragged batch.
+
+        input_ids and positions are [num_tokens] int64. The lm_head runs only on the rows in
+        logits_indices (prefill needs just each sequence's last row), or on all rows if None.
+        Returns float32 [len(logits_indices) or num_tokens, vocab_size].
+        """
+        h = self.tok_embeddings(input_ids)  # [num_tokens, dim]
+        cos, sin = self.rope(positions)  # [num_tokens, head_dim // 2]
+        for layer in self.layers:
+            h = layer(h, cos, sin, attention)
+        if logits_indices is not None:
+            h = h[logits_indices]  # [num_logits, dim]
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight).float()
+
+    def forward_dense(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab_size] (float32) of a padded batch, with no KV cache.
+
+        attention_mask [B, T] marks real tokens (left or right padding); positions count real
+        tokens only, so a left-padded prompt gets the same positions as an unpadded one.
+        """
+        batch, seq_len = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        logits = self.forward(
+            input_ids.reshape(-1), positions.reshape(-1), DenseCausalAttention(attention_mask)
+        )
+        return logits.view(batch, seq_len, -1)
+
+    def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """log p(token t | tokens < t) as float32 [B, T - 1], for perplexity and scoring.
+
+        Entries whose token or preceding token is padding are 0, so a row sums to the
+        log-likelihood of its real tokens after the first.
+        """
+        logits = self.forward_dense(input_ids, attention_mask)[:, :-1]  # [B, T-1, vocab]
+        targets = input_ids[:, 1:]
+        logprobs = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+        if attention_mask is None:
+            return logprobs
+        valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+        return logprobs.masked_fill(~valid, 0.0)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the native format: config.json and model.safetensors with native names."""
+        directory = Path(directory)
+        self.config.save(directory)
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
