@@ -1,0 +1,506 @@
+"""Hugging Face tokenizers for astrai: ids and text, special and stop tokens, chat templates, and
+incremental detokenization for streaming.
+
+Everything runs on the `tokenizers` library (tokenizer.json); transformers is never imported. Where
+transformers has a behaviour users rely on (chat template rendering, which tokens are special), this
+module reproduces it, and the tests hold the two to the same output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+import tokenizers
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
+
+
+class TokenizerError(ValueError):
+    """The tokenizer files are missing, unreadable or inconsistent, or a token id is unknown."""
+
+
+class ChatTemplateError(ValueError):
+    """There is no chat template, the template failed, or it broke the sandbox's rules."""
+
+
+# The named special tokens transformers hands a chat template as strings (its special_tokens_map).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class AutoTokenizer:
+    """Loads the tokenizer of a Hugging Face model directory."""
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json, generation_config.json and chat templates."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise TokenizerError(f"{directory} is not a directory; pass a model directory")
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(
+                f"{directory} has no tokenizer.json; astrai reads Hugging Face fast-tokenizer "
+                "files. Convert a slow tokenizer once with transformers: "
+                "AutoTokenizer.from_pretrained(path).save_pretrained(path)"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the library raises a bare Exception on malformed files
+            raise TokenizerError(f"{tokenizer_file} could not be loaded: {exc}") from exc
+        config = _read_json(directory / "tokenizer_config.json")
+        generation = _read_json(directory / "generation_config.json")
+        if not generation:
+            # Without generation_config.json, transformers reads these settings from config.json.
+            generation = _read_json(directory / "config.json")
+        special_tokens = {
+            name: _token_content(config[name], name)
+            for name in SPECIAL_TOKEN_NAMES
+            if config.get(name) is not None
+        }
+        eos_token_ids = _token_ids(config.get("eos_token_id"), "tokenizer_config.json")
+        eos_token_ids += _token_ids(generation.get("eos_token_id"), "generation_config.json")
+        return Tokenizer(
+            backend,
+            special_tokens=special_tokens,
+            chat_templates=_chat_templates(directory, config),
+            eos_token_ids=eos_token_ids,
+        )
+
+
+class Tokenizer:
+    """A model's tokenizer: encode and decode, special and stop token ids, chat templates."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: Mapping[str, str],
+        chat_templates: Mapping[str, str],
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._backend = backend
+        self._special_tokens = dict(special_tokens)
+        self._chat_templates = dict(chat_templates)
+        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
+        self._token_to_bytes = _token_bytes_function(backend)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._special_token_id("bos_token")
+        self.eos_token_id = self._special_token_id("eos_token")
+        stop = set(eos_token_ids)
+        if self.eos_token_id is not None:
+            stop.add(self.eos_token_id)
+        self.stop_token_ids: frozenset[int] = frozenset(stop)
+        self.chat_template: str | None = self._chat_templates.get("default")
+
+    def _special_token_id(self, name: str) -> int | None:
+        token = self._special_tokens.get(name)
+        if token is None:
+            return None
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(
+                f"tokenizer_config.json names {name} {token!r}, which tokenizer.json does not "
+                "contain; fix the config or add the token to tokenizer.json"
+            )
+        return token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; add_special_tokens applies tokenizer.json's post-processor (bos)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes this token adds to a text: byte-level tokens may hold part of a
+        character, which no string can show, so logprob displays need the bytes."""
+        token = self._backend.id_to_token(token_id) if token_id >= 0 else None
+        if token is None:
+            raise TokenizerError(
+                f"token id {token_id} is not in the vocabulary (ids 0..{self.vocab_size - 1})"
+            )
+        if token_id in self._added_token_ids:
+            return token.encode("utf-8")
+        return self._token_to_bytes(token, token_id)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The token's text on its own, for logprob displays; a partial character shows as U+FFFD.
+
+        It is token_bytes decoded, so it keeps the leading space that a sentencepiece decoder
+        strips from the first token of a text.
+        """
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._backend, skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int] | str:
+        """Render messages with the model's chat template as transformers does, in a sandbox.
+
+        template_kwargs reach the template as variables (tools, documents, enable_thinking, ...).
+        The rendered text already holds the template's special tokens, so tokenizing it adds none.
+        """
+        tools = template_kwargs.pop("tools", None)
+        documents = template_kwargs.pop("documents", None)
+        template = _compile_template(self._select_template(tools))
+        variables = {
+            "messages": _template_messages(messages),
+            "tools": _plain_data(tools),
+            "documents": _plain_data(documents),
+            "add_generation_prompt": add_generation_prompt,
+            **self._special_tokens,
+            **_plain_data(template_kwargs),
+        }
+        try:
+            rendered = template.render(**variables)
+        except SecurityError as exc:
+            raise ChatTemplateError(
+                f"the chat template was stopped by the sandbox: {exc}. A template may not reach "
+                "Python internals or change its inputs; use a trusted template"
+            ) from exc
+        except _TemplateRaised as exc:
+            raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
+        except Exception as exc:  # a template is untrusted code: any failure is the template's
+            raise ChatTemplateError(
+                f"the chat template failed while rendering: {type(exc).__name__}: {exc}"
+            ) from exc
+        if tokenize:
+            return self.encode(rendered, add_special_tokens=False)
+        return rendered
+
+    def _select_template(self, tools: Any) -> str:
+        # As transformers chooses: "tool_use" when tools are given, else "default".
+        if tools is not None and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" in self._chat_templates:
+            return self._chat_templates["default"]
+        if self._chat_templates:
+            raise ChatTemplateError(
+                f"the tokenizer has chat templates {sorted(self._chat_templates)} but none named "
+                "'default'; name one 'default' in tokenizer_config.json"
+            )
+        raise ChatTemplateError(
+            "this tokenizer has no chat template (tokenizer_config.json has no 'chat_template' "
+            "and there is no chat_template.jinja); add one to the model directory, or format "
+            "the prompt yourself and call encode()"
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, one at a time, into text pieces for streaming.
+
+    Pieces never split a UTF-8 character and concatenate to decode(all ids). The work is the
+    tokenizers library's DecodeStream: it decodes only a short window of recent ids, and emits
+    once the window's text grows and does not end in an incomplete character (U+FFFD).
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._done = ""
+        self._pending: list[str] = []
+
+    def add(self, token_id: int) -> str:
+        """Feed the next id; returns the new text ("" while a character is incomplete)."""
+        piece = self._stream.step(self._backend, token_id)
+        if piece is None:
+            return ""
+        self._pending.append(piece)
+        return piece
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far; joined on read so that add() stays cheap on long outputs."""
+        if self._pending:
+            self._done += "".join(self._pending)
+            self._pending.clear()
+        return self._done
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from path, or {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON ({exc}); fix or remove the file") from exc
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, found {type(value).__name__}")
+    return value
+
+
+def _token_content(value: Any, name: str) -> str:
+    # tokenizer_config.json spells a token as a string or as a serialized AddedToken.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(
+        f"tokenizer_config.json {name} must be a string or an object with 'content', got {value!r}"
+    )
+
+
+def _token_ids(value: Any, source: str) -> list[int]:
+    if value is None:
+        return []
+    values = list(value) if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TokenizerError(
+            f"{source} eos_token_id must be an integer or a list of integers, got {value!r}"
+        )
+    return values
+
+
+def _chat_templates(directory: Path, config: dict) -> dict[str, str]:
+    """Templates by name. As in transformers, template files beside the config win over it."""
+    templates = {}
+    default_file = directory / "chat_template.jinja"
+    if default_file.is_file():
+        templates["default"] = default_file.read_text(encoding="utf-8")
+    extra_dir = directory / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for file in sorted(extra_dir.glob("*.jinja")):
+            templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    value = config.get("chat_template")
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(
+        isinstance(item, dict) and isinstance(item.get("name"), str) and "template" in item
+        for item in value
+    ):
+        return {item["name"]: item["template"] for item in value}
+    raise TokenizerError(
+        "tokenizer_config.json chat_template must be a string or a list of "
+        '{"name": ..., "template": ...} objects'
+    )
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE spells each byte as a printable character (GPT-2's table); this inverts it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + shifted)
+            shifted += 1
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def _token_bytes_function(backend: tokenizers.Tokenizer):
+    """How a vocabulary token maps to the bytes it contributes, read from the decoder's config.
+
+    Decoding a token alone cannot answer this: it replaces partial characters with U+FFFD and a
+    sentencepiece decoder strips the leading space of a text's first token.
+    """
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    types = {step.get("type") for step in steps}
+    if "ByteLevel" in types:
+
+        def byte_level(token: str, token_id: int) -> bytes:
+            if all(char in _BYTE_DECODER for char in token):
+                return bytes(_BYTE_DECODER[char] for char in token)
+            return token.encode("utf-8")
+
+        return byte_level
+    replacements = [
+        (step["pattern"]["String"], step["content"])
+        for step in steps
+        if step.get("type") == "Replace" and "String" in step.get("pattern", {})
+    ]
+    replacements += [(s["replacement"], " ") for s in steps if s.get("type") == "Metaspace"]
+    byte_fallback = "ByteFallback" in types
+    if replacements or byte_fallback:
+
+        def sentencepiece(token: str, token_id: int) -> bytes:
+            if byte_fallback and len(token) == 6 and token.startswith("<0x") and token[5] == ">":
+                return bytes([int(token[3:5], 16)])
+            for pattern, content in replacements:
+                token = token.replace(pattern, content)
+            return token.encode("utf-8")
+
+        return sentencepiece
+
+    def decoded(token: str, token_id: int) -> bytes:
+        return backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    return decoded
+
+
+class _TemplateRaised(TemplateError):
+    """raise_exception() called by a template: a message for the user, not a template bug."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' tojson: jinja's own escapes HTML characters and takes fewer options.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """The `dict` global, without handing a template the dict type itself."""
+
+    def __call__(self, *args, **kwargs) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's namespace() that, like transformers', refuses underscore-prefixed names."""
+
+    def __init__(*args, **kwargs) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_namespace_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _check_namespace_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"a namespace may not hold the underscore-prefixed name {name!r}")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Parses `{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) and
+    renders its body unchanged, so templates that use it load."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, except that touching an unsafe attribute raises at once.
+
+    The plain sandbox hands back an undefined value that renders as "", so a probe such as
+    `{{ ''.__class__ }}` would pass in silence; here every reach for internals is an error.
+    """
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe"
+        )
+
+
+def _template_environment() -> jinja2.Environment:
+    env = _StrictSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+_TEMPLATE_ENV = _template_environment()
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    try:
+        return _TEMPLATE_ENV.from_string(source)
+    except TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"the chat template does not parse: {exc.message} (line {exc.lineno}); fix the template"
+        ) from exc
+
+
+def _template_messages(messages: Any) -> list[dict]:
+    """Messages as plain dicts. Keys set to None are dropped, as transformers does, because
+    templates test for a key's presence (`content` is None in OpenAI tool-call messages)."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list of {'role', 'content'} dicts")
+    plain = []
+    for index, message in enumerate(_plain_data(list(messages))):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(
+                f"message {index} is a {type(message).__name__}; each message must be a dict "
+                "with 'role' and 'content'"
+            )
+        plain.append({key: value for key, value in message.items() if value is not None})
+    return plain
+
+
+def _plain_data(value: Any) -> Any:
+    """value rebuilt from JSON types only, so a template cannot reach the methods of rich objects
+    (the sandbox vets attribute names, not what arbitrary objects would do when called)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    # Subclasses (enums and the like) can carry methods of their own: strip them to the base type.
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain_data(key): _plain_data(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain_data(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain_data(item) for item in value)
+    if callable(getattr(value, "model_dump", None)):  # pydantic models, as the server holds them
+        return _plain_data(value.model_dump())
+    raise ChatTemplateError(
+        f"a chat template input holds a {type(value).__name__}; pass only JSON data "
+        "(str, number, bool, None, list, dict)"
+    )
