@@ -193,7 +193,9 @@ class InferenceEngine:
         self.check_fits(len(prompt_ids), params.max_tokens)
         tasks: list[Task] = []
         for i in range(params.n):
-            sample_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            sample_params = params
+            if params.seed is not None and i:  # each sample its own stream, reproducibly
+                sample_params = replace(params, seed=(params.seed + i) % (1 << 63))
             tasks.append(
                 Task(
                     prompt_ids,

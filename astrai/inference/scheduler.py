@@ -136,7 +136,7 @@ class InferenceScheduler:
         """Shrink a prompt chunk to the pages that can be had without preempting anyone."""
         page_size = self.cache.page_size
         stats = self.cache.stats()
-        held = self.cache.num_pages(task.id)
+        held = len(self.cache.tasks.pages(task.id))
         capacity = (held + stats.free + stats.cached) * page_size - task.num_computed
         length = min(length, capacity)
         if length <= 0:

@@ -1,0 +1,377 @@
+"""Sampling: logits transforms vectorised over the batch, seeded draws, and logprobs.
+
+Every setting is a per-row tensor, so one step with rows of mixed settings costs a handful of
+batched ops and no per-row Python beyond building the settings (and hashing the seed of rows
+that carry one). A feature no row uses is skipped for the whole batch: no history tensors
+without penalties, no sort without a random row that asks for top_k or top_p, no log_softmax
+without a logprobs request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from astrai.inference.task import GenerationParams
+
+_MASK64 = (1 << 64) - 1
+# Below this temperature a row is greedy: the distribution is an argmax to float precision,
+# and dividing by a vanishing temperature could overflow the logits.
+MIN_TEMPERATURE = 1e-5
+
+
+def _splitmix64(x: int) -> int:
+    """Scramble a 64-bit integer so nearby inputs (seeds, steps) give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) behind a seeded request's draw number `step` (tokens so far).
+
+    Depending on nothing but (seed, step) makes a seeded request reproducible across batch
+    compositions, batch positions and preemption with recompute; the top 53 bits of a
+    splitmix64 hash are a uniform double, so no generator object is needed per row.
+    """
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ step) >> 11) * 2.0**-53
+
+
+@dataclass
+class TokenOccurrences:
+    """Token ids seen by some rows, flattened: row `rows[i]` saw token `ids[i]` once."""
+
+    rows: Tensor  # [N] int64
+    ids: Tensor  # [N] int64
+
+    @classmethod
+    def build(
+        cls, token_lists: Sequence[Sequence[int]], device: torch.device | str
+    ) -> TokenOccurrences:
+        lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+        ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+        return cls(rows.to(device), ids.to(device))
+
+    def flat_index(self, vocab_size: int) -> Tensor:
+        """Positions in the flattened [B * V] logits, one per occurrence."""
+        return self.rows * vocab_size + self.ids
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step as tensors, built once per step.
+
+    A field is None when no row uses its feature, so strategies skip it for the whole batch.
+    Greedy rows (temperature below MIN_TEMPERATURE, or top_k 1, which keeps only the argmax)
+    hold neutral filter values, so the argmax of the processed logits is their argmax after
+    penalties.
+    """
+
+    size: int
+    greedy: Tensor  # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+    temperature: Tensor | None  # [B] float32, 1 for greedy rows
+    top_k: Tensor | None  # [B] int64, 0 = off
+    top_k_max: int
+    top_p: Tensor | None  # [B] float32, 1 = off
+    min_p: Tensor | None  # [B] float32, 0 = off
+    repetition_penalty: Tensor | None  # [B] float32, 1 = off
+    prompt_and_output: TokenOccurrences | None  # what repetition_penalty looks at
+    presence_penalty: Tensor | None  # [B] float32, set (maybe all 0) when output is
+    frequency_penalty: Tensor | None  # [B] float32, set (maybe all 0) when output is
+    output: TokenOccurrences | None  # what presence and frequency penalties look at
+    seeded_rows: Tensor | None  # [S] int64, random rows with a seed
+    seeded_uniforms: Tensor | None  # [S] float32, seeded_uniform(seed, len(output_ids))
+    logprobs: list[int | None]  # per row: None, or how many alternatives besides the chosen
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[GenerationParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        def per_row(values: list, neutral: float, dtype=torch.float32) -> Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.temperature < MIN_TEMPERATURE or p.top_k == 1 for p in params]
+        settings = list(zip(params, greedy, strict=True))
+        temperature = [1.0 if g else p.temperature for p, g in settings]
+        top_k = [0 if g else p.top_k for p, g in settings]
+        top_p = [1.0 if g else p.top_p for p, g in settings]
+        min_p = [0.0 if g else p.min_p for p, g in settings]
+
+        repetition = [p.repetition_penalty for p in params]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        repetition_penalty = per_row(repetition, 1.0)
+        prompt_and_output = None
+        if repetition_penalty is not None:
+            prompt_and_output = TokenOccurrences.build(
+                [
+                    [*prompt, *output] if r != 1.0 else []
+                    for prompt, output, r in zip(prompt_ids, output_ids, repetition, strict=True)
+                ],
+                device,
+            )
+        uses_counts = [pr != 0.0 or fr != 0.0 for pr, fr in zip(presence, frequency, strict=True)]
+        output = presence_penalty = frequency_penalty = None
+        if any(uses_counts):
+            output = TokenOccurrences.build(
+                [ids if u else [] for ids, u in zip(output_ids, uses_counts, strict=True)], device
+            )
+            presence_penalty = torch.tensor(presence, device=device)
+            frequency_penalty = torch.tensor(frequency, device=device)
+
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
+        uniforms = [seeded_uniform(params[i].seed, len(output_ids[i])) for i in seeded]
+        return cls(
+            size=len(params),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            temperature=per_row(temperature, 1.0),
+            top_k=per_row(top_k, 0, torch.long),
+            top_k_max=max(top_k, default=0),
+            top_p=per_row(top_p, 1.0),
+            min_p=per_row(min_p, 0.0),
+            repetition_penalty=repetition_penalty,
+            prompt_and_output=prompt_and_output,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            output=output,
+            seeded_rows=torch.tensor(seeded, dtype=torch.long, device=device) if seeded else None,
+            seeded_uniforms=torch.tensor(uniforms, device=device) if seeded else None,
+            logprobs=[p.logprobs for p in params],
+        )
+
+
+class BaseSamplingStrategy(ABC):
+    """One logits transform, applied to the whole batch at once with per-row values."""
+
+    @abstractmethod
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """[B, V] float32 logits -> [B, V]; a row whose setting is neutral comes back unchanged."""
+
+
+class PenaltyStrategy(BaseSamplingStrategy):
+    """Repetition (HF: prompt and output tokens) and presence/frequency (OpenAI: output only).
+
+    Repetition divides a seen token's positive logit by the penalty and multiplies a negative
+    one, so a penalty > 1 always makes it less likely; presence subtracts a constant from every
+    token already generated, frequency subtracts per occurrence.
+    """
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.prompt_and_output is None and batch.output is None:
+            return logits
+        # Only the seen tokens change: gather and scatter them instead of passing over [B, V].
+        vocab_size = logits.shape[-1]
+        logits = logits.clone()
+        flat = logits.view(-1)
+        if batch.repetition_penalty is not None and batch.prompt_and_output is not None:
+            index = batch.prompt_and_output.flat_index(vocab_size)
+            seen = flat[index]
+            penalty = batch.repetition_penalty[batch.prompt_and_output.rows]
+            # Repeats of a token write the same value, so duplicates in index are harmless.
+            flat[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
+        if batch.output is not None:
+            assert batch.frequency_penalty is not None and batch.presence_penalty is not None
+            index, counts = batch.output.flat_index(vocab_size).unique(return_counts=True)
+            rows = index // vocab_size
+            flat[index] = (
+                flat[index] - batch.frequency_penalty[rows] * counts - batch.presence_penalty[rows]
+            )
+        return logits
+
+
+class TemperatureStrategy(BaseSamplingStrategy):
+    """Divides each row's logits by its temperature (greedy rows carry 1)."""
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.temperature is None:
+            return logits
+        return logits / batch.temperature[:, None]
+
+
+class TopKStrategy(BaseSamplingStrategy):
+    """Keeps each row's k largest logits (ties with the k-th are kept, as in HF)."""
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.top_k is None:
+            return logits
+        k_max = min(batch.top_k_max, logits.shape[-1])
+        # Only the k_max largest are needed for every row's k-th value: a partial sort.
+        top = logits.topk(k_max, dim=-1).values  # [B, k_max]
+        k = batch.top_k.clamp(1, k_max)
+        kth = top.gather(1, (k - 1)[:, None])
+        kth = kth.masked_fill((batch.top_k == 0)[:, None], float("-inf"))
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+
+NUCLEUS_CANDIDATES = 256
+
+
+def _nucleus_threshold(sorted_probs: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """The least probability in each row's nucleus, and whether the given ones held all of it.
+
+    sorted_probs [R, K] are a row's K largest probabilities, largest first, K <= V.
+    """
+    cumulative = sorted_probs.cumsum(dim=-1)
+    # A token is in the nucleus while the more likely ones before it fall short of top_p.
+    size = ((cumulative - sorted_probs) < top_p).sum(dim=-1, keepdim=True)
+    return sorted_probs.gather(1, size - 1), cumulative[:, -1] >= top_p[:, 0]
+
+
+class TopPStrategy(BaseSamplingStrategy):
+    """Keeps each row's nucleus: the fewest most likely tokens whose probability is >= top_p.
+
+    Tokens tied with the nucleus's least likely one are kept too, so the set does not depend
+    on how a sort orders ties. The nucleus is looked for among the NUCLEUS_CANDIDATES most
+    likely tokens first (a partial sort); only rows whose nucleus is larger sort their vocab.
+    """
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.top_p is None:
+            return logits
+        top_p = batch.top_p[:, None]
+        probs = logits.softmax(dim=-1)
+        candidates = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1).values
+        threshold, complete = _nucleus_threshold(candidates, top_p)
+        # Rows with top_p 1 are exempt: rounding can make the running sum reach 1 early.
+        exempt = top_p >= 1.0
+        larger = (~complete & ~exempt[:, 0]).nonzero()[:, 0]
+        if larger.numel():
+            full = probs[larger].sort(dim=-1, descending=True).values
+            threshold[larger] = _nucleus_threshold(full, top_p[larger])[0]
+        threshold = threshold.masked_fill(exempt, 0.0)
+        return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class MinPStrategy(BaseSamplingStrategy):
+    """Keeps the tokens whose probability is at least min_p times the row's top probability."""
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.min_p is None:
+            return logits
+        probs = logits.softmax(dim=-1)
+        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class SamplingPipeline:
+    """The strategies a step's logits go through, in order, before the draw."""
+
+    def __init__(self, strategies: list[BaseSamplingStrategy] | None = None) -> None:
+        if strategies is None:
+            strategies = [
+                PenaltyStrategy(),
+                TemperatureStrategy(),
+                TopKStrategy(),
+                TopPStrategy(),
+                MinPStrategy(),
+            ]
+        self.strategies = strategies
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        for strategy in self.strategies:
+            logits = strategy.apply(logits, batch)
+        return logits
+
+
+@dataclass
+class SampleOutput:
+    """One step's draw: a token per row, and logprobs when some row asked for them.
+
+    logprobs holds the chosen token's logprob for every row that asked (others hold NaN);
+    top_logprobs holds, per row, its k most likely (token_id, logprob) pairs, most likely
+    first, [] for rows that asked for none; it is None when no row asked for alternatives.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def _draw(probs: Tensor, batch: SamplingBatch) -> Tensor:
+    """Inverse-CDF sampling: each row's first token whose cumulative probability passes u.
+
+    One uniform per row (a seeded row's own, the others from the global RNG) keeps seeded
+    draws cheap and independent of the batch. Filtered tokens add nothing to the running sum,
+    so they can never be the first to pass it; rounding the float32 sum moves any token's
+    chance by at most 2**-25.
+    """
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    total = cdf[:, -1:]
+    uniform = torch.rand(total.shape, device=probs.device)
+    if batch.seeded_rows is not None and batch.seeded_uniforms is not None:
+        uniform[batch.seeded_rows, 0] = batch.seeded_uniforms
+    # Below the total, so the search always lands on a token of non-zero probability.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
+
+
+def _logprobs(
+    logits: Tensor, token_ids: Tensor, requested: list[int | None]
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """Logprobs under the raw model distribution for the rows that asked, as OpenAI reports."""
+    rows = [i for i, k in enumerate(requested) if k is not None]
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits.index_select(0, index).log_softmax(dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, token_ids.index_select(0, index)[:, None])[:, 0].tolist()
+    per_row = [float("nan")] * len(requested)
+    for row, value in zip(rows, chosen, strict=True):
+        per_row[row] = value
+    k_max = max(requested[row] for row in rows)
+    if k_max == 0:
+        return per_row, None
+    top_values, top_ids = logprobs.topk(k_max, dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in requested]
+    for r, row in enumerate(rows):
+        k = requested[row]
+        top[row] = list(zip(top_ids[r][:k], top_values[r][:k], strict=True))
+    return per_row, top
+
+
+def sample(
+    logits: Tensor, batch: SamplingBatch, pipeline: SamplingPipeline | None = None
+) -> SampleOutput:
+    """Draws the next token of every row from [B, V] logits.
+
+    Greedy rows take the argmax after penalties; random rows draw from the softmax of the
+    processed logits. Logprobs, when asked for, are of the raw logits. The logits are not
+    modified.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == batch.size, "one row of logits per request"
+    logits = logits.float()
+    if pipeline is None:
+        pipeline = _DEFAULT_PIPELINE
+    processed = pipeline(logits, batch)
+    if batch.all_greedy:
+        token_ids = processed.argmax(dim=-1)
+    else:
+        drawn = _draw(processed.softmax(dim=-1), batch)
+        token_ids = drawn
+        if batch.any_greedy:
+            token_ids = torch.where(batch.greedy, processed.argmax(dim=-1), drawn)
+    logprobs = top_logprobs = None
+    if any(k is not None for k in batch.logprobs):
+        logprobs, top_logprobs = _logprobs(logits, token_ids, batch.logprobs)
+    return SampleOutput(token_ids.tolist(), logprobs, top_logprobs)
+
+
+_DEFAULT_PIPELINE = SamplingPipeline()
