@@ -221,10 +221,8 @@ class Task:
             self._finish_with("stop", token_id)
         else:
             self._text += self._detokenizer.add(token_id)
-            if (
-                self._cut_at_stop_string() is None
-                and len(self.output_ids) >= self.params.max_tokens
-            ):
+            stopped = self._cut_at_stop_string()
+            if not stopped and len(self.output_ids) >= self.params.max_tokens:
                 self._finish_with("length", None)
         end = len(self._text) if self.is_finished else len(self._text) - self._held_back()
         piece = self._text[self._emitted : end]
