@@ -4,6 +4,7 @@ from astrai.inference.engine import (
     EngineStats,
     GenerationRequest,
     InferenceEngine,
+    RequestStream,
     StreamEvent,
 )
 from astrai.inference.sample import (
@@ -33,6 +34,7 @@ __all__ = [
     "GenerationRequest",
     "InferenceEngine",
     "InferenceScheduler",
+    "RequestStream",
     "SamplingPipeline",
     "StreamEvent",
     "Task",

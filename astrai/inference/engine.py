@@ -83,6 +83,50 @@ class EngineStats:
 Prompt = str | GenerationRequest
 
 
+class RequestStream:
+    """The events of one submitted request as an async iterator of StreamEvent.
+
+    Each sample index gets its deltas, then exactly one event carrying its result. Dropping
+    the stream before the end (break, cancellation, garbage collection) aborts the request.
+    """
+
+    def __init__(self, engine: InferenceEngine, tasks: list[Task], events: asyncio.Queue):
+        self.tasks = tasks
+        self._engine = engine
+        self._events = events
+        self._index = {task.id: i for i, task in enumerate(tasks)}
+        self._open = len(tasks)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            task, event = await self._events.get()
+        except BaseException:
+            self.abort()
+            raise
+        if event is STOP:
+            self._open -= 1
+            return StreamEvent(self._index[task.id], result=task.result())
+        return StreamEvent(self._index[task.id], delta=event)
+
+    def abort(self) -> None:
+        """End every unfinished sample; idempotent. Their result events still arrive."""
+        if self._open:
+            for task in self.tasks:
+                self._engine.abort(task)
+
+    async def aclose(self) -> None:
+        self.abort()
+        self._open = 0
+
+    def __del__(self) -> None:
+        self.abort()
+
+
 class InferenceEngine:
     """Continuous batching over a paged KV cache, run by one background thread.
 
@@ -150,6 +194,16 @@ class InferenceEngine:
             log.exception("the scheduler loop crashed")
             self.scheduler.abort_all(f"the engine loop crashed: {exc}")
             self._stopped.set()
+
+    @property
+    def is_running(self) -> bool:
+        """False once the loop has stopped, by close() or by a crash."""
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt plus output) one request can ever hold."""
+        return min(self.max_seq_len, self.cache.n_pages * self.cache.page_size)
 
     def close(self) -> None:
         """Stop the loop; requests still in flight end with finish_reason 'abort'."""
@@ -284,13 +338,11 @@ class InferenceEngine:
 
     # -- asyncio API ------------------------------------------------------------------------
 
-    def submit_async(
-        self, prompt_ids: Sequence[int], params: GenerationParams
-    ) -> AsyncIterator[StreamEvent]:
+    def submit_async(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestStream:
         """Queue a request now (errors raise here) and return its events as an async iterator.
 
-        Call it inside a running event loop. Stopping the iteration early, or cancelling the
-        consuming task, aborts the request and frees its pages.
+        Call it inside a running event loop. Stopping the iteration early, cancelling the
+        consuming task or calling abort() ends the request and frees its pages.
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -298,26 +350,7 @@ class InferenceEngine:
         def on_event(task: Task, event: TaskDelta | object) -> None:
             loop.call_soon_threadsafe(events.put_nowait, (task, event))
 
-        tasks = self.submit(prompt_ids, params, on_event)
-        return self._async_events(tasks, events)
-
-    async def _async_events(
-        self, tasks: list[Task], events: asyncio.Queue
-    ) -> AsyncIterator[StreamEvent]:
-        index = {task.id: i for i, task in enumerate(tasks)}
-        open_tasks = len(tasks)
-        try:
-            while open_tasks:
-                task, event = await events.get()
-                if event is STOP:
-                    open_tasks -= 1
-                    yield StreamEvent(index[task.id], result=task.result())
-                else:
-                    yield StreamEvent(index[task.id], delta=event)
-        finally:
-            if open_tasks:
-                for task in tasks:
-                    self.abort(task)
+        return RequestStream(self, self.submit(prompt_ids, params, on_event), events)
 
     async def generate_async(
         self, prompt: Prompt, params: GenerationParams | None = None, **param_overrides: Any

@@ -283,7 +283,8 @@ class TaskManager:
         self.max_waiting = max_waiting
         self._lock = threading.Lock()
         self._waiting: deque[Task] = deque()
-        self._aborts: set[int] = set()
+        # Appending to a deque needs no lock, so abort() is safe from finalizers on any thread.
+        self._aborts: deque[int] = deque()
         self.wakeup = threading.Event()
 
     def add_tasks(self, tasks: Sequence[Task]) -> None:
@@ -296,13 +297,13 @@ class TaskManager:
         self.wakeup.set()
 
     def abort(self, task_id: int) -> None:
-        with self._lock:
-            self._aborts.add(task_id)
+        self._aborts.append(task_id)
         self.wakeup.set()
 
     def take_aborts(self) -> set[int]:
-        with self._lock:
-            aborts, self._aborts = self._aborts, set()
+        aborts = set()
+        while self._aborts:
+            aborts.add(self._aborts.popleft())
         return aborts
 
     def waiting(self) -> list[Task]:

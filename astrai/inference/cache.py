@@ -1,0 +1,485 @@
+"""The paged KV cache: physical pages, the prefix cache over them, and each task's page table.
+
+PagedCache is the facade the scheduler and executor use. It composes three parts with one job
+each -- PagePool (which pages are free, owned or cached), PrefixCache (which page holds the KV of
+a given token prefix) and TaskTable (which pages each task reads and writes) -- and owns the K/V
+tensors. CacheView is all the model sees of it: the attention backend for one forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+class CacheInvariantError(RuntimeError):
+    """The page accounting is inconsistent: a bug in the cache or in the code that drives it."""
+
+
+@dataclass
+class CacheStats:
+    """A snapshot of page usage and of how much prompt the prefix cache saved."""
+
+    n_pages: int
+    free: int
+    owned: int
+    cached: int
+    hit_tokens: int
+    lookup_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+class PagePool:
+    """Physical pages and their life cycle: free -> owned (refcount > 0) -> cached or free.
+
+    A page whose last owner lets go stays cached when the prefix cache knows its contents: it
+    keeps its KV for later hits, but is the first to go, least recently released first, when an
+    allocation finds no free page.
+    """
+
+    def __init__(self, n_pages: int):
+        self.refcount = [0] * n_pages
+        self.free = list(range(n_pages - 1, -1, -1))  # a stack that hands out page 0 first
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached pages, oldest first
+
+    def available(self) -> int:
+        return len(self.free) + len(self.lru)
+
+    def evict(self) -> int:
+        """Turn the least recently cached page into a free one and return it."""
+        page, _ = self.lru.popitem(last=False)
+        self.free.append(page)
+        return page
+
+    def take(self, n: int) -> list[int]:
+        """Hand n free pages to one owner; the caller evicts first when fewer are free."""
+        pages = [self.free.pop() for _ in range(n)]
+        for page in pages:
+            self.refcount[page] = 1
+        return pages
+
+    def incref(self, page: int) -> None:
+        if self.refcount[page] == 0:
+            del self.lru[page]  # a prefix hit brings a cached page back into use
+        self.refcount[page] += 1
+
+    def decref(self, page: int, keep: bool) -> None:
+        """Drop one owner; the last one leaves the page cached if keep, else free."""
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            if keep:
+                self.lru[page] = None
+            else:
+                self.free.append(page)
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    """What a registered page holds: one full page of tokens following the prefix parent_key."""
+
+    key: bytes
+    parent_key: bytes | None
+    tokens: tuple[int, ...]
+
+
+class PrefixCache:
+    """Chained page keys -> the physical page holding that prefix's KV.
+
+    The key of page i hashes the key of page i-1 with page i's token ids, so a page is found
+    only after the whole prefix before it matched. A hit also compares the entry's parent key
+    and token ids with the request's: a colliding hash is a miss, never another prompt's KV.
+    """
+
+    def __init__(self):
+        self.pages: dict[bytes, int] = {}
+        self.entries: dict[int, PrefixEntry] = {}
+
+    @staticmethod
+    def page_key(parent_key: bytes | None, tokens: Sequence[int]) -> bytes:
+        digest = hashlib.blake2b(parent_key or b"", digest_size=16)
+        digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
+        return digest.digest()
+
+    def get(self, key: bytes, parent_key: bytes | None, tokens: Sequence[int]) -> int | None:
+        page = self.pages.get(key)
+        entry = self.entries.get(page)
+        if entry is None or entry.parent_key != parent_key or entry.tokens != tuple(tokens):
+            return None
+        return page
+
+    def add(self, key: bytes, parent_key: bytes | None, tokens: Sequence[int], page: int) -> None:
+        """Register page under key; when the key is taken the page it already names stays."""
+        if key not in self.pages and page not in self.entries:
+            self.pages[key] = page
+            self.entries[page] = PrefixEntry(key, parent_key, tuple(tokens))
+
+    def remove(self, page: int) -> None:
+        entry = self.entries.pop(page, None)
+        if entry is not None:
+            del self.pages[entry.key]
+
+    def __contains__(self, page: int) -> bool:
+        return page in self.entries
+
+
+@dataclass
+class TaskPages:
+    """One task's share of the cache."""
+
+    pages: list[int] = field(default_factory=list)  # position p lives in pages[p // page_size]
+    keys: list[bytes] = field(default_factory=list)  # prefix keys of its leading full pages
+    num_cached: int = 0  # tokens whose KV is in its pages, as of the last match, fork or commit
+
+
+class TaskTable:
+    """Task id -> its TaskPages."""
+
+    def __init__(self):
+        self.tasks: dict[int, TaskPages] = {}
+
+    def pages(self, task_id: int) -> list[int]:
+        """The task's page table (empty for an unknown task); callers must not mutate it."""
+        entry = self.tasks.get(task_id)
+        return entry.pages if entry is not None else []
+
+    def open(self, task_id: int) -> TaskPages:
+        return self.tasks.setdefault(task_id, TaskPages())
+
+    def open_empty(self, task_id: int) -> TaskPages:
+        """The entry of a task about to receive shared pages, which it must not hold yet."""
+        entry = self.open(task_id)
+        if entry.pages:
+            raise ValueError(f"task {task_id} already holds pages; free it first")
+        return entry
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Bytes free for the KV pool on device: CUDA's free memory, or MemAvailable on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class PagedCache:
+    """The KV pool of fixed-size pages, shared by tasks through page tables and the prefix cache."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_pages: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        enable_prefix_cache: bool = True,
+    ):
+        if n_pages < 1 or page_size < 1:
+            raise ValueError(f"need n_pages >= 1 and page_size >= 1, got {n_pages}, {page_size}")
+        shape = (n_layers, n_pages, page_size, n_kv_heads, head_dim)
+        # Zeros, not empty: attention reads padding slots under a mask, and NaN garbage in them
+        # would still poison the softmax.
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_pages = n_pages
+        self.page_size = page_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.pool = PagePool(n_pages)
+        self.prefix = PrefixCache()
+        self.tasks = TaskTable()
+        self.hit_tokens = 0
+        self.lookup_tokens = 0
+
+    @staticmethod
+    def pages_for_budget(
+        kv_cache_memory: float,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> int:
+        """Pages that fit in kv_cache_memory: bytes if > 1, else a fraction of free memory."""
+        page_bytes = 2 * n_layers * page_size * n_kv_heads * head_dim * dtype.itemsize
+        if kv_cache_memory > 1:
+            budget = int(kv_cache_memory)
+        elif kv_cache_memory > 0:
+            budget = int(kv_cache_memory * free_memory(device))
+        else:
+            raise ValueError(
+                "kv_cache_memory must be a number of bytes (> 1) or a fraction of free memory "
+                f"in (0, 1], got {kv_cache_memory!r}"
+            )
+        if budget < page_bytes:
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory!r} gives {budget} bytes, less than one KV page "
+                f"({page_bytes} bytes for {page_size} tokens); give the KV cache more memory"
+            )
+        return budget // page_bytes
+
+    def match_prefix(self, task_id: int, tokens: Sequence[int]) -> int:
+        """Give a new task the cached pages of its longest known prefix; return tokens covered.
+
+        The last token is never covered, so the page that receives new KV is the task's own.
+        """
+        if not self.enable_prefix_cache:
+            return 0
+        entry = self.tasks.open_empty(task_id)
+        parent = None
+        for i in range((len(tokens) - 1) // self.page_size):
+            page_tokens = tokens[i * self.page_size : (i + 1) * self.page_size]
+            key = self.prefix.page_key(parent, page_tokens)
+            page = self.prefix.get(key, parent, page_tokens)
+            if page is None:
+                break
+            self.pool.incref(page)
+            entry.pages.append(page)
+            entry.keys.append(key)
+            parent = key
+        entry.num_cached = len(entry.pages) * self.page_size
+        self.lookup_tokens += len(tokens)
+        self.hit_tokens += entry.num_cached
+        return entry.num_cached
+
+    def pages_needed(self, task_id: int, num_tokens: int) -> int:
+        """Pages the task must add to its table to hold num_tokens slots."""
+        return max(0, -(-num_tokens // self.page_size) - len(self.tasks.pages(task_id)))
+
+    def can_allocate(self, n_pages: int) -> bool:
+        return self.pool.available() >= n_pages
+
+    def allocate(self, task_id: int, num_tokens: int) -> bool:
+        """Grow the task's table to hold num_tokens slots, evicting cached pages if need be.
+
+        All or nothing: when the pool is short nothing is taken and the answer is False.
+        """
+        needed = self.pages_needed(task_id, num_tokens)
+        if not self.can_allocate(needed):
+            return False
+        while len(self.pool.free) < needed:
+            self.prefix.remove(self.pool.evict())
+        self.tasks.open(task_id).pages.extend(self.pool.take(needed))
+        return True
+
+    def commit(self, task_id: int, tokens: Sequence[int], num_computed: int) -> None:
+        """Record that the KV of tokens[:num_computed] is written; register its new full pages.
+
+        A page whose contents are already cached elsewhere stays unregistered rather than being
+        swapped for the cached copy under the running task.
+        """
+        entry = self.tasks.open(task_id)
+        if num_computed > min(len(tokens), len(entry.pages) * self.page_size):
+            raise ValueError(
+                f"task {task_id}: {num_computed} tokens computed, but it has {len(tokens)} "
+                f"tokens and {len(entry.pages) * self.page_size} slots"
+            )
+        entry.num_cached = num_computed
+        if not self.enable_prefix_cache:
+            return
+        for i in range(len(entry.keys), num_computed // self.page_size):
+            parent = entry.keys[-1] if entry.keys else None
+            page_tokens = tokens[i * self.page_size : (i + 1) * self.page_size]
+            key = self.prefix.page_key(parent, page_tokens)
+            self.prefix.add(key, parent, page_tokens, entry.pages[i])
+            entry.keys.append(key)
+
+    def fork(self, src_task_id: int, dst_task_id: int, num_tokens: int) -> int:
+        """Share src's full pages covering up to num_tokens (but never the last) with a new dst.
+
+        This is how n samples of one prompt share its KV; the caller forks once src's KV for
+        those tokens is written. Returns the tokens covered.
+        """
+        src = self.tasks.tasks.get(src_task_id, TaskPages())
+        dst = self.tasks.open_empty(dst_task_id)
+        n_shared = min(len(src.pages), max(0, num_tokens - 1) // self.page_size)
+        for page in src.pages[:n_shared]:
+            self.pool.incref(page)
+        dst.pages = src.pages[:n_shared]
+        dst.keys = src.keys[:n_shared]
+        dst.num_cached = n_shared * self.page_size
+        return dst.num_cached
+
+    def free(self, task_id: int) -> None:
+        """Release the task's pages; those the prefix cache knows stay cached."""
+        entry = self.tasks.tasks.pop(task_id, None)
+        if entry is None:
+            return
+        # Tail first: the LRU then evicts a prefix's later pages before the earlier ones that
+        # every longer match must pass through.
+        for page in reversed(entry.pages):
+            self.pool.decref(page, keep=page in self.prefix)
+
+    def view(self, seqs: Sequence[tuple[int, int, int]]) -> CacheView:
+        """The attention backend for one pass over seqs = [(task_id, start_pos, num_new)]."""
+        return CacheView(self, seqs)
+
+    def owned_pages(self) -> int:
+        return self.n_pages - self.pool.available()
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            n_pages=self.n_pages,
+            free=len(self.pool.free),
+            owned=self.owned_pages(),
+            cached=len(self.pool.lru),
+            hit_tokens=self.hit_tokens,
+            lookup_tokens=self.lookup_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise CacheInvariantError unless every page is in exactly one consistent state."""
+        holders = Counter(page for entry in self.tasks.tasks.values() for page in entry.pages)
+        free, lru, prefix = set(self.pool.free), self.pool.lru, self.prefix
+        problems = []
+        if len(free) != len(self.pool.free):
+            problems.append("a page is on the free list twice")
+        for page, refcount in enumerate(self.pool.refcount):
+            states = [("free", page in free), ("cached", page in lru), ("owned", refcount > 0)]
+            states = [name for name, is_in in states if is_in]
+            if len(states) != 1:
+                problems.append(f"page {page} is {' and '.join(states) or 'in no state'}")
+            if refcount != holders[page]:
+                problems.append(f"page {page} has refcount {refcount}, {holders[page]} holders")
+            if page in lru and page not in prefix:
+                problems.append(f"cached page {page} has no prefix entry")
+            del holders[page]
+        if holders:
+            problems.append(f"task tables hold pages outside the pool: {sorted(holders)}")
+        if len(prefix.pages) != len(prefix.entries):
+            problems.append("prefix keys and prefix entries differ in number")
+        for page, entry in prefix.entries.items():
+            if prefix.pages.get(entry.key) != page or page in free:
+                problems.append(f"page {page} has a stale prefix entry")
+            if prefix.page_key(entry.parent_key, entry.tokens) != entry.key:
+                problems.append(f"the prefix key of page {page} is not its tokens' key")
+        for task_id, entry in self.tasks.tasks.items():
+            capacity = len(entry.pages) * self.page_size
+            if not len(entry.keys) * self.page_size <= entry.num_cached <= capacity:
+                problems.append(
+                    f"task {task_id}: {entry.num_cached} cached tokens do not fit between its "
+                    f"{len(entry.keys)} keyed pages and {len(entry.pages)} pages"
+                )
+        if problems:
+            raise CacheInvariantError("; ".join(problems))
+
+
+class CacheView:
+    """The model's attention backend for one forward pass over a ragged batch.
+
+    view() resolves every index once -- write slots, the decodes' page tables and key masks,
+    each prompt chunk's pages and causal mask -- so each layer's call is tensor work only: write
+    the layer's new K/V, then one SDPA call for all decodes and one per prompt chunk.
+    """
+
+    def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
+        page_size, device = cache.page_size, cache.k_cache.device
+        self.k_cache, self.v_cache = cache.k_cache, cache.v_cache
+        tables, offsets, num_tokens = [], [], 0
+        for task_id, start, n in seqs:
+            pages = cache.tasks.pages(task_id)
+            n_ctx_pages = -(-(start + n) // page_size)
+            if start < 0 or n < 1 or n_ctx_pages > len(pages):
+                raise ValueError(
+                    f"task {task_id}: positions {start}..{start + n - 1} need {n_ctx_pages} "
+                    f"pages but it holds {len(pages)}; allocate before the forward pass"
+                )
+            tables.append(pages[:n_ctx_pages])
+            offsets.append(num_tokens)
+            num_tokens += n
+        max_pages = max(len(table) for table in tables)
+        padded = [table + [0] * (max_pages - len(table)) for table in tables]
+        block_table = torch.tensor(padded, device=device)  # [num_seqs, max_pages]
+        starts = torch.tensor([start for _, start, _ in seqs], device=device)
+        lens = torch.tensor([n for _, _, n in seqs], device=device)
+        first_rows = torch.tensor(offsets, device=device)
+        seq_ids = torch.arange(len(seqs), device=device)
+        seq_of_row = torch.repeat_interleave(seq_ids, lens, output_size=num_tokens)
+        pos = torch.arange(num_tokens, device=device) - first_rows[seq_of_row] + starts[seq_of_row]
+        self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
+
+        decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
+        self.decode_rows = None
+        if decodes:
+            index = torch.tensor(decodes, device=device)
+            n_pages = max(len(tables[i]) for i in decodes)
+            self.decode_rows = first_rows[index]
+            self.decode_pages = block_table[index, :n_pages].flatten()  # [num_decodes * n_pages]
+            key_pos = torch.arange(n_pages * page_size, device=device)
+            self.decode_mask = (key_pos <= starts[index, None])[:, None, None, :]
+            # Gather buffers reused by every layer: allocating megabytes per layer costs more
+            # than the copy into them.
+            self.decode_k = cache.k_cache.new_empty(
+                (len(self.decode_pages), *cache.k_cache.shape[2:])
+            )
+            self.decode_v = torch.empty_like(self.decode_k)  # [num_decodes * n_pages, ps, kvh, hd]
+
+        # (rows, pages, causal mask offset by start); a chunk from position 0 sees only its own
+        # new K/V, so it needs neither pages nor an explicit mask.
+        self.chunks: list[tuple[slice, torch.Tensor | None, torch.Tensor | None]] = []
+        for i, (_, start, n) in enumerate(seqs):
+            if n == 1:
+                continue
+            rows = slice(offsets[i], offsets[i] + n)
+            if start == 0:
+                self.chunks.append((rows, None, None))
+                continue
+            key_pos = torch.arange(start + n, device=device)
+            query_pos = torch.arange(start, start + n, device=device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [n, start + n]
+            self.chunks.append((rows, block_table[i, : len(tables[i])], mask))
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k, v [num_tokens, kvh, hd] to the cache; attend q [num_tokens, heads, hd]."""
+        k_layer, v_layer = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [pages, ps, kvh, hd]
+        kv_heads, head_dim = k_layer.shape[-2:]
+        k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
+        v_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
+        out = torch.empty_like(q)
+        if self.decode_rows is not None:
+            n_dec = len(self.decode_rows)
+            torch.index_select(k_layer, 0, self.decode_pages, out=self.decode_k)
+            torch.index_select(v_layer, 0, self.decode_pages, out=self.decode_v)
+            k_dec = self.decode_k.view(n_dec, -1, kv_heads, head_dim).transpose(1, 2)
+            v_dec = self.decode_v.view(n_dec, -1, kv_heads, head_dim).transpose(1, 2)
+            # The query heads sharing a KV head become that head's query rows, so GQA needs no
+            # repeated K/V: q [num_decodes, kvh, heads // kvh, hd], k/v [num_decodes, kvh, ctx, hd].
+            q_dec = q[self.decode_rows].view(n_dec, kv_heads, -1, head_dim)
+            o_dec = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=self.decode_mask)
+            out.index_copy_(0, self.decode_rows, o_dec.reshape(n_dec, -1, head_dim))
+        for rows, pages, mask in self.chunks:
+            if pages is None:
+                k_seq, v_seq = k[rows], v[rows]  # [n, kvh, hd]
+            else:
+                k_seq = k_layer[pages].flatten(0, 1)[: mask.shape[1]]  # [start + n, kvh, hd]
+                v_seq = v_layer[pages].flatten(0, 1)[: mask.shape[1]]
+            o_seq = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None],
+                k_seq.transpose(0, 1)[None],
+                v_seq.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=True,
+            )
+            out[rows] = o_seq[0].transpose(0, 1)
+        return out

@@ -1,0 +1,121 @@
+"""Anthropic-compatible endpoints: messages (streamed or not) and token counting."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from astrai.inference import TaskResult
+from astrai.server.errors import CLIENT_CLOSED, APIError, anthropic_error_body
+from astrai.server.generation import Generation, GenerationService, check_result
+from astrai.server.protocol import CountTokensRequest, MessagesRequest
+from astrai.server.sse import EventStreamResponse, sse_event
+
+router = APIRouter()
+
+
+def _service(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+def _prompt(service: GenerationService, body: MessagesRequest | CountTokensRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    if body.system:
+        messages.insert(0, {"role": "system", "content": body.system})
+    return service.chat_prompt(messages)
+
+
+def _stop(result: TaskResult) -> dict:
+    """stop_reason and stop_sequence: a matched stop string, the length limit, or end of turn."""
+    if result.finish_reason == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if isinstance(result.stop_reason, str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": result.stop_reason}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
+    # Anthropic counts prefix-cache reads apart from the input tokens that were computed.
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_read_input_tokens": cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    service = _service(request)
+    service.check_model(body.model)
+    return {"input_tokens": len(_prompt(service, body))}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    service = _service(request)
+    service.check_model(body.model)
+    prompt = _prompt(service, body)
+    params = service.params(
+        [prompt],
+        body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=tuple(body.stop_sequences or ()),
+    )
+    generation = await service.submit([prompt], params)
+    message = {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "model": service.model_name,
+    }
+    if body.stream:
+        events = _message_events(generation, message, len(prompt))
+        return EventStreamResponse(events)
+    outputs = await generation.collect(request)
+    if outputs is None:
+        error = anthropic_error_body(CLIENT_CLOSED, "the client closed the connection")
+        return JSONResponse(error, status_code=CLIENT_CLOSED)
+    result = outputs[0].result
+    usage = _input_usage(result.prompt_tokens, result.cached_tokens)
+    return {
+        **message,
+        "content": [{"type": "text", "text": result.text}],
+        **_stop(result),
+        "usage": {**usage, "output_tokens": result.completion_tokens},
+    }
+
+
+async def _message_events(
+    generation: Generation, message: dict, prompt_tokens: int
+) -> AsyncIterator[str]:
+    start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+    started = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
+    yield sse_event("message_start", {"message": {**started, "usage": start_usage}})
+    block = {"type": "text", "text": ""}
+    yield sse_event("content_block_start", {"index": 0, "content_block": block})
+    yield sse_event("ping", {})
+    async with aclosing(generation.events()) as events:
+        async for _, event in events:
+            if event.delta is not None and event.delta.text:
+                delta = {"type": "text_delta", "text": event.delta.text}
+                yield sse_event("content_block_delta", {"index": 0, "delta": delta})
+            if event.result is None:
+                continue
+            result = event.result
+            try:
+                check_result(result)
+            except APIError as exc:
+                error = anthropic_error_body(exc.status, exc.message)["error"]
+                yield sse_event("error", {"error": error})
+                return
+            yield sse_event("content_block_stop", {"index": 0})
+            usage = _input_usage(result.prompt_tokens, result.cached_tokens)
+            usage["output_tokens"] = result.completion_tokens
+            yield sse_event("message_delta", {"delta": _stop(result), "usage": usage})
+            yield sse_event("message_stop", {})

@@ -1,0 +1,77 @@
+"""The FastAPI app: OpenAI and Anthropic routers, auth, errors, /health and /metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+
+import astrai
+from astrai.inference import InferenceEngine
+from astrai.server import anthropic_api, openai_api
+from astrai.server.auth import APIKeyAuth
+from astrai.server.errors import APIError, error_response
+from astrai.server.generation import GenerationService
+from astrai.server.metrics import RequestCounter, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+def create_app(engine: InferenceEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """An app serving one loaded engine under model_name; api_key guards the /v1 endpoints."""
+    app = FastAPI(title="astrai", version=astrai.__version__)
+    metrics = ServerMetrics(engine)
+    app.state.service = GenerationService(engine, model_name, metrics)
+    app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc.errors())
+        return error_response(request.url.path, APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(request.url.path, APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request to %s failed", request.url.path)
+        return error_response(request.url.path, APIError(500, f"internal error: {exc}"))
+
+    # Added last, so runs first: every request is counted, 401s included.
+    if api_key:
+        app.add_middleware(APIKeyAuth, api_key=api_key)
+    routers = (openai_api.router, anthropic_api.router, app.router)
+    routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
+    app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
+    return app
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A message naming each bad field (up to three) and the first field's dotted path."""
+    if errors and errors[0]["type"] == "json_invalid":
+        detail = errors[0].get("ctx", {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    fields, parts = [], []
+    for error in errors[:3]:
+        name = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
+        fields.append(name)
+        parts.append(f"{name}: {error['msg']}")
+    return "invalid request: " + "; ".join(parts), fields[0] if fields else None

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one server: request counts, token counts, latencies, engine state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.routing import Match
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineStatsCollector(Collector):
+    """Reads the engine's stats at scrape time, so gauges are never stale."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.get_stats()
+        gauges = {
+            "astrai_requests_running": ("Requests being generated", stats.running),
+            "astrai_requests_waiting": ("Requests waiting for admission", stats.waiting),
+            "astrai_kv_pages_total": ("KV cache pages in the pool", stats.pages_total),
+            "astrai_kv_pages_free": ("KV cache pages free", stats.pages_free),
+            "astrai_kv_pages_owned": ("KV cache pages owned by requests", stats.pages_owned),
+            "astrai_kv_pages_cached": (
+                "KV cache pages held by the prefix cache",
+                stats.pages_cached,
+            ),
+            "astrai_prefix_cache_hit_rate": (
+                "Fraction of prompt tokens served from the prefix cache",
+                stats.prefix_hit_rate,
+            ),
+        }
+        for name, (documentation, value) in gauges.items():
+            yield GaugeMetricFamily(name, documentation, value=value)
+        yield CounterMetricFamily(
+            "astrai_preemptions", "Requests preempted for KV memory", value=stats.preemptions
+        )
+
+
+class ServerMetrics:
+    """The metrics of one app, in a registry of its own so several apps can live in one process."""
+
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "astrai_http_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "astrai_prompt_tokens", "Prompt tokens of accepted requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "astrai_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "astrai_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "astrai_inter_token_latency_seconds",
+            "Seconds between successive streamed outputs of one sample",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineStatsCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware counting HTTP requests by route and final status code."""
+
+    def __init__(self, app, metrics: ServerMetrics, routes: list) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            endpoint = self._endpoint(scope)
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def _endpoint(self, scope) -> str:
+        """The route's path template; paths no route serves share one label."""
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return route.path
+        return "other"

@@ -1,0 +1,240 @@
+"""OpenAI-compatible endpoints: chat completions, completions and models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from astrai.server.errors import CLIENT_CLOSED, APIError, openai_error_body
+from astrai.server.generation import Generation, GenerationService, Usage, check_result
+from astrai.server.logprobs import chat_logprobs, completion_logprobs
+from astrai.server.protocol import ChatCompletionRequest, CompletionRequest
+from astrai.server.sse import EventStreamResponse, sse_data
+
+router = APIRouter()
+
+
+def _service(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict:
+    """The request's sampling fields as GenerationParams keywords; top_k -1 means off."""
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": 0 if body.top_k == -1 else body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "seed": body.seed,
+        "stop": (body.stop,) if isinstance(body.stop, str) else body.stop and tuple(body.stop),
+        "stop_token_ids": body.stop_token_ids and tuple(body.stop_token_ids),
+        "ignore_eos": body.ignore_eos,
+        "n": body.n,
+    }
+
+
+def _usage(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _client_closed() -> JSONResponse:
+    body = openai_error_body(CLIENT_CLOSED, "the client closed the connection", None, None)
+    return JSONResponse(body, status_code=CLIENT_CLOSED)
+
+
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(_service(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict:
+    service = _service(request)
+    service.check_model(model_id)
+    return _model_card(service)
+
+
+def _model_card(service: GenerationService) -> dict:
+    return {
+        "id": service.model_name,
+        "object": "model",
+        "created": service.created,
+        "owned_by": "astrai",
+        "max_model_len": service.engine.max_seq_len,
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    service = _service(request)
+    service.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    prompt = service.chat_prompt([m.model_dump(include={"role", "content"}) for m in body.messages])
+    max_tokens = body.max_tokens
+    if body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    params = service.params(
+        [prompt],
+        max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        **_sampling(body),
+    )
+    generation = await service.submit([prompt], params)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
+    head["model"] = service.model_name
+    if body.stream:
+        chunks = _chat_chunks(generation, head, service.tokenizer, body.logprobs, body)
+        return EventStreamResponse(chunks)
+    outputs = await generation.collect(request)
+    if outputs is None:
+        return _client_closed()
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": out.result.text},
+            "logprobs": chat_logprobs(service.tokenizer, out.logprobs) if body.logprobs else None,
+            "finish_reason": out.result.finish_reason,
+        }
+        for i, out in enumerate(outputs)
+    ]
+    usage = generation.usage([out.result for out in outputs])
+    return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(usage)}
+
+
+async def _chat_chunks(
+    generation: Generation, head: dict, tokenizer, logprobs: bool, body: ChatCompletionRequest
+) -> AsyncIterator[str]:
+    include_usage = _include_usage(body)
+
+    def chunk(choices: list[dict]) -> str:
+        data = {**head, "object": "chat.completion.chunk", "choices": choices}
+        if include_usage:
+            data["usage"] = None
+        return sse_data(data)
+
+    for i in range(generation.num_choices):
+        delta = {"role": "assistant", "content": ""}
+        yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+    results = {}
+    async with aclosing(generation.events()) as events:
+        async for choice, event in events:
+            delta = event.delta
+            if delta is not None and (delta.text or (logprobs and delta.logprobs)):
+                entry = {"index": choice, "delta": {"content": delta.text}, "finish_reason": None}
+                lp = chat_logprobs(tokenizer, delta.logprobs or []) if logprobs else None
+                yield chunk([{**entry, "logprobs": lp}])
+            if event.result is not None:
+                try:
+                    check_result(event.result)
+                except APIError as exc:
+                    yield sse_data(openai_error_body(exc.status, exc.message, None, None))
+                    yield sse_data("[DONE]")
+                    return
+                results[choice] = event.result
+                entry = {"index": choice, "delta": {}, "logprobs": None}
+                yield chunk([{**entry, "finish_reason": event.result.finish_reason}])
+    if include_usage:
+        usage = generation.usage([results[i] for i in range(generation.num_choices)])
+        yield sse_data(
+            {**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(usage)}
+        )
+    yield sse_data("[DONE]")
+
+
+def _completion_prompts(service: GenerationService, prompt) -> list[list[int]]:
+    """A prompt may be a string, a list of strings, a list of ids or a list of id lists."""
+    if isinstance(prompt, str):
+        return [service.text_prompt(prompt)]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [service.text_prompt(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    service = _service(request)
+    service.check_model(body.model)
+    if body.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    prompts = _completion_prompts(service, body.prompt)
+    params = service.params(prompts, body.max_tokens, logprobs=body.logprobs, **_sampling(body))
+    generation = await service.submit(prompts, params)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time())}
+    head["model"] = service.model_name
+    want_logprobs = body.logprobs is not None
+    if body.stream:
+        chunks = _completion_chunks(generation, head, service.tokenizer, want_logprobs, body)
+        return EventStreamResponse(chunks)
+    outputs = await generation.collect(request)
+    if outputs is None:
+        return _client_closed()
+    choices = []
+    for i, out in enumerate(outputs):
+        lp = completion_logprobs(service.tokenizer, out.logprobs)[0] if want_logprobs else None
+        choices.append(
+            {
+                "index": i,
+                "text": out.result.text,
+                "logprobs": lp,
+                "finish_reason": out.result.finish_reason,
+            }
+        )
+    usage = generation.usage([out.result for out in outputs])
+    return {**head, "object": "text_completion", "choices": choices, "usage": _usage(usage)}
+
+
+async def _completion_chunks(
+    generation: Generation, head: dict, tokenizer, logprobs: bool, body: CompletionRequest
+) -> AsyncIterator[str]:
+    include_usage = _include_usage(body)
+
+    def chunk(choice: int, text: str, lp: dict | None, finish_reason: str | None) -> str:
+        entry = {"index": choice, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        data = {**head, "object": "text_completion", "choices": [entry]}
+        if include_usage:
+            data["usage"] = None
+        return sse_data(data)
+
+    offsets = [0] * generation.num_choices
+    results = {}
+    async with aclosing(generation.events()) as events:
+        async for choice, event in events:
+            delta = event.delta
+            if delta is not None and (delta.text or (logprobs and delta.logprobs)):
+                lp = None
+                if logprobs:
+                    lp, offsets[choice] = completion_logprobs(
+                        tokenizer, delta.logprobs or [], offsets[choice]
+                    )
+                yield chunk(choice, delta.text, lp, None)
+            if event.result is not None:
+                try:
+                    check_result(event.result)
+                except APIError as exc:
+                    yield sse_data(openai_error_body(exc.status, exc.message, None, None))
+                    yield sse_data("[DONE]")
+                    return
+                results[choice] = event.result
+                yield chunk(choice, "", None, event.result.finish_reason)
+    if include_usage:
+        usage = generation.usage([results[i] for i in range(generation.num_choices)])
+        yield sse_data({**head, "object": "text_completion", "choices": [], "usage": _usage(usage)})
+    yield sse_data("[DONE]")
