@@ -30,8 +30,10 @@ def create_app(engine: InferenceEngine, model_name: str, api_key: str | None = N
     app.include_router(anthropic_api.router)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": model_name}
+    async def health() -> JSONResponse:
+        if not engine.is_running:
+            return JSONResponse({"status": "engine stopped", "model": model_name}, 503)
+        return JSONResponse({"status": "ok", "model": model_name})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -194,8 +194,7 @@ class GenerationService:
         Without max_tokens a request may generate up to the end of the context.
         """
         if max_tokens is None:
-            cache = self.engine.cache
-            limit = min(self.engine.max_seq_len, cache.n_pages * cache.page_size)
+            limit = self.engine.max_request_tokens
             max_tokens = max(1, limit - max(len(p) for p in prompts))
         settings = {k: v for k, v in fields.items() if v is not None}
         try:
@@ -212,23 +211,10 @@ class GenerationService:
                 streams.append(self.engine.submit_async(prompt, params))
         except Exception as exc:
             for stream in streams:
-                await _discard(stream)
+                stream.abort()
             raise _api_error(exc) from exc
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return Generation(streams, [len(p) for p in prompts], params.n, self.metrics, arrival)
-
-
-async def _discard(stream) -> None:
-    """Abort the tasks of a stream nobody iterated yet.
-
-    Closing an async generator that never started runs none of its code, so start it, then
-    cancel the step (or close it at its first yield): either way its cleanup aborts the tasks.
-    """
-    step = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0)
-    step.cancel()
-    await asyncio.gather(step, return_exceptions=True)
-    await stream.aclose()
 
 
 def _api_error(exc: Exception) -> Exception:
