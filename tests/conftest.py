@@ -1,114 +1,11 @@
-"""Shared fixtures: tiny random-weight Hugging Face checkpoints and a tokenizer trained here.
-
-Nothing is downloaded: every model is written by transformers from a seeded random init and
-every tokenizer is a byte-level BPE trained on the text below.
-"""
+"""Session fixtures shared by every test directory; the builders live in tiny_models.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Paged attention stores keys and values in fixed-size pages of the KV cache.",
-    "Continuous batching lets new requests join a running batch at every step.",
-    "Hello world! How are you today? I am fine, thank you very much.",
-    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
-    "我们今天去公园散步，天气非常好。你好世界，欢迎使用推理引擎。",
-    "Emoji test: 😀 🚀 🎉 👍🏽 ❤️ — and some accents: café, naïve, Straße.",
-    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation: ;:,.!?()[]{}",
-]
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-
-
-def write_tokenizer(directory: Path, vocab_size: int = 400) -> Path:
-    """Train a byte-level BPE tokenizer on CORPUS and write HF tokenizer files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
-    bos = tokenizer.token_to_id("<s>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "chat_template": CHAT_TEMPLATE,
-                "model_max_length": 4096,
-            }
-        )
-    )
-    im_end = tokenizer.token_to_id("<|im_end|>")
-    eos = tokenizer.token_to_id("</s>")
-    (directory / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": bos, "eos_token_id": [eos, im_end]})
-    )
-    return directory
-
-
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-)
-
-
-def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Write a random-weight HF checkpoint of the given family, plus the test tokenizer."""
-    import transformers
-
-    classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }
-    config_cls, model_cls = classes[arch]
-    settings = dict(TINY)
-    if arch == "qwen3":
-        settings["head_dim"] = 16
-    if arch == "mistral":
-        settings["sliding_window"] = None
-    settings.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**settings)).eval()
-    # Random init gives nearly flat logits; scale the head so greedy choices are clear-cut.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    write_tokenizer(directory)
-    return directory
+from tiny_models import write_hf_model, write_tokenizer
 
 
 @pytest.fixture(scope="session")

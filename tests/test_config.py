@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY
+from tiny_models import TINY
 
 from astrai.config import ConfigError, ModelConfig
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_hf_model
 from safetensors.torch import load_file, save_file
+from tiny_models import write_hf_model
 
 from astrai.config import ConfigError
 from astrai.model import AutoModel, CheckpointError, Transformer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import write_hf_model
+from tiny_models import write_hf_model
 
 from astrai.config import ModelConfig
 from astrai.model import AutoModel, Transformer

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import transformers
-from conftest import CORPUS, SPECIAL_TOKENS, write_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import CORPUS, SPECIAL_TOKENS, write_tokenizer
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
