@@ -387,7 +387,7 @@ class CacheView:
 
     view() resolves every index once -- write slots, the decodes' page tables and key masks,
     each prompt chunk's pages and causal mask -- so each layer's call is tensor work only: write
-    the layer's new K/V, then one SDPA call for all decodes and one per prompt chunk.
+    the layer's new K/V, then one SDPA call per group of decodes and one per prompt chunk.
     """
 
     def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
@@ -417,20 +417,16 @@ class CacheView:
         self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
 
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-        self.decode_rows = None
-        if decodes:
-            index = torch.tensor(decodes, device=device)
-            n_pages = max(len(tables[i]) for i in decodes)
-            self.decode_rows = first_rows[index]
-            self.decode_pages = block_table[index, :n_pages].flatten()  # [num_decodes * n_pages]
-            key_pos = torch.arange(n_pages * page_size, device=device)
-            self.decode_mask = (key_pos <= starts[index, None])[:, None, None, :]
-            # Gather buffers reused by every layer: allocating megabytes per layer costs more
-            # than the copy into them.
-            self.decode_k = cache.k_cache.new_empty(
-                (len(self.decode_pages), *cache.k_cache.shape[2:])
+        self.decode_groups = [
+            DecodeGroup.build(
+                cache,
+                [first_rows[i] for i in group],
+                [tables[i] for i in group],
+                [seqs[i][1] for i in group],
+                all_rows=len(group) == num_tokens,
             )
-            self.decode_v = torch.empty_like(self.decode_k)  # [num_decodes * n_pages, ps, kvh, hd]
+            for group in group_by_context([len(tables[i]) for i in decodes], decodes)
+        ]
 
         # (rows, pages, causal mask offset by start); a chunk from position 0 sees only its own
         # new K/V, so it needs neither pages nor an explicit mask.
@@ -456,17 +452,8 @@ class CacheView:
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
         out = torch.empty_like(q)
-        if self.decode_rows is not None:
-            n_dec = len(self.decode_rows)
-            torch.index_select(k_layer, 0, self.decode_pages, out=self.decode_k)
-            torch.index_select(v_layer, 0, self.decode_pages, out=self.decode_v)
-            k_dec = self.decode_k.view(n_dec, -1, kv_heads, head_dim).transpose(1, 2)
-            v_dec = self.decode_v.view(n_dec, -1, kv_heads, head_dim).transpose(1, 2)
-            # The query heads sharing a KV head become that head's query rows, so GQA needs no
-            # repeated K/V: q [num_decodes, kvh, heads // kvh, hd], k/v [num_decodes, kvh, ctx, hd].
-            q_dec = q[self.decode_rows].view(n_dec, kv_heads, -1, head_dim)
-            o_dec = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=self.decode_mask)
-            out.index_copy_(0, self.decode_rows, o_dec.reshape(n_dec, -1, head_dim))
+        for group in self.decode_groups:
+            out = group.attend(k_layer, v_layer, q, out)
         for rows, pages, mask in self.chunks:
             if pages is None:
                 k_seq, v_seq = k[rows], v[rows]  # [n, kvh, hd]
@@ -483,3 +470,84 @@ class CacheView:
             )
             out[rows] = o_seq[0].transpose(0, 1)
         return out
+
+
+# What one more decode group costs against one more gathered page per decode (an index_select,
+# an SDPA call and the scatter back weigh about as much as gathering and attending 16 pages).
+GROUP_COST_PAGES = 16
+
+
+def group_by_context(n_pages: Sequence[int], ids: Sequence[int]) -> list[list[int]]:
+    """Split decodes into groups of similar context length, cheapest in gathered pages.
+
+    A group pads every decode to its longest context, so one group for all would gather and
+    attend over max(n_pages) pages per decode. Sorted by length, the split that minimises
+    padded pages plus GROUP_COST_PAGES per group is found by dynamic programming.
+    """
+    order = sorted(range(len(ids)), key=n_pages.__getitem__)
+    lengths = [n_pages[i] for i in order]
+    # best[j]: cost of grouping the j shortest; cut[j]: where the last of those groups starts
+    best, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        best[j], cut[j] = min(
+            (best[i] + GROUP_COST_PAGES + (j - i) * lengths[j - 1], i) for i in range(j)
+        )
+    groups, j = [], len(order)
+    while j:
+        groups.append([ids[k] for k in order[cut[j] : j]])
+        j = cut[j]
+    return groups[::-1]
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes attended by one SDPA call over their pages, gathered into reused buffers."""
+
+    rows: torch.Tensor | None  # [n] their rows in the batch; None: all rows, in order
+    pages: torch.Tensor  # [n * n_pages] page ids, padded with page 0
+    mask: torch.Tensor  # [n, 1, 1, n_pages * page_size] True for keys at or before the query
+    k: torch.Tensor  # [n * n_pages, page_size, kvh, hd] gather buffers, reused by every layer
+    v: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        cache: PagedCache,
+        rows: Sequence[int],
+        tables: Sequence[list[int]],
+        positions: Sequence[int],
+        all_rows: bool,
+    ) -> DecodeGroup:
+        device = cache.k_cache.device
+        n_pages = max(len(table) for table in tables)
+        padded = [page for table in tables for page in table + [0] * (n_pages - len(table))]
+        key_pos = torch.arange(n_pages * cache.page_size, device=device)
+        query_pos = torch.tensor(positions, device=device)
+        # Allocating megabytes per layer costs more than the copy into them.
+        k = cache.k_cache.new_empty((len(padded), *cache.k_cache.shape[2:]))
+        return cls(
+            rows=None if all_rows and list(rows) == list(range(len(rows))) else torch.tensor(rows),
+            pages=torch.tensor(padded, device=device),
+            mask=(key_pos <= query_pos[:, None])[:, None, None, :],
+            k=k,
+            v=torch.empty_like(k),
+        )
+
+    def attend(
+        self, k_layer: torch.Tensor, v_layer: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Write this group's attention outputs into out [num_tokens, heads, hd]; return it."""
+        n = len(self.mask)
+        kv_heads, head_dim = k_layer.shape[-2:]
+        torch.index_select(k_layer, 0, self.pages, out=self.k)
+        torch.index_select(v_layer, 0, self.pages, out=self.v)
+        k = self.k.view(n, -1, kv_heads, head_dim).transpose(1, 2)  # [n, kvh, ctx, hd]
+        v = self.v.view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        # The query heads sharing a KV head become that head's query rows, so GQA needs no
+        # repeated K/V: q [n, kvh, heads // kvh, hd].
+        q = q if self.rows is None else q.index_select(0, self.rows)
+        o = F.scaled_dot_product_attention(q.view(n, kv_heads, -1, head_dim), k, v, self.mask)
+        o = o.reshape(n, -1, head_dim)
+        if self.rows is None:
+            return o
+        return out.index_copy_(0, self.rows, o)
