@@ -1,8 +1,8 @@
 """Tokenization: Hugging Face tokenizers, chat templates and streaming detokenization."""
 
+from astrai.tokenize.chat_template import ChatTemplateError
 from astrai.tokenize.tokenizer import (
     AutoTokenizer,
-    ChatTemplateError,
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerError,
