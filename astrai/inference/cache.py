@@ -420,9 +420,9 @@ class CacheView:
         self.decode_groups = [
             DecodeGroup.build(
                 cache,
-                [first_rows[i] for i in group],
-                [tables[i] for i in group],
-                [seqs[i][1] for i in group],
+                rows=[offsets[i] for i in group],
+                tables=[tables[i] for i in group],
+                positions=[seqs[i][1] for i in group],
                 all_rows=len(group) == num_tokens,
             )
             for group in group_by_context([len(tables[i]) for i in decodes], decodes)
@@ -494,7 +494,7 @@ def group_by_context(n_pages: Sequence[int], ids: Sequence[int]) -> list[list[in
         )
     groups, j = [], len(order)
     while j:
-        groups.append([ids[k] for k in order[cut[j] : j]])
+        groups.append([ids[k] for k in sorted(order[cut[j] : j])])  # in batch order
         j = cut[j]
     return groups[::-1]
 
@@ -526,7 +526,7 @@ class DecodeGroup:
         # Allocating megabytes per layer costs more than the copy into them.
         k = cache.k_cache.new_empty((len(padded), *cache.k_cache.shape[2:]))
         return cls(
-            rows=None if all_rows and list(rows) == list(range(len(rows))) else torch.tensor(rows),
+            rows=None if all_rows else torch.tensor(rows, device=device),
             pages=torch.tensor(padded, device=device),
             mask=(key_pos <= query_pos[:, None])[:, None, None, :],
             k=k,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,12 +27,38 @@ class ScheduledChunk:
         """A chunk that reaches the task's last token yields the logits of its next token."""
         return self.start + self.length == self.task.num_tokens
 
+    def token_ids(self) -> list[int]:
+        """The chunk's token ids, sliced without building the task's whole prompt + output."""
+        prompt, output = self.task.prompt_ids, self.task.output_ids
+        end = self.start + self.length
+        if self.start >= len(prompt):
+            return output[self.start - len(prompt) : end - len(prompt)]
+        return prompt[self.start : end] + output[: max(0, end - len(prompt))]
+
 
 @dataclass
 class SampledToken:
     task: Task
     token_id: int
     logprob: TokenLogprob | None
+
+
+OMP_PAUSE_HARD = 2
+
+
+def release_openmp_workers() -> None:
+    """Free the calling thread's OpenMP worker pool (a no-op without OpenMP 5 in the process).
+
+    The model runs on the scheduler's thread, but the thread that built the engine usually ran
+    torch ops before (loading the weights) and so owns an idle pool of OpenMP workers. With one
+    more pool than the cores can hold, libgomp stops spinning at barriers and sleeps instead,
+    and every parallel op of a step pays a wake-up: a decode step took 2-3x as long.
+    """
+    try:
+        pause = ctypes.CDLL(None).omp_pause_resource_all
+    except (AttributeError, OSError):
+        return
+    pause(OMP_PAUSE_HARD)
 
 
 class ModelExecutor:
@@ -44,12 +71,14 @@ class ModelExecutor:
         self.cache = cache
         self.pipeline = pipeline or SamplingPipeline()
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            release_openmp_workers()
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
         token_ids: list[int] = []
         for chunk in chunks:
-            token_ids.extend(chunk.task.all_ids[chunk.start : chunk.start + chunk.length])
+            token_ids.extend(chunk.token_ids())
         lengths = np.array([chunk.length for chunk in chunks], dtype=np.int64)
         starts = np.array([chunk.start for chunk in chunks], dtype=np.int64)
         # position of every flattened token: its chunk's start plus its offset in the chunk

@@ -130,10 +130,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [num_tokens, heads, head_dim] in transformers' rotate_half layout.
 
     The two halves of head_dim are the (real, imaginary) parts; cos/sin are
-    [num_tokens, head_dim // 2] and are cast to x's dtype first, as transformers does.
+    [num_tokens, 1, head_dim // 2], already cast to x's dtype as transformers does.
     """
-    cos = cos.to(x.dtype)[:, None, :]
-    sin = sin.to(x.dtype)[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -157,15 +155,15 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.n_heads, self.head_dim)  # [num_tokens, n_heads, head_dim]
-        k = k.view(num_tokens, self.n_kv_heads, self.head_dim)  # [num_tokens, n_kv_heads, head_dim]
-        v = v.view(num_tokens, self.n_kv_heads, self.head_dim)
+        q_size, kv_size = self.split_sizes[:2]
+        qkv = self.wqkv(x)
+        # q and k heads side by side, [num_tokens, n_heads + n_kv_heads, head_dim]: one rope call
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv_heads], dim=1)
         out = attention(self.layer_idx, q, k, v)  # [num_tokens, n_heads, head_dim]
         return self.wo(out.reshape(num_tokens, self.n_heads * self.head_dim))
 
@@ -227,7 +225,8 @@ class Transformer(nn.Module):
         Returns float32 [len(logits_indices) or num_tokens, vocab_size].
         """
         h = self.tok_embeddings(input_ids)  # [num_tokens, dim]
-        cos, sin = self.rope(positions)  # [num_tokens, head_dim // 2]
+        # [num_tokens, 1, head_dim // 2], cast once for every layer
+        cos, sin = (t.to(h.dtype)[:, None, :] for t in self.rope(positions))
         for layer in self.layers:
             h = layer(h, cos, sin, attention)
         if logits_indices is not None:
