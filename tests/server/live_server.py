@@ -60,6 +60,8 @@ def stop_server(running: _ServerThread) -> None:
 def make_engine(model_dir, **config) -> InferenceEngine:
     model = AutoModel.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    settings = dict(max_batch_size=64, kv_cache_memory=64 << 20, max_seq_len=MAX_SEQ_LEN)
+    settings = dict(
+        max_batch_size=64, kv_cache_memory=64 << 20, max_seq_len=MAX_SEQ_LEN, check_invariants=True
+    )
     settings.update(config)
     return InferenceEngine(model, tokenizer, EngineConfig(**settings))
