@@ -1,0 +1,50 @@
+"""What this machine can do, measured in the same run as a benchmark: bandwidth and matmul rate."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
+    """The fastest of `repeats` timed calls: the least disturbed by other load on the machine."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Memory bandwidth in bytes/s from a large tensor copy, counting bytes read plus written.
+
+    1 GiB is well past the last-level cache; the source is filled first so its pages are real
+    memory, not the kernel's shared zero page.
+    """
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), repeats=5)
+
+
+def matmul_rate(dtype: torch.dtype, size: int = 2048) -> float:
+    """FLOP/s of a square [size, size] @ [size, size] matmul in dtype."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    return 2 * size**3 / best_seconds(lambda: a @ b, repeats=5)
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter, except an untied embedding.
+
+    The embedding lookup reads one row; a tied embedding is read whole as the lm_head.
+    """
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_weight:
+        embedding = model.tok_embeddings.weight
+        total -= embedding.numel() * embedding.element_size()
+    return total
