@@ -6,17 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import TINY
+from tiny_models import LLAMA3_ROPE, TINY
 
 from astrai.config import ConfigError, ModelConfig
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 
 
 def hf_config(directory: Path, arch: str, **overrides) -> Path:

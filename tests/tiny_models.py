@@ -83,6 +83,15 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 
+# Rope scaling as Llama 3.1 ships it, with a short original context so it bites in tiny tests.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
 
 def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random-weight HF checkpoint of the given family, plus the test tokenizer."""

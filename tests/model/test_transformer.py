@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import write_hf_model
+from tiny_models import LLAMA3_ROPE, write_hf_model
 
 from astrai.config import ModelConfig
 from astrai.model import AutoModel, Transformer
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
