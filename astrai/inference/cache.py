@@ -267,6 +267,11 @@ class PagedCache:
     def can_allocate(self, n_pages: int) -> bool:
         return self.pool.available() >= n_pages
 
+    def capacity(self, task_id: int) -> int:
+        """Token slots the task could hold without anyone being preempted: its own pages plus
+        every free or cached one."""
+        return (len(self.tasks.pages(task_id)) + self.pool.available()) * self.page_size
+
     def allocate(self, task_id: int, num_tokens: int) -> bool:
         """Grow the task's table to hold num_tokens slots, evicting cached pages if need be.
 
@@ -414,6 +419,7 @@ class CacheView:
         seq_ids = torch.arange(len(seqs), device=device)
         seq_of_row = torch.repeat_interleave(seq_ids, lens, output_size=num_tokens)
         pos = torch.arange(num_tokens, device=device) - first_rows[seq_of_row] + starts[seq_of_row]
+        self.positions = pos  # [num_tokens] the model's rope positions, one per flattened token
         self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
 
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]

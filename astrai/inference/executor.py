@@ -79,20 +79,15 @@ class ModelExecutor:
         token_ids: list[int] = []
         for chunk in chunks:
             token_ids.extend(chunk.token_ids())
-        lengths = np.array([chunk.length for chunk in chunks], dtype=np.int64)
-        starts = np.array([chunk.start for chunk in chunks], dtype=np.int64)
-        # position of every flattened token: its chunk's start plus its offset in the chunk
-        chunk_offsets = np.cumsum(lengths) - lengths
-        positions = np.repeat(starts - chunk_offsets, lengths) + np.arange(lengths.sum())
+        ends = np.cumsum([chunk.length for chunk in chunks]) - 1
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
-        last_rows = (np.cumsum(lengths) - 1)[sampling]
 
         view = self.cache.view([(c.task.id, c.start, c.length) for c in chunks])
         logits = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            torch.from_numpy(positions).to(self.device),
+            view.positions,
             view,
-            torch.from_numpy(last_rows).to(self.device),
+            torch.from_numpy(ends[sampling]).to(self.device),
         )
         tasks = [chunks[i].task for i in sampling]
         if not tasks:

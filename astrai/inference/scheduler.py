@@ -79,6 +79,8 @@ class InferenceScheduler:
                 self._end(task, TaskStatus.ABORTED, "abort")
 
     def _admit(self) -> None:
+        if len(self.running) >= self.config.max_batch_size:
+            return
         for task in self.manager.waiting():
             if len(self.running) >= self.config.max_batch_size:
                 return
@@ -134,11 +136,7 @@ class InferenceScheduler:
 
     def _fit_chunk(self, task: Task, length: int) -> int:
         """Shrink a prompt chunk to the pages that can be had without preempting anyone."""
-        page_size = self.cache.page_size
-        stats = self.cache.stats()
-        held = len(self.cache.tasks.pages(task.id))
-        capacity = (held + stats.free + stats.cached) * page_size - task.num_computed
-        length = min(length, capacity)
+        length = min(length, self.cache.capacity(task.id) - task.num_computed)
         if length <= 0:
             return 0
         allocated = self.cache.allocate(task.id, task.num_computed + length)
