@@ -65,9 +65,9 @@ async def messages(body: MessagesRequest, request: Request):
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
-        stop=tuple(body.stop_sequences or ()),
+        stop=body.stop_sequences or (),
     )
-    generation = await service.submit([prompt], params)
+    generation = service.submit([prompt], params)
     message = {
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",

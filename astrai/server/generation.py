@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from astrai.inference import GenerationParams, InferenceEngine, StreamEvent, TaskResult
+from astrai.inference import (
+    GenerationParams,
+    GenerationRequest,
+    InferenceEngine,
+    StreamEvent,
+    TaskResult,
+)
 from astrai.inference.task import PromptTooLongError, QueueFullError, RequestError, TokenLogprob
 from astrai.server.errors import APIError
 from astrai.server.metrics import ServerMetrics
@@ -41,13 +47,11 @@ class Generation:
     def __init__(
         self,
         streams: list[AsyncIterator[StreamEvent]],
-        prompt_lengths: list[int],
         n: int,
         metrics: ServerMetrics,
         arrival: float,
     ) -> None:
         self.streams = streams
-        self.prompt_lengths = prompt_lengths
         self.n = n
         self.num_choices = len(streams) * n
         self.metrics = metrics
@@ -131,11 +135,11 @@ class Generation:
 
     def usage(self, results: Sequence[TaskResult]) -> Usage:
         """Token counts of the whole request; a prompt counts once however many samples it has."""
-        cached = sum(results[p * self.n].cached_tokens for p in range(len(self.streams)))
+        firsts = [results[p * self.n] for p in range(len(self.streams))]
         return Usage(
-            prompt_tokens=sum(self.prompt_lengths),
+            prompt_tokens=sum(r.prompt_tokens for r in firsts),
             completion_tokens=sum(r.completion_tokens for r in results),
-            cached_tokens=cached,
+            cached_tokens=sum(r.cached_tokens for r in firsts),
         )
 
 
@@ -177,14 +181,14 @@ class GenerationService:
             )
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The same encoding as InferenceEngine.generate, so greedy results match it."""
         try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        except ChatTemplateError as exc:
+            return self.engine.encode(GenerationRequest(tuple(messages)))
+        except (RequestError, ChatTemplateError) as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
     def text_prompt(self, text: str) -> list[int]:
-        # The same encoding as InferenceEngine.generate, so greedy results match it.
-        return self.tokenizer.encode(text)
+        return self.engine.encode(text)
 
     def params(
         self, prompts: Sequence[list[int]], max_tokens: int | None, **fields
@@ -202,11 +206,14 @@ class GenerationService:
         except RequestError as exc:
             raise APIError(400, str(exc)) from exc
 
-    async def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Generation:
-        """Queue every prompt; if one is refused, abort the others and raise its API error."""
+    def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Generation:
+        """Queue every prompt, or none: a prompt that cannot fit is refused before any is queued,
+        and if the queue fills part-way the ones already queued are aborted."""
         arrival = time.perf_counter()
         streams = []
         try:
+            for prompt in prompts:
+                self.engine.check_fits(len(prompt), params.max_tokens)
             for prompt in prompts:
                 streams.append(self.engine.submit_async(prompt, params))
         except Exception as exc:
@@ -214,7 +221,7 @@ class GenerationService:
                 stream.abort()
             raise _api_error(exc) from exc
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        return Generation(streams, [len(p) for p in prompts], params.n, self.metrics, arrival)
+        return Generation(streams, params.n, self.metrics, arrival)
 
 
 def _api_error(exc: Exception) -> Exception:

@@ -34,8 +34,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict:
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "seed": body.seed,
-        "stop": (body.stop,) if isinstance(body.stop, str) else body.stop and tuple(body.stop),
-        "stop_token_ids": body.stop_token_ids and tuple(body.stop_token_ids),
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
         "n": body.n,
     }
@@ -97,7 +97,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         **_sampling(body),
     )
-    generation = await service.submit([prompt], params)
+    generation = service.submit([prompt], params)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     if body.stream:
@@ -176,7 +176,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "echo is not supported", param="echo")
     prompts = _completion_prompts(service, body.prompt)
     params = service.params(prompts, body.max_tokens, logprobs=body.logprobs, **_sampling(body))
-    generation = await service.submit(prompts, params)
+    generation = service.submit(prompts, params)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     want_logprobs = body.logprobs is not None
