@@ -126,6 +126,32 @@ def test_preemption_keeps_greedy_outputs(model, tokenizer, reference):
     assert [r[0].token_ids for r in results] == expected
 
 
+def test_preemption_mid_generation_recomputes_outputs(model, tokenizer):
+    """Victims that already generated tokens resume with the same tokens, seeded or greedy."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 512) for _ in range(60)] for _ in range(4)]
+    params = [
+        GenerationParams(max_tokens=40, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+        for i in range(4)
+    ]
+    with make_engine(model, tokenizer) as engine:
+        expected = run_ids(engine, prompts, params)
+    # 16 pages of 16 tokens: the four fit while prefilling, not while each grows to 100 tokens
+    with make_engine(model, tokenizer, kv_cache_memory=16 * 16 * kv_bytes(model)) as engine:
+        victims = []
+        preempt = engine.scheduler._preempt
+
+        def record(task):
+            victims.append(len(task.output_ids))
+            preempt(task)
+
+        engine.scheduler._preempt = record
+        results = run_ids(engine, prompts, params)
+    assert any(n > 0 for n in victims)
+    assert [r[0].token_ids for r in results] == [r[0].token_ids for r in expected]
+    assert [r[0].text for r in results] == [r[0].text for r in expected]
+
+
 def test_shared_prefixes_hit_the_cache_and_keep_outputs(model, tokenizer, hf_model):
     rng = random.Random(1)
     system = [rng.randrange(4, 512) for _ in range(100)]
@@ -144,20 +170,26 @@ def test_shared_prefixes_hit_the_cache_and_keep_outputs(model, tokenizer, hf_mod
     assert [r[0].token_ids for r in first + rest] == expected
     assert stats.prefix_hit_rate > 0.3
     assert all(r[0].cached_tokens >= 96 for r in rest[:7])
+    # page 0 matches; page 1 differs, so page 2 (the same tokens as prompt 0's) is not reused
+    assert rest[7][0].cached_tokens == 16
+    assert rest[8][0].cached_tokens == 0
 
 
 def test_cached_pages_are_reclaimed_when_memory_is_needed(model, tokenizer):
     rng = random.Random(2)
     params = GenerationParams(max_tokens=4, temperature=0.0)
     with make_engine(model, tokenizer, kv_cache_memory=24 * 16 * kv_bytes(model)) as engine:
-        for _ in range(6):
-            prompt = [rng.randrange(4, 512) for _ in range(200)]
+        prompts = [[rng.randrange(4, 512) for _ in range(200)] for _ in range(6)]
+        for prompt in prompts:
             [[result]] = run_ids(engine, [prompt], [params])
             assert result.completion_tokens >= 1
+        # the newest prompt's pages are still cached; the oldest were evicted to make room
+        [[last]] = run_ids(engine, [prompts[-1]], [params])
+        [[first]] = run_ids(engine, [prompts[0]], [params])
         stats = engine.get_stats()
+    assert last.cached_tokens == 192
+    assert first.cached_tokens == 0
     assert stats.pages_owned == 0
-    assert stats.pages_cached > 0
-    assert stats.pages_free + stats.pages_cached == stats.pages_total
 
 
 def test_request_that_cannot_fit_is_refused_while_others_complete(model, tokenizer):
@@ -182,6 +214,12 @@ def test_n_samples_share_prompt_pages(model, tokenizer):
     assert [r.cached_tokens for r in group] == [0, 96, 96, 96]
     assert stats.pages_owned == 0
     assert len({tuple(r.token_ids) for r in group}) > 1
+    # the shared pages hold the right K/V: greedy samples all equal the n=1 greedy output
+    with make_engine(model, tokenizer, enable_prefix_cache=False) as engine:
+        [[single]] = run_ids(engine, [prompt], [GenerationParams(max_tokens=6, temperature=0.0)])
+        [greedy] = run_ids(engine, [prompt], [GenerationParams(max_tokens=6, n=4, temperature=0.0)])
+    assert [r.cached_tokens for r in greedy] == [0, 96, 96, 96]
+    assert [r.token_ids for r in greedy] == [single.token_ids] * 4
 
 
 def test_seeded_sampling_is_batch_invariant(model, tokenizer):
@@ -198,6 +236,7 @@ def test_seeded_sampling_is_batch_invariant(model, tokenizer):
         greedy = run_ids(engine, [prompt], [GenerationParams(max_tokens=12, temperature=0.0)])
         top1 = run_ids(engine, [prompt], [GenerationParams(max_tokens=12, top_k=1, seed=9)])
     assert batch[1][0].token_ids == alone.token_ids
+    assert alone.token_ids != greedy[0][0].token_ids  # it really sampled
     assert top1[0][0].token_ids == greedy[0][0].token_ids
 
 
@@ -220,9 +259,12 @@ def test_abandoned_stream_aborts_and_frees_pages(model, tokenizer):
     with make_engine(model, tokenizer) as engine:
         stream = engine.generate("Hello there", max_tokens=200, ignore_eos=True, stream=True)
         next(stream)
+        assert engine.get_stats().running == 1
         stream.close()
-        engine.generate("Hello", max_tokens=2)
-        assert engine.get_stats().pages_owned == 0
+        engine.generate("Hello", max_tokens=2, ignore_eos=True)
+        stats = engine.get_stats()
+    assert stats.pages_owned == 0
+    assert stats.generation_tokens < 100  # aborted long before its 200 tokens
 
 
 def test_stop_strings_cut_the_output(model, tokenizer):

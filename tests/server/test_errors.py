@@ -231,6 +231,7 @@ def test_disconnect_mid_stream_frees_the_pages(server):
         "ignore_eos": True,
     }
     headers = {"Authorization": f"Bearer {server.api_key}"}
+    generated_before = server.engine.get_stats().generation_tokens
     with httpx.stream(
         "POST", f"{server.base_url}/v1/chat/completions", json=body, headers=headers, timeout=30
     ) as response:
@@ -240,6 +241,8 @@ def test_disconnect_mid_stream_frees_the_pages(server):
         assert server.engine.get_stats().pages_owned > 0
     wait_until_idle(server.engine)
     assert metric(server, "astrai_kv_pages_owned") == 0
+    # aborted, not run to the end: far fewer than the 200 tokens asked for were generated
+    assert server.engine.get_stats().generation_tokens - generated_before < 100
 
 
 def test_clients_that_give_up_leave_the_server_responsive(server):
