@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from astrai.inference import TaskDelta, TaskResult
 from astrai.server.errors import CLIENT_CLOSED, APIError, openai_error_body
 from astrai.server.generation import Generation, GenerationService, Usage, check_result
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
@@ -101,7 +102,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     if body.stream:
-        chunks = _chat_chunks(generation, head, service.tokenizer, body.logprobs, body)
+        chunks = _chat_chunks(generation, head, service.tokenizer, body)
         return EventStreamResponse(chunks)
     outputs = await generation.collect(request)
     if outputs is None:
@@ -119,28 +120,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(usage)}
 
 
-async def _chat_chunks(
-    generation: Generation, head: dict, tokenizer, logprobs: bool, body: ChatCompletionRequest
+async def _stream_chunks(
+    generation: Generation,
+    head: dict,
+    obj: str,
+    include_usage: bool,
+    render_delta: Callable[[int, TaskDelta], dict | None],
+    render_finish: Callable[[int, TaskResult], dict],
+    opening: Sequence[dict] = (),
 ) -> AsyncIterator[str]:
-    include_usage = _include_usage(body)
+    """The SSE frames of one streamed OpenAI response, for chat and completions alike.
 
-    def chunk(choices: list[dict]) -> str:
-        data = {**head, "object": "chat.completion.chunk", "choices": choices}
+    Each choice entry comes from the endpoint's renderers; this owns the `usage: null` of every
+    chunk under include_usage, the final usage chunk, errors and the closing [DONE].
+    """
+
+    def chunk(entry: dict) -> str:
+        data = {**head, "object": obj, "choices": [entry]}
         if include_usage:
             data["usage"] = None
         return sse_data(data)
 
-    for i in range(generation.num_choices):
-        delta = {"role": "assistant", "content": ""}
-        yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+    for entry in opening:
+        yield chunk(entry)
     results = {}
     async with aclosing(generation.events()) as events:
         async for choice, event in events:
-            delta = event.delta
-            if delta is not None and (delta.text or (logprobs and delta.logprobs)):
-                entry = {"index": choice, "delta": {"content": delta.text}, "finish_reason": None}
-                lp = chat_logprobs(tokenizer, delta.logprobs or []) if logprobs else None
-                yield chunk([{**entry, "logprobs": lp}])
+            if event.delta is not None:
+                entry = render_delta(choice, event.delta)
+                if entry is not None:
+                    yield chunk(entry)
             if event.result is not None:
                 try:
                     check_result(event.result)
@@ -149,14 +158,53 @@ async def _chat_chunks(
                     yield sse_data("[DONE]")
                     return
                 results[choice] = event.result
-                entry = {"index": choice, "delta": {}, "logprobs": None}
-                yield chunk([{**entry, "finish_reason": event.result.finish_reason}])
+                yield chunk(render_finish(choice, event.result))
     if include_usage:
         usage = generation.usage([results[i] for i in range(generation.num_choices)])
-        yield sse_data(
-            {**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(usage)}
-        )
+        yield sse_data({**head, "object": obj, "choices": [], "usage": _usage(usage)})
     yield sse_data("[DONE]")
+
+
+def _chat_chunks(
+    generation: Generation, head: dict, tokenizer, body: ChatCompletionRequest
+) -> AsyncIterator[str]:
+    def render_delta(choice: int, delta: TaskDelta) -> dict | None:
+        if not (delta.text or (body.logprobs and delta.logprobs)):
+            return None
+        lp = chat_logprobs(tokenizer, delta.logprobs or []) if body.logprobs else None
+        return {
+            "index": choice,
+            "delta": {"content": delta.text},
+            "logprobs": lp,
+            "finish_reason": None,
+        }
+
+    def render_finish(choice: int, result: TaskResult) -> dict:
+        return {
+            "index": choice,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
+
+    opening = [
+        {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for i in range(generation.num_choices)
+    ]
+    return _stream_chunks(
+        generation,
+        head,
+        "chat.completion.chunk",
+        _include_usage(body),
+        render_delta,
+        render_finish,
+        opening,
+    )
 
 
 def _completion_prompts(service: GenerationService, prompt) -> list[list[int]]:
@@ -181,7 +229,7 @@ async def completions(body: CompletionRequest, request: Request):
     head["model"] = service.model_name
     want_logprobs = body.logprobs is not None
     if body.stream:
-        chunks = _completion_chunks(generation, head, service.tokenizer, want_logprobs, body)
+        chunks = _completion_chunks(generation, head, service.tokenizer, body)
         return EventStreamResponse(chunks)
     outputs = await generation.collect(request)
     if outputs is None:
@@ -201,40 +249,30 @@ async def completions(body: CompletionRequest, request: Request):
     return {**head, "object": "text_completion", "choices": choices, "usage": _usage(usage)}
 
 
-async def _completion_chunks(
-    generation: Generation, head: dict, tokenizer, logprobs: bool, body: CompletionRequest
+def _completion_chunks(
+    generation: Generation, head: dict, tokenizer, body: CompletionRequest
 ) -> AsyncIterator[str]:
-    include_usage = _include_usage(body)
+    want_logprobs = body.logprobs is not None
+    offsets = [0] * generation.num_choices  # text_offset carries on across chunks
 
-    def chunk(choice: int, text: str, lp: dict | None, finish_reason: str | None) -> str:
-        entry = {"index": choice, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-        data = {**head, "object": "text_completion", "choices": [entry]}
-        if include_usage:
-            data["usage"] = None
-        return sse_data(data)
+    def render_delta(choice: int, delta: TaskDelta) -> dict | None:
+        if not (delta.text or (want_logprobs and delta.logprobs)):
+            return None
+        lp = None
+        if want_logprobs:
+            lp, offsets[choice] = completion_logprobs(
+                tokenizer, delta.logprobs or [], offsets[choice]
+            )
+        return {"index": choice, "text": delta.text, "logprobs": lp, "finish_reason": None}
 
-    offsets = [0] * generation.num_choices
-    results = {}
-    async with aclosing(generation.events()) as events:
-        async for choice, event in events:
-            delta = event.delta
-            if delta is not None and (delta.text or (logprobs and delta.logprobs)):
-                lp = None
-                if logprobs:
-                    lp, offsets[choice] = completion_logprobs(
-                        tokenizer, delta.logprobs or [], offsets[choice]
-                    )
-                yield chunk(choice, delta.text, lp, None)
-            if event.result is not None:
-                try:
-                    check_result(event.result)
-                except APIError as exc:
-                    yield sse_data(openai_error_body(exc.status, exc.message, None, None))
-                    yield sse_data("[DONE]")
-                    return
-                results[choice] = event.result
-                yield chunk(choice, "", None, event.result.finish_reason)
-    if include_usage:
-        usage = generation.usage([results[i] for i in range(generation.num_choices)])
-        yield sse_data({**head, "object": "text_completion", "choices": [], "usage": _usage(usage)})
-    yield sse_data("[DONE]")
+    def render_finish(choice: int, result: TaskResult) -> dict:
+        return {
+            "index": choice,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
+
+    return _stream_chunks(
+        generation, head, "text_completion", _include_usage(body), render_delta, render_finish
+    )
