@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import site
 import subprocess
 import sys
 import zipfile
@@ -43,9 +44,19 @@ def test_wheel_contains_the_demo_model(wheel):
 
 def test_wheel_generates_in_a_fresh_virtual_environment(wheel, tmp_path):
     venv = tmp_path / "venv"
-    # System site-packages supply torch and the other dependencies; astrai comes from the wheel.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     python = venv / "bin" / "python"
+    # This interpreter's site-packages supply torch and the other dependencies (whether it is
+    # the system Python or a virtual environment itself); astrai comes from the wheel. A .pth
+    # file's directories are searched after the venv's own, and their .pth files (an editable
+    # install of astrai) are not run.
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(purelib) / "parent_site_packages.pth").write_text("\n".join(site.getsitepackages()))
     subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--force-reinstall", "-q", wheel],
         check=True,
