@@ -210,6 +210,7 @@ class Transformer(nn.Module):
         self.output = (
             None if config.tie_weight else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
+        self.packed = False  # True once astrai.model.onednn has packed the linears
 
     def forward(
         self,
@@ -232,8 +233,8 @@ class Transformer(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]  # [num_logits, dim]
         h = self.norm(h)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, weight).float()
+        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        return logits.float()
 
     def forward_dense(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Logits [B, T, vocab_size] (float32) of a padded batch, with no KV cache.
@@ -266,6 +267,11 @@ class Transformer(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the native format: config.json and model.safetensors with native names."""
+        if self.packed:
+            raise RuntimeError(
+                "this model's linears were packed for oneDNN by an InferenceEngine and its "
+                "dense weights are gone; save the model before handing it to an engine"
+            )
         directory = Path(directory)
         self.config.save(directory)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
