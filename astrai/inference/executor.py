@@ -74,7 +74,7 @@ class ModelExecutor:
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             release_openmp_workers()
-        if can_pack(model) and not model.packed:
+        if can_pack(model):
             pack_linears(model)
 
     @torch.inference_mode()

@@ -22,11 +22,12 @@ class OneDnnLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("packed_weight", weight.detach().to_mkldnn(), persistent=False)
-        self.bias = None if bias is None else bias.detach().to_mkldnn()
+        packed_bias = None if bias is None else bias.detach().to_mkldnn()
+        self.register_buffer("packed_bias", packed_bias, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
-        y = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.bias).to_dense()
+        y = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.packed_bias).to_dense()
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -45,12 +46,11 @@ def pack_linears(model: nn.Module) -> None:
     """Replace every nn.Linear of the model, and its lm_head, by a OneDnnLinear, in place.
 
     A tied model keeps its embedding (the lookup needs the dense table) and gains a packed
-    copy of it as the lm_head.
+    copy of it as the lm_head. Packing a packed model changes nothing.
     """
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, OneDnnLinear(child.weight, child.bias))
-    if getattr(model, "output", None) is None:
+    if model.output is None:
         model.output = OneDnnLinear(model.tok_embeddings.weight, None)
-    model.packed = True

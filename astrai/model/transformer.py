@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from astrai.config import ModelConfig
+from astrai.model.onednn import OneDnnLinear
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -210,7 +211,6 @@ class Transformer(nn.Module):
         self.output = (
             None if config.tie_weight else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
-        self.packed = False  # True once astrai.model.onednn has packed the linears
 
     def forward(
         self,
@@ -267,10 +267,10 @@ class Transformer(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the native format: config.json and model.safetensors with native names."""
-        if self.packed:
+        if isinstance(self.output, OneDnnLinear):
             raise RuntimeError(
-                "this model's linears were packed for oneDNN by an InferenceEngine and its "
-                "dense weights are gone; save the model before handing it to an engine"
+                "this model's linears were packed for oneDNN (an InferenceEngine does that on "
+                "CPU) and its dense weights are gone; save the model before handing it to an engine"
             )
         directory = Path(directory)
         self.config.save(directory)

@@ -6,8 +6,10 @@ import pytest
 import torch
 from tiny_models import write_hf_model
 
+from astrai.inference import InferenceEngine
 from astrai.model import AutoModel
 from astrai.model.onednn import OneDnnLinear, can_pack, pack_linears
+from astrai.tokenize import AutoTokenizer
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="PyTorch was built without oneDNN"
@@ -26,8 +28,18 @@ def test_packed_model_gives_the_dense_logits(tmp_path, arch):
         packed = model.forward_dense(ids)
     assert isinstance(model.output, OneDnnLinear)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    modules = list(model.modules())
+    pack_linears(model)  # packing again changes nothing
+    assert all(a is b for a, b in zip(modules, model.modules(), strict=True))
     torch.testing.assert_close(packed, dense, atol=1e-4, rtol=1e-4)
     assert torch.equal(packed.argmax(-1), dense.argmax(-1))
+
+
+def test_engine_packs_a_float32_cpu_model(llama_dir):
+    model = AutoModel.from_pretrained(llama_dir)
+    with InferenceEngine(model, AutoTokenizer.from_pretrained(llama_dir)) as engine:
+        assert isinstance(model.output, OneDnnLinear)
+        assert engine.generate("hello", max_tokens=4, temperature=0.0)
 
 
 def test_packed_model_refuses_to_save(llama_dir, tmp_path):
