@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+try:
+    from astrai.inference import _paged_attention
+except ImportError:  # installed without a C compiler: decodes gather their pages for SDPA
+    _paged_attention = None
+
 
 class CacheInvariantError(RuntimeError):
     """The page accounting is inconsistent: a bug in the cache or in the code that drives it."""
@@ -390,9 +395,10 @@ class PagedCache:
 class CacheView:
     """The model's attention backend for one forward pass over a ragged batch.
 
-    view() resolves every index once -- write slots, the decodes' page tables and key masks,
-    each prompt chunk's pages and causal mask -- so each layer's call is tensor work only: write
-    the layer's new K/V, then one SDPA call per group of decodes and one per prompt chunk.
+    view() resolves every index once -- write slots, the decodes' page tables, each prompt
+    chunk's pages and causal mask -- so each layer's call is tensor work only: write the layer's
+    new K/V, attend the decodes (one C kernel call that reads their pages in place for fp32 on
+    the CPU, else one SDPA call per group of gathered pages), then one SDPA call per prompt chunk.
     """
 
     def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
@@ -423,16 +429,27 @@ class CacheView:
         self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
 
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-        self.decode_groups = [
-            DecodeGroup.build(
-                cache,
-                rows=[offsets[i] for i in group],
-                tables=[tables[i] for i in group],
-                positions=[seqs[i][1] for i in group],
-                all_rows=len(group) == num_tokens,
+        self.decode_groups: list[DecodeGroup | PagedDecode] = []
+        if decodes and PagedDecode.supports(cache):
+            self.decode_groups.append(
+                PagedDecode.build(
+                    cache,
+                    rows=[offsets[i] for i in decodes],
+                    tables=[tables[i] for i in decodes],
+                    positions=[seqs[i][1] for i in decodes],
+                )
             )
-            for group in group_by_context([len(tables[i]) for i in decodes], decodes)
-        ]
+        else:
+            self.decode_groups = [
+                DecodeGroup.build(
+                    cache,
+                    rows=[offsets[i] for i in group],
+                    tables=[tables[i] for i in group],
+                    positions=[seqs[i][1] for i in group],
+                    all_rows=len(group) == num_tokens,
+                )
+                for group in group_by_context([len(tables[i]) for i in decodes], decodes)
+            ]
 
         # (rows, pages, causal mask offset by start); a chunk from position 0 sees only its own
         # new K/V, so it needs neither pages nor an explicit mask.
@@ -457,7 +474,7 @@ class CacheView:
         kv_heads, head_dim = k_layer.shape[-2:]
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         for group in self.decode_groups:
             out = group.attend(k_layer, v_layer, q, out)
         for rows, pages, mask in self.chunks:
@@ -557,3 +574,68 @@ class DecodeGroup:
         if self.rows is None:
             return o
         return out.index_copy_(0, self.rows, o)
+
+
+@dataclass
+class PagedDecode:
+    """All decodes of a step, attended by the C kernel that reads their pages in place.
+
+    For fp32 on the CPU when the extension was built; it needs no gather buffers and no
+    grouping by context length, and each decode's result is independent of the batch.
+    """
+
+    rows: torch.Tensor  # [n] int64, each decode's row in the batch
+    block_tables: torch.Tensor  # [n, max_pages] int64, padded with page 0
+    context_lens: torch.Tensor  # [n] int64, keys each decode sees (its own included)
+
+    @staticmethod
+    def supports(cache: PagedCache) -> bool:
+        k = cache.k_cache
+        return (
+            _paged_attention is not None
+            and k.device.type == "cpu"
+            and k.dtype == torch.float32
+            and k.shape[-1] % 8 == 0  # the kernel scores 8 floats of head_dim at a time
+        )
+
+    @classmethod
+    def build(
+        cls,
+        cache: PagedCache,
+        rows: Sequence[int],
+        tables: Sequence[list[int]],
+        positions: Sequence[int],
+    ) -> PagedDecode:
+        max_pages = max(len(table) for table in tables)
+        padded = [table + [0] * (max_pages - len(table)) for table in tables]
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64),
+            block_tables=torch.tensor(padded, dtype=torch.int64),
+            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int64),
+        )
+
+    def attend(
+        self, k_layer: torch.Tensor, v_layer: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the decodes' attention outputs into out [num_tokens, heads, hd]; return it."""
+        _, _, kv_heads, head_dim = k_layer.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()  # the kernel walks rows of heads x head_dim contiguous floats
+        _paged_attention.decode(
+            out.data_ptr(),
+            q.data_ptr(),
+            k_layer.data_ptr(),
+            v_layer.data_ptr(),
+            self.rows.data_ptr(),
+            self.block_tables.data_ptr(),
+            self.context_lens.data_ptr(),
+            len(self.rows),
+            self.block_tables.shape[1],
+            k_layer.shape[1],
+            q.shape[1],
+            kv_heads,
+            head_dim,
+            q.stride(0),
+            head_dim**-0.5,
+        )
+        return out

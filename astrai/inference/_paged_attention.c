@@ -1,0 +1,183 @@
+/* Decode attention that reads the paged KV cache in place, for fp32 on the CPU.
+ *
+ * Gathering each decode's pages into a contiguous buffer and calling SDPA copies every K/V
+ * byte once more and runs a flash kernel tuned for long queries on one-token ones: at 64
+ * decodes of 100-380 tokens the gather and SDPA took as long as all the model's linears
+ * (benchmarks/README.md). Here every (sequence, kv head) pair is one OpenMP work item that
+ * walks its pages once for K and once for V, serving all the query heads of its group from
+ * each key it loads. Each sequence is computed alone in a fixed order, so its result does not
+ * depend on what else is in the batch.
+ *
+ * The extension links libgomp by soname, so in a process that imported torch first it shares
+ * torch's OpenMP runtime and thread pool instead of starting a second one.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+typedef struct {
+    float *out;           /* [num_tokens, n_heads, head_dim], contiguous */
+    const float *q;       /* rows of q_row_stride floats; heads contiguous within a row */
+    const float *k_cache; /* [n_pages, page_size, kv_heads, head_dim], one layer */
+    const float *v_cache;
+    const int64_t *rows;         /* [n] the batch row of each decode */
+    const int64_t *block_tables; /* [n, max_pages] */
+    const int64_t *context_lens; /* [n] keys each decode attends to, its own included */
+    int64_t n, max_pages, page_size, n_heads, kv_heads, head_dim, q_row_stride;
+    float scale;
+} DecodeBatch;
+
+/* Where token t of a sequence with these pages lies in one layer's K or V cache. The page
+ * size is a power of two in practice, and a shift and a mask cost far less than a division. */
+static inline const float *page_token(const DecodeBatch *b, const float *cache,
+                                      const int64_t *pages, int64_t t) {
+    const int64_t token_stride = b->kv_heads * b->head_dim;
+    if ((b->page_size & (b->page_size - 1)) == 0) {
+        const int shift = __builtin_ctzll((unsigned long long)b->page_size);
+        return cache + (pages[t >> shift] << shift | (t & (b->page_size - 1))) * token_stride;
+    }
+    return cache + (pages[t / b->page_size] * b->page_size + t % b->page_size) * token_stride;
+}
+
+/* Keys scored together: their dot products are independent chains of FMAs, where one dot
+ * product alone would wait on its own accumulator at every step. */
+#define KEY_BLOCK 8
+#define LANES 8
+
+/* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
+ * [kv_begin, kv_end). scores is scratch of (kv_end - kv_begin) * group * context_len floats.
+ * head_dim is a multiple of LANES. */
+VECTOR_CLONES
+static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
+                   float *scores) {
+    const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
+    const int64_t ctx = b->context_lens[i], n_heads = (kv_end - kv_begin) * group;
+    const int64_t *pages = b->block_tables + i * b->max_pages;
+    const int64_t first_head = kv_begin * group;
+    const float *q = b->q + b->rows[i] * b->q_row_stride + first_head * hd; /* [n_heads, hd] */
+    float *out = b->out + (b->rows[i] * b->n_heads + first_head) * hd;       /* [n_heads, hd] */
+
+    for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
+        const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
+        const float *keys[KEY_BLOCK];
+        for (int64_t j = 0; j < KEY_BLOCK; j++)
+            keys[j] = page_token(b, b->k_cache, pages, t0 + (j < n_keys ? j : 0)) + kv_begin * hd;
+        for (int64_t h = 0; h < n_heads; h++) {
+            const float *qh = q + h * hd;
+            const int64_t k_offset = (h / group) * hd;
+            float acc[KEY_BLOCK][LANES] = {{0.0f}};
+            for (int64_t d0 = 0; d0 < hd; d0 += LANES)
+                for (int64_t j = 0; j < KEY_BLOCK; j++)
+                    for (int64_t l = 0; l < LANES; l++)
+                        acc[j][l] += qh[d0 + l] * keys[j][k_offset + d0 + l];
+            for (int64_t j = 0; j < n_keys; j++) {
+                float dot = 0.0f;
+                for (int64_t l = 0; l < LANES; l++) dot += acc[j][l];
+                scores[h * ctx + t0 + j] = dot * b->scale;
+            }
+        }
+    }
+    for (int64_t h = 0; h < n_heads; h++) {
+        float *s = scores + h * ctx, max = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < ctx; t++) max = s[t] > max ? s[t] : max;
+        for (int64_t t = 0; t < ctx; t++) {
+            s[t] = expf(s[t] - max);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
+        for (int64_t d = 0; d < hd; d++) out[h * hd + d] = 0.0f;
+    }
+    for (int64_t t = 0; t < ctx; t++) {
+        const float *v = page_token(b, b->v_cache, pages, t) + kv_begin * hd;
+        for (int64_t h = 0; h < n_heads; h++) {
+            const float p = scores[h * ctx + t];
+            const float *vh = v + (h / group) * hd;
+            float *oh = out + h * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; d++) oh[d] += p * vh[d];
+        }
+    }
+}
+
+/* One work item per decode when there are enough to keep every thread busy, else one per
+ * (decode, kv head). Returns 0, or -1 when scratch memory could not be had. */
+static int attend_all(const DecodeBatch *b) {
+    const int64_t kv_per_item = b->n >= 4 * omp_get_max_threads() ? b->kv_heads : 1;
+    const int64_t items_per_decode = b->kv_heads / kv_per_item;
+    const int64_t group = b->n_heads / b->kv_heads;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t item = 0; item < b->n * items_per_decode; item++) {
+        const int64_t i = item / items_per_decode;
+        const int64_t kv_begin = item % items_per_decode * kv_per_item;
+        float *scores = malloc(sizeof(float) * kv_per_item * group * b->context_lens[i]);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        attend(b, i, kv_begin, kv_begin + kv_per_item, scores);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+static PyObject *decode(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_ssize_t out, q, k_cache, v_cache, rows, block_tables, context_lens;
+    Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim, q_row_stride;
+    float scale;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnf", &out, &q, &k_cache, &v_cache, &rows,
+                          &block_tables, &context_lens, &n, &max_pages, &page_size, &n_heads,
+                          &kv_heads, &head_dim, &q_row_stride, &scale))
+        return NULL;
+    const DecodeBatch b = {
+        .out = (float *)out,
+        .q = (const float *)q,
+        .k_cache = (const float *)k_cache,
+        .v_cache = (const float *)v_cache,
+        .rows = (const int64_t *)rows,
+        .block_tables = (const int64_t *)block_tables,
+        .context_lens = (const int64_t *)context_lens,
+        .n = n,
+        .max_pages = max_pages,
+        .page_size = page_size,
+        .n_heads = n_heads,
+        .kv_heads = kv_heads,
+        .head_dim = head_dim,
+        .q_row_stride = q_row_stride,
+        .scale = scale,
+    };
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = attend_all(&b);
+    Py_END_ALLOW_THREADS;
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode", decode, METH_VARARGS,
+     "decode(out, q, k_cache, v_cache, rows, block_tables, context_lens, n, max_pages, "
+     "page_size, n_heads, kv_heads, head_dim, q_row_stride, scale): data pointers, then sizes."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef definition = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_paged_attention",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__paged_attention(void) { return PyModule_Create(&definition); }
