@@ -12,7 +12,6 @@ import torch
 from astrai.inference.cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import Task, TokenLogprob
-from astrai.model.onednn import can_pack, pack_linears
 
 
 @dataclass
@@ -74,8 +73,6 @@ class ModelExecutor:
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             release_openmp_workers()
-        if can_pack(model):
-            pack_linears(model)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:

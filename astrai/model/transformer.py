@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from astrai.config import ModelConfig
-from astrai.model.onednn import OneDnnLinear
+from astrai.model.linear import Linear, linear
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -149,8 +149,8 @@ class Attention(nn.Module):
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.wo = nn.Linear(q_size, config.dim, bias=False)
+        self.wqkv = Linear(config.dim, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.wo = Linear(q_size, config.dim, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
 
@@ -174,8 +174,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.w13 = nn.Linear(config.dim, 2 * config.dim_ffn, bias=False)
-        self.w2 = nn.Linear(config.dim_ffn, config.dim, bias=False)
+        self.w13 = Linear(config.dim, 2 * config.dim_ffn, bias=False)
+        self.w2 = Linear(config.dim_ffn, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)  # [num_tokens, dim_ffn] each
@@ -209,7 +209,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # A tied model has no output weight of its own, so none is saved or loaded.
         self.output = (
-            None if config.tie_weight else nn.Linear(config.dim, config.vocab_size, bias=False)
+            None if config.tie_weight else Linear(config.dim, config.vocab_size, bias=False)
         )
 
     def forward(
@@ -233,7 +233,7 @@ class Transformer(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]  # [num_logits, dim]
         h = self.norm(h)
-        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        logits = linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
         return logits.float()
 
     def forward_dense(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -267,11 +267,6 @@ class Transformer(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the native format: config.json and model.safetensors with native names."""
-        if isinstance(self.output, OneDnnLinear):
-            raise RuntimeError(
-                "this model's linears were packed for oneDNN (an InferenceEngine does that on "
-                "CPU) and its dense weights are gone; save the model before handing it to an engine"
-            )
         directory = Path(directory)
         self.config.save(directory)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}

@@ -188,4 +188,7 @@ def test_forward_captures_as_one_graph():
     compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
     with torch.no_grad():
         expected = model.forward(ids, positions, attention, torch.tensor([2, 4]))
-        assert torch.equal(compiled(ids, positions, attention, torch.tensor([2, 4])), expected)
+        # Close, not equal: eager runs the skinny-linear kernel, the traced graph F.linear.
+        torch.testing.assert_close(
+            compiled(ids, positions, attention, torch.tensor([2, 4])), expected
+        )

@@ -1,0 +1,66 @@
+"""Linear layers whose few-row fp32 products on the CPU run on the _skinny_linear kernel.
+
+A decode step multiplies a few rows (one per running sequence) by every weight of the model,
+so it is bound by how fast the weights stream from memory. MKL, which F.linear calls, does
+that badly at small M; the C kernel reads each weight once across all threads. Measured on a
+2-core AMD EPYC over all 120 linears of a SmolLM2-135M-shaped model: 1 row 34 -> 17 ms,
+8 rows 47 -> 28 ms, 32 rows 89 -> 62 ms, a tie at 64 and 128, MKL ahead at 256
+(benchmarks/README.md). Bigger products (prefill) and other dtypes and devices stay on
+F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    from astrai.model import _skinny_linear
+except ImportError:  # installed without a C compiler: every product runs on F.linear
+    _skinny_linear = None
+
+SKINNY_MAX_ROWS = 64
+
+
+def runs_skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether linear(x, weight, bias) takes the skinny kernel rather than F.linear."""
+    tensors = [x, weight] if bias is None else [x, weight, bias]
+    return (
+        _skinny_linear is not None
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and x.numel() // weight.shape[1] <= SKINNY_MAX_ROWS
+        and weight.shape[1] % 8 == 0  # the kernel reads 8 floats of a row at a time
+        and weight.is_contiguous()
+        and (bias is None or bias.is_contiguous())
+        # The kernel has no backward: training and gradients stay on F.linear.
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        # torch.compile traces F.linear and picks its own kernels.
+        and not torch.compiler.is_compiling()
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias), on the skinny kernel where it is faster."""
+    if not runs_skinny(x, weight, bias):
+        return F.linear(x, weight, bias)
+    x = x.contiguous()
+    out_features, in_features = weight.shape
+    out = x.new_empty(*x.shape[:-1], out_features)
+    _skinny_linear.linear(
+        out.data_ptr(),
+        x.data_ptr(),
+        weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        x.numel() // in_features,
+        in_features,
+        out_features,
+    )
+    return out
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose forward is linear()."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)

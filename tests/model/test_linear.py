@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.model import linear as linear_module
+from astrai.model.linear import SKINNY_MAX_ROWS, Linear, linear, runs_skinny
+
+needs_kernel = pytest.mark.skipif(
+    linear_module._skinny_linear is None, reason="the C skinny-linear kernel was not built"
+)
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+def test_kernel_is_built_where_a_compiler_is():
+    assert linear_module._skinny_linear is not None, "pip install should have built it"
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, SKINNY_MAX_ROWS])
+@pytest.mark.parametrize(("in_features", "out_features"), [(8, 5), (24, 8), (64, 13)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_kernel_matches_f_linear(rows, in_features, out_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 100 + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    assert runs_skinny(x, weight, bias)
+    torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+@needs_kernel
+def test_leading_dimensions_and_strided_input():
+    x = torch.randn(3, 2, 32)[:, :, :16]  # [3, 2, 16], not contiguous
+    weight = torch.randn(6, 16)
+    assert runs_skinny(x, weight)
+    out = linear(x, weight)
+    assert out.shape == (3, 2, 6)
+    torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["too many rows", "in_features not a multiple of 8", "bfloat16", "needs gradients"],
+)
+def test_products_the_kernel_cannot_take_stay_on_f_linear(case):
+    x, weight = torch.randn(4, 16), torch.randn(8, 16)
+    if case == "too many rows":
+        x = torch.randn(SKINNY_MAX_ROWS + 1, 16)
+    elif case == "in_features not a multiple of 8":
+        x, weight = torch.randn(4, 12), torch.randn(8, 12)
+    elif case == "bfloat16":
+        x, weight = x.bfloat16(), weight.bfloat16()
+    else:
+        weight.requires_grad_()
+    assert not runs_skinny(x, weight)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
+
+
+def test_linear_module_keeps_nn_linear_parameters_and_trains():
+    layer = Linear(16, 4)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    layer(torch.randn(2, 16)).sum().backward()
+    assert layer.weight.grad is not None
