@@ -53,18 +53,55 @@ static inline const float *page_token(const DecodeBatch *b, const float *cache,
 #define KEY_BLOCK 8
 #define LANES 8
 
+typedef float vec8 __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t int8v __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline __attribute__((always_inline)) vec8 load8(const float *p) {
+    vec8 v;
+    __builtin_memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+static inline __attribute__((always_inline)) float sum8(vec8 v) {
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += v[l];
+    return sum;
+}
+
+/* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,
+ * exp(r) by its Taylor series to r^7. Below -87.3 it returns exp(-87.3) ~ 1e-38, not 0: the
+ * softmax this serves always has a term of 1, so the difference is far below rounding. */
+static inline __attribute__((always_inline)) vec8 exp_nonpositive(vec8 x) {
+    const vec8 floor_x = x * 0.0f - 87.3f;
+    const int8v clamp = x < floor_x;
+    x = (vec8)(((int8v)x & ~clamp) | ((int8v)floor_x & clamp));
+    const int8v n = __builtin_convertvector(x * 1.44269504f - 0.5f, int8v); /* trunc: x <= 0 */
+    const vec8 nf = __builtin_convertvector(n, vec8);
+    const vec8 r = x - nf * 0.693359375f - nf * -2.12194440e-4f; /* ln 2 in two parts */
+    vec8 p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vec8)((n + 127) << 23);
+}
+
 /* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
- * [kv_begin, kv_end). scores is scratch of (kv_end - kv_begin) * group * context_len floats.
- * head_dim is a multiple of LANES. */
+ * [kv_begin, kv_end). scratch holds scores_len(...) floats. head_dim is a multiple of LANES. */
 VECTOR_CLONES
 static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
-                   float *scores) {
+                   float *scratch) {
     const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
     const int64_t ctx = b->context_lens[i], n_heads = (kv_end - kv_begin) * group;
+    const int64_t stride = (ctx + LANES - 1) / LANES * LANES; /* a head's row of scores */
     const int64_t *pages = b->block_tables + i * b->max_pages;
     const int64_t first_head = kv_begin * group;
     const float *q = b->q + b->rows[i] * b->q_row_stride + first_head * hd; /* [n_heads, hd] */
     float *out = b->out + (b->rows[i] * b->n_heads + first_head) * hd;       /* [n_heads, hd] */
+    float *scores = scratch;                                   /* [n_heads, stride] */
+    const float **values = (const float **)(scores + n_heads * stride); /* [ctx] V rows */
 
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
@@ -74,39 +111,53 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
         for (int64_t h = 0; h < n_heads; h++) {
             const float *qh = q + h * hd;
             const int64_t k_offset = (h / group) * hd;
-            float acc[KEY_BLOCK][LANES] = {{0.0f}};
-            for (int64_t d0 = 0; d0 < hd; d0 += LANES)
-                for (int64_t j = 0; j < KEY_BLOCK; j++)
-                    for (int64_t l = 0; l < LANES; l++)
-                        acc[j][l] += qh[d0 + l] * keys[j][k_offset + d0 + l];
-            for (int64_t j = 0; j < n_keys; j++) {
-                float dot = 0.0f;
-                for (int64_t l = 0; l < LANES; l++) dot += acc[j][l];
-                scores[h * ctx + t0 + j] = dot * b->scale;
+            vec8 acc[KEY_BLOCK] = {{0.0f}};
+            for (int64_t d0 = 0; d0 < hd; d0 += LANES) {
+                const vec8 qv = load8(qh + d0);
+                for (int j = 0; j < KEY_BLOCK; j++) acc[j] += qv * load8(keys[j] + k_offset + d0);
             }
+            for (int64_t j = 0; j < n_keys; j++) scores[h * stride + t0 + j] = sum8(acc[j]) * b->scale;
         }
     }
+
+    /* softmax over each head's scores; the padding past ctx is set to the max, so its exp is
+     * exactly 1 and is taken back out of the sum */
     for (int64_t h = 0; h < n_heads; h++) {
-        float *s = scores + h * ctx, max = -INFINITY, sum = 0.0f;
+        float *s = scores + h * stride, max = -INFINITY;
         for (int64_t t = 0; t < ctx; t++) max = s[t] > max ? s[t] : max;
-        for (int64_t t = 0; t < ctx; t++) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
+        for (int64_t t = ctx; t < stride; t++) s[t] = max;
+        vec8 sums = {0.0f};
+        for (int64_t t0 = 0; t0 < stride; t0 += LANES) {
+            const vec8 e = exp_nonpositive(load8(s + t0) - max);
+            __builtin_memcpy(s + t0, &e, sizeof e);
+            sums += e;
         }
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / (sum8(sums) - (float)(stride - ctx)); /* padding gave exp(0) */
         for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
-        for (int64_t d = 0; d < hd; d++) out[h * hd + d] = 0.0f;
     }
-    for (int64_t t = 0; t < ctx; t++) {
-        const float *v = page_token(b, b->v_cache, pages, t) + kv_begin * hd;
-        for (int64_t h = 0; h < n_heads; h++) {
-            const float p = scores[h * ctx + t];
-            const float *vh = v + (h / group) * hd;
-            float *oh = out + h * hd;
-#pragma omp simd
-            for (int64_t d = 0; d < hd; d++) oh[d] += p * vh[d];
+
+    /* out = scores @ V, one LANES-wide slice of head_dim at a time, four tokens in flight */
+    for (int64_t t = 0; t < ctx; t++) values[t] = page_token(b, b->v_cache, pages, t);
+    for (int64_t h = 0; h < n_heads; h++) {
+        const float *s = scores + h * stride;
+        const int64_t v_offset = (kv_begin + h / group) * hd;
+        for (int64_t d0 = 0; d0 < hd; d0 += LANES) {
+            vec8 acc[4] = {{0.0f}};
+            int64_t t = 0;
+            for (; t + 4 <= ctx; t += 4)
+                for (int u = 0; u < 4; u++) acc[u] += s[t + u] * load8(values[t + u] + v_offset + d0);
+            for (; t < ctx; t++) acc[0] += s[t] * load8(values[t] + v_offset + d0);
+            const vec8 o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+            __builtin_memcpy(out + h * hd + d0, &o, sizeof o);
         }
     }
+}
+
+/* Floats of scratch attend() needs for kv_per_item kv heads of a decode of ctx keys. */
+static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ctx) {
+    const int64_t stride = (ctx + LANES - 1) / LANES * LANES;
+    const int64_t pointer_floats = (ctx * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
+    return kv_per_item * (b->n_heads / b->kv_heads) * stride + pointer_floats;
 }
 
 /* One work item per decode when there are enough to keep every thread busy, else one per
@@ -114,20 +165,25 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
 static int attend_all(const DecodeBatch *b) {
     const int64_t kv_per_item = b->n >= 4 * omp_get_max_threads() ? b->kv_heads : 1;
     const int64_t items_per_decode = b->kv_heads / kv_per_item;
-    const int64_t group = b->n_heads / b->kv_heads;
+    int64_t max_ctx = 0;
+    for (int64_t i = 0; i < b->n; i++) max_ctx = b->context_lens[i] > max_ctx ? b->context_lens[i] : max_ctx;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t item = 0; item < b->n * items_per_decode; item++) {
-        const int64_t i = item / items_per_decode;
-        const int64_t kv_begin = item % items_per_decode * kv_per_item;
-        float *scores = malloc(sizeof(float) * kv_per_item * group * b->context_lens[i]);
-        if (scores == NULL) {
+#pragma omp parallel
+    {
+        /* one scratch buffer per thread, for the longest context */
+        float *scratch = malloc(sizeof(float) * scratch_len(b, kv_per_item, max_ctx));
+        if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
-            continue;
         }
-        attend(b, i, kv_begin, kv_begin + kv_per_item, scores);
-        free(scores);
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < b->n * items_per_decode; item++) {
+            if (scratch == NULL) continue;
+            const int64_t i = item / items_per_decode;
+            const int64_t kv_begin = item % items_per_decode * kv_per_item;
+            attend(b, i, kv_begin, kv_begin + kv_per_item, scratch);
+        }
+        free(scratch);
     }
     return failed ? -1 : 0;
 }

@@ -71,6 +71,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op instead of six, with the same result bit for bit in fp32 (tested);
+            # in bf16 it would round once where transformers rounds twice.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -127,14 +131,16 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """Rotate x [num_tokens, heads, head_dim] in transformers' rotate_half layout.
 
-    The two halves of head_dim are the (real, imaginary) parts; cos/sin are
-    [num_tokens, 1, head_dim // 2], already cast to x's dtype as transformers does.
+    The two halves of head_dim are the (real, imaginary) parts. cos is [num_tokens, 1, head_dim]
+    (the half-width cos twice), signed_sin is (-sin, sin), both already cast to x's dtype as
+    transformers does. x * cos + swap_halves(x) * signed_sin is transformers'
+    x * cos + rotate_half(x) * sin term for term (adding -a is subtracting a, exactly), in four
+    tensor ops instead of eight.
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -226,8 +232,9 @@ class Transformer(nn.Module):
         Returns float32 [len(logits_indices) or num_tokens, vocab_size].
         """
         h = self.tok_embeddings(input_ids)  # [num_tokens, dim]
-        # [num_tokens, 1, head_dim // 2], cast once for every layer
         cos, sin = (t.to(h.dtype)[:, None, :] for t in self.rope(positions))
+        # [num_tokens, 1, head_dim], built once for every layer
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         for layer in self.layers:
             h = layer(h, cos, sin, attention)
         if logits_indices is not None:
