@@ -24,17 +24,27 @@ SKINNY_MAX_ROWS = 64
 
 
 def runs_skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether linear(x, weight, bias) takes the skinny kernel rather than F.linear."""
-    tensors = [x, weight] if bias is None else [x, weight, bias]
+    """Whether linear(x, weight, bias) takes the skinny kernel rather than F.linear.
+
+    Called for every linear of every step, so the cheapest tests come first.
+    """
     return (
         _skinny_linear is not None
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and x.numel() // weight.shape[1] <= SKINNY_MAX_ROWS
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.is_cpu
+        and weight.is_cpu
+        and x.numel() <= SKINNY_MAX_ROWS * weight.shape[1]
         and weight.shape[1] % 8 == 0  # the kernel reads 8 floats of a row at a time
         and weight.is_contiguous()
-        and (bias is None or bias.is_contiguous())
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         # The kernel has no backward: training and gradients stay on F.linear.
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and not (
+            torch.is_grad_enabled()
+            and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            )
+        )
         # torch.compile traces F.linear and picks its own kernels.
         and not torch.compiler.is_compiling()
     )
