@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
+from astrai.inference import cache as cache_module
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.model import AutoModel
+from astrai.model import linear as linear_module
 from astrai.tokenize import AutoTokenizer
 
 
@@ -111,6 +113,19 @@ def test_greedy_batch_equals_transformers(model, tokenizer, reference, config):
         assert result[0].token_ids == want
         stopped = bool(want) and want[-1] in tokenizer.stop_token_ids
         assert result[0].finish_reason == ("stop" if stopped else "length")
+
+
+def test_greedy_batch_equals_transformers_on_pytorch_ops_alone(
+    model, tokenizer, reference, monkeypatch
+):
+    """The path of an install without a C compiler: SDPA decode attention and F.linear."""
+    monkeypatch.setattr(cache_module, "_paged_attention", None)
+    monkeypatch.setattr(linear_module, "_skinny_linear", None)
+    prompts, max_tokens, expected = reference
+    params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    with make_engine(model, tokenizer, max_num_batched_tokens=48) as engine:
+        results = run_ids(engine, prompts, params)
+    assert [result[0].token_ids for result in results] == expected
 
 
 def test_preemption_keeps_greedy_outputs(model, tokenizer, reference):
