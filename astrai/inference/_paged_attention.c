@@ -16,13 +16,10 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+
+#include "vec8.h"
 #include <stdlib.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define VECTOR_CLONES
-#endif
 
 typedef struct {
     float *out;           /* [num_tokens, n_heads, head_dim], contiguous */
@@ -51,22 +48,8 @@ static inline const float *page_token(const DecodeBatch *b, const float *cache,
 /* Keys scored together: their dot products are independent chains of FMAs, where one dot
  * product alone would wait on its own accumulator at every step. */
 #define KEY_BLOCK 8
-#define LANES 8
 
-typedef float vec8 __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t int8v __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-static inline __attribute__((always_inline)) vec8 load8(const float *p) {
-    vec8 v;
-    __builtin_memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-static inline __attribute__((always_inline)) float sum8(vec8 v) {
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += v[l];
-    return sum;
-}
 
 /* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,
  * exp(r) by its Taylor series to r^7. Below -87.3 it returns exp(-87.3) ~ 1e-38, not 0: the
@@ -89,7 +72,7 @@ static inline __attribute__((always_inline)) vec8 exp_nonpositive(vec8 x) {
 }
 
 /* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
- * [kv_begin, kv_end). scratch holds scores_len(...) floats. head_dim is a multiple of LANES. */
+ * [kv_begin, kv_end). scratch holds scratch_len(...) floats. head_dim is a multiple of LANES. */
 VECTOR_CLONES
 static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
                    float *scratch) {
@@ -129,7 +112,7 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
         vec8 sums = {0.0f};
         for (int64_t t0 = 0; t0 < stride; t0 += LANES) {
             const vec8 e = exp_nonpositive(load8(s + t0) - max);
-            __builtin_memcpy(s + t0, &e, sizeof e);
+            store8(s + t0, e);
             sums += e;
         }
         const float inv = 1.0f / (sum8(sums) - (float)(stride - ctx)); /* padding gave exp(0) */
@@ -148,7 +131,7 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
                 for (int u = 0; u < 4; u++) acc[u] += s[t + u] * load8(values[t + u] + v_offset + d0);
             for (; t < ctx; t++) acc[0] += s[t] * load8(values[t] + v_offset + d0);
             const vec8 o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-            __builtin_memcpy(out + h * hd + d0, &o, sizeof o);
+            store8(out + h * hd + d0, o);
         }
     }
 }

@@ -14,26 +14,15 @@
 #include <Python.h>
 #include <stdint.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define VECTOR_CLONES
-#endif
+#include "vec8.h"
+
 
 /* W rows and x rows whose dot products run together: ROW_BLOCK * X_BLOCK independent FMA
  * chains that fit in the vector registers, few enough streams from memory for the hardware
  * prefetcher to follow, and each loaded vector of W used for X_BLOCK rows of x. */
 #define ROW_BLOCK 4
 #define X_BLOCK 2
-#define LANES 8
 
-typedef float vec8 __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline __attribute__((always_inline)) vec8 load8(const float *p) {
-    vec8 v;
-    __builtin_memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
 
 /* out[m0 : m0 + n_x, n0 : n0 + ROW_BLOCK] for n_x <= X_BLOCK, from the W rows w. Inlined
  * with n_x a constant, so the accumulators live in vector registers. */
@@ -52,8 +41,7 @@ static inline __attribute__((always_inline)) void tile(float *out, const float *
     }
     for (int i = 0; i < n_x; i++)
         for (int r = 0; r < ROW_BLOCK && n0 + r < n_out; r++) {
-            float dot = 0.0f;
-            for (int l = 0; l < LANES; l++) dot += acc[i][r][l];
+            const float dot = sum8(acc[i][r]);
             out[(m0 + i) * n_out + n0 + r] = bias == NULL ? dot : dot + bias[n0 + r];
         }
 }
