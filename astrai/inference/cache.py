@@ -429,16 +429,16 @@ class CacheView:
         self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
 
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-        self.decode_groups: list[DecodeGroup | PagedDecode] = []
+        self.decode_groups: list[DecodeGroup | PagedDecode]
         if decodes and PagedDecode.supports(cache):
-            self.decode_groups.append(
+            self.decode_groups = [
                 PagedDecode.build(
                     cache,
                     rows=[offsets[i] for i in decodes],
                     tables=[tables[i] for i in decodes],
                     positions=[seqs[i][1] for i in decodes],
                 )
-            )
+            ]
         else:
             self.decode_groups = [
                 DecodeGroup.build(
