@@ -2,8 +2,9 @@
 
 One 128-token prompt, 256 new tokens, on the SmolLM2-135M-shaped random model. The roofline
 is the bandwidth of a large tensor copy (measured here, now) divided by the bytes of weights a
-decode step reads. Decode speed is timed from the first new token to the last, so the prefill
-is not in it.
+decode step reads; the read-only roofline does the same with the bandwidth of a large sum,
+which only reads, like a decode step. Decode speed is timed from the first new token to the
+last, so the prefill is not in it.
 
     python benchmarks/decode_roofline.py                   # fp32 and bf16, 2 threads
     python benchmarks/decode_roofline.py --dtype float32 --repeats 3
@@ -17,7 +18,7 @@ import random
 import time
 
 import torch
-from machine import copy_bandwidth, weight_bytes_per_token
+from machine import copy_bandwidth, read_bandwidth, weight_bytes_per_token
 from offline_throughput import _NoTextTokenizer
 from workload import SMOLLM2_135M, write_random_model
 
@@ -75,7 +76,7 @@ def main() -> None:
     )
     print(
         f"{'dtype':<10}{'engine':<14}{'tok/s':>8}{'roofline':>10}{'of roofline':>13}"
-        f"{'GB/s':>7}{'MB/step':>9}"
+        f"{'GB/s':>7}{'MB/step':>9}{'of read-only roofline':>23}{'read GB/s':>11}"
     )
     for dtype_name in args.dtype or ["float32", "bfloat16"]:
         dtype = getattr(torch, dtype_name)
@@ -89,12 +90,13 @@ def main() -> None:
         )
         del hf_model
         # Measured after the engines, on the same warm machine and the same load.
-        bandwidth = copy_bandwidth()
-        roofline = bandwidth / step_bytes
+        bandwidth, read = copy_bandwidth(), read_bandwidth()
+        roofline, read_roofline = bandwidth / step_bytes, read / step_bytes
         for name, tok_s in (("astrai", rate), ("transformers", peer)):
             print(
                 f"{dtype_name:<10}{name:<14}{tok_s:>8.1f}{roofline:>10.1f}"
                 f"{tok_s / roofline:>12.0%}{bandwidth / 1e9:>8.1f}{step_bytes / 1e6:>9.0f}"
+                f"{tok_s / read_roofline:>22.0%}{read / 1e9:>11.1f}"
             )
 
 

@@ -31,6 +31,16 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / best_seconds(lambda: dst.copy_(src), repeats=5)
 
 
+def read_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Memory bandwidth in bytes/s of only reading: a sum over a large tensor, on all threads.
+
+    A decode step only reads its weights. A copy also writes, and the memory system serves
+    reads and writes side by side, so the copy's bytes/s can exceed what reading alone reaches.
+    """
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / best_seconds(src.sum, repeats=5)
+
+
 def matmul_rate(dtype: torch.dtype, size: int = 2048) -> float:
     """FLOP/s of a square [size, size] @ [size, size] matmul in dtype."""
     a = torch.randn(size, size).to(dtype)
