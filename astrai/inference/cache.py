@@ -431,12 +431,12 @@ class CacheView:
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
         self.decode_groups: list[DecodeGroup | PagedDecode]
         if decodes and PagedDecode.supports(cache):
+            index = torch.tensor(decodes, device=device)
             self.decode_groups = [
-                PagedDecode.build(
-                    cache,
-                    rows=[offsets[i] for i in decodes],
-                    tables=[tables[i] for i in decodes],
-                    positions=[seqs[i][1] for i in decodes],
+                PagedDecode(
+                    rows=first_rows[index],
+                    block_tables=block_table[index],
+                    context_lens=starts[index] + 1,
                 )
             ]
         else:
@@ -585,7 +585,7 @@ class PagedDecode:
     """
 
     rows: torch.Tensor  # [n] int64, each decode's row in the batch
-    block_tables: torch.Tensor  # [n, max_pages] int64, padded with page 0
+    block_tables: torch.Tensor  # [n, max_pages] int64, padded with page 0; contiguous
     context_lens: torch.Tensor  # [n] int64, keys each decode sees (its own included)
 
     @staticmethod
@@ -596,22 +596,6 @@ class PagedDecode:
             and k.device.type == "cpu"
             and k.dtype == torch.float32
             and k.shape[-1] % 8 == 0  # the kernel scores 8 floats of head_dim at a time
-        )
-
-    @classmethod
-    def build(
-        cls,
-        cache: PagedCache,
-        rows: Sequence[int],
-        tables: Sequence[list[int]],
-        positions: Sequence[int],
-    ) -> PagedDecode:
-        max_pages = max(len(table) for table in tables)
-        padded = [table + [0] * (max_pages - len(table)) for table in tables]
-        return cls(
-            rows=torch.tensor(rows, dtype=torch.int64),
-            block_tables=torch.tensor(padded, dtype=torch.int64),
-            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int64),
         )
 
     def attend(
