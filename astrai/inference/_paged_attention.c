@@ -3,10 +3,10 @@
  * Gathering each decode's pages into a contiguous buffer and calling SDPA copies every K/V
  * byte once more and runs a flash kernel tuned for long queries on one-token ones: at 64
  * decodes of 100-380 tokens the gather and SDPA took as long as all the model's linears
- * (benchmarks/README.md). Here every (sequence, kv head) pair is one OpenMP work item that
- * walks its pages once for K and once for V, serving all the query heads of its group from
- * each key it loads. Each sequence is computed alone in a fixed order, so its result does not
- * depend on what else is in the batch.
+ * (benchmarks/README.md). Here each OpenMP work item -- a decode, or a (decode, kv head) pair
+ * when there are too few decodes to share out -- walks its pages once for K and once for V,
+ * serving every query head that reads a key from the one load. Each sequence is computed alone
+ * in a fixed order, so its result does not depend on what else is in the batch.
  *
  * The extension links libgomp by soname, so in a process that imported torch first it shares
  * torch's OpenMP runtime and thread pool instead of starting a second one.
@@ -16,10 +16,9 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-
-#include "vec8.h"
 #include <stdlib.h>
 
+#include "vec8.h"
 
 typedef struct {
     float *out;           /* [num_tokens, n_heads, head_dim], contiguous */
@@ -55,9 +54,9 @@ typedef int32_t int8v __attribute__((vector_size(LANES * sizeof(int32_t))));
  * exp(r) by its Taylor series to r^7. Below -87.3 it returns exp(-87.3) ~ 1e-38, not 0: the
  * softmax this serves always has a term of 1, so the difference is far below rounding. */
 static inline __attribute__((always_inline)) vec8 exp_nonpositive(vec8 x) {
-    const vec8 floor_x = x * 0.0f - 87.3f;
-    const int8v clamp = x < floor_x;
-    x = (vec8)(((int8v)x & ~clamp) | ((int8v)floor_x & clamp));
+    const vec8 lowest = (vec8){0.0f} - 87.3f;
+    const int8v clamp = x < lowest;
+    x = (vec8)(((int8v)x & ~clamp) | ((int8v)lowest & clamp));
     const int8v n = __builtin_convertvector(x * 1.44269504f - 0.5f, int8v); /* trunc: x <= 0 */
     const vec8 nf = __builtin_convertvector(n, vec8);
     const vec8 r = x - nf * 0.693359375f - nf * -2.12194440e-4f; /* ln 2 in two parts */
@@ -99,7 +98,8 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
                 const vec8 qv = load8(qh + d0);
                 for (int j = 0; j < KEY_BLOCK; j++) acc[j] += qv * load8(keys[j] + k_offset + d0);
             }
-            for (int64_t j = 0; j < n_keys; j++) scores[h * stride + t0 + j] = sum8(acc[j]) * b->scale;
+            for (int64_t j = 0; j < n_keys; j++)
+                scores[h * stride + t0 + j] = sum8(acc[j]) * b->scale;
         }
     }
 
@@ -128,7 +128,8 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
             vec8 acc[4] = {{0.0f}};
             int64_t t = 0;
             for (; t + 4 <= ctx; t += 4)
-                for (int u = 0; u < 4; u++) acc[u] += s[t + u] * load8(values[t + u] + v_offset + d0);
+                for (int u = 0; u < 4; u++)
+                    acc[u] += s[t + u] * load8(values[t + u] + v_offset + d0);
             for (; t < ctx; t++) acc[0] += s[t] * load8(values[t] + v_offset + d0);
             const vec8 o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
             store8(out + h * hd + d0, o);
@@ -139,7 +140,8 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
 /* Floats of scratch attend() needs for kv_per_item kv heads of a decode of ctx keys. */
 static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ctx) {
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES;
-    const int64_t pointer_floats = (ctx * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
+    const int64_t pointer_floats =
+        (ctx * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
     return kv_per_item * (b->n_heads / b->kv_heads) * stride + pointer_floats;
 }
 
@@ -149,7 +151,8 @@ static int attend_all(const DecodeBatch *b) {
     const int64_t kv_per_item = b->n >= 4 * omp_get_max_threads() ? b->kv_heads : 1;
     const int64_t items_per_decode = b->kv_heads / kv_per_item;
     int64_t max_ctx = 0;
-    for (int64_t i = 0; i < b->n; i++) max_ctx = b->context_lens[i] > max_ctx ? b->context_lens[i] : max_ctx;
+    for (int64_t i = 0; i < b->n; i++)
+        if (b->context_lens[i] > max_ctx) max_ctx = b->context_lens[i];
     int failed = 0;
 #pragma omp parallel
     {

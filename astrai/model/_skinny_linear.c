@@ -16,13 +16,11 @@
 
 #include "vec8.h"
 
-
 /* W rows and x rows whose dot products run together: ROW_BLOCK * X_BLOCK independent FMA
  * chains that fit in the vector registers, few enough streams from memory for the hardware
  * prefetcher to follow, and each loaded vector of W used for X_BLOCK rows of x. */
 #define ROW_BLOCK 4
 #define X_BLOCK 2
-
 
 /* out[m0 : m0 + n_x, n0 : n0 + ROW_BLOCK] for n_x <= X_BLOCK, from the W rows w. Inlined
  * with n_x a constant, so the accumulators live in vector registers. */

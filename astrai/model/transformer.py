@@ -160,7 +160,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend
+    ) -> Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.split_sizes[:2]
         qkv = self.wqkv(x)
@@ -170,7 +172,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv_heads], dim=1)
+        q, k = apply_rope(qk, cos, signed_sin).split([self.n_heads, self.n_kv_heads], dim=1)
         out = attention(self.layer_idx, q, k, v)  # [num_tokens, n_heads, head_dim]
         return self.wo(out.reshape(num_tokens, self.n_heads * self.head_dim))
 
@@ -198,8 +200,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, attention)
+    def forward(
+        self, x: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, signed_sin, attention)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -233,10 +237,10 @@ class Transformer(nn.Module):
         """
         h = self.tok_embeddings(input_ids)  # [num_tokens, dim]
         cos, sin = (t.to(h.dtype)[:, None, :] for t in self.rope(positions))
-        # [num_tokens, 1, head_dim], built once for every layer
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        # [num_tokens, 1, head_dim] for apply_rope, built once for every layer
+        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         for layer in self.layers:
-            h = layer(h, cos, sin, attention)
+            h = layer(h, cos, signed_sin, attention)
         if logits_indices is not None:
             h = h[logits_indices]  # [num_logits, dim]
         h = self.norm(h)

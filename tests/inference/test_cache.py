@@ -23,7 +23,9 @@ from hypothesis.stateful import (
 from astrai.inference import cache as cache_module
 from astrai.inference.cache import (
     CacheInvariantError,
+    DecodeGroup,
     PagedCache,
+    PagedDecode,
     PrefixCache,
 )
 
@@ -41,7 +43,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 
 
 def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
-    """Run one pass of seqs through a view on every layer; check each against dense attention."""
+    """Run one pass of seqs through a view on every layer; check each against dense attention.
+
+    Returns the view, so a test can see which decode backend it used."""
     view = cache.view(seqs)
     for layer in range(cache.k_cache.shape[0]):
         k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
@@ -56,6 +60,7 @@ def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
             )
             torch.testing.assert_close(out[row : row + n], expected, atol=1e-5, rtol=1e-5)
             row += n
+    return view
 
 
 @pytest.fixture(params=["c-kernel", "sdpa"])
@@ -109,7 +114,9 @@ def test_mixed_batch_matches_dense_causal_attention(
     earlier = [(t, 0, s) for t, (s, _) in plan.items() if s > 0]
     run_pass(cache, full_k, full_v, earlier, n_heads, generator)
     mixed = [(0, 10, 1), (1, 0, 7), (2, 3, 1), (3, 5, 6), (4, 0, 1), (5, 8, 4), (6, 15, 1)]
-    run_pass(cache, full_k, full_v, mixed, n_heads, generator)
+    view = run_pass(cache, full_k, full_v, mixed, n_heads, generator)
+    backend = PagedDecode if decode_attention == "c-kernel" else DecodeGroup
+    assert all(isinstance(group, backend) for group in view.decode_groups)
     run_pass(cache, full_k, full_v, [mixed[i] for i in (3, 6, 1, 0, 5, 2, 4)], n_heads, generator)
 
 

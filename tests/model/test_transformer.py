@@ -9,6 +9,7 @@ from tiny_models import LLAMA3_ROPE, write_hf_model
 
 from astrai.config import ModelConfig
 from astrai.model import AutoModel, Transformer
+from astrai.model.linear import Linear
 from astrai.model.transformer import RMSNorm, apply_rope
 
 VARIANTS = {
@@ -220,3 +221,10 @@ def test_rope_is_bit_identical_to_transformers(dtype):
     )
     ours = apply_rope(q, full_cos, torch.cat((-sin, sin), -1))
     assert torch.equal(ours, expected[0].transpose(0, 1))
+
+
+def test_every_linear_runs_through_astrai_linear():
+    """The skinny-linear kernel is reached through Linear; a plain nn.Linear would bypass it."""
+    model = Transformer(tiny_config(tie_weight=False))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, Linear) for m in linears)
