@@ -6,7 +6,9 @@
  * (benchmarks/README.md). Here each OpenMP work item -- a decode, or a (decode, kv head) pair
  * when there are too few decodes to share out -- walks its pages once for K and once for V,
  * serving every query head that reads a key from the one load. Each sequence is computed alone
- * in a fixed order, so its result does not depend on what else is in the batch.
+ * in a fixed order, so its result does not depend on what else is in the batch. In a step of
+ * decodes alone the kernel also stores each decode's new K/V in its page first, which saves
+ * the caller two scatter ops a layer.
  *
  * The extension links libgomp by soname, so in a process that imported torch first it shares
  * torch's OpenMP runtime and thread pool instead of starting a second one.
@@ -17,58 +19,41 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vec8.h"
 
 typedef struct {
-    float *out;           /* [num_tokens, n_heads, head_dim], contiguous */
-    const float *q;       /* rows of q_row_stride floats; heads contiguous within a row */
-    const float *k_cache; /* [n_pages, page_size, kv_heads, head_dim], one layer */
-    const float *v_cache;
+    float *out;     /* [num_tokens, n_heads, head_dim], contiguous */
+    const float *q; /* rows of q_row_stride floats; heads contiguous within a row */
+    /* The decodes' own new K and V, rows of new_k/v_row_stride floats, which attend() stores in
+     * the cache before reading it; NULL when the caller has stored them already. */
+    const float *new_k, *new_v;
+    float *k_cache; /* [n_pages, page_size, kv_heads, head_dim], one layer */
+    float *v_cache;
     const int64_t *rows;         /* [n] the batch row of each decode */
     const int64_t *block_tables; /* [n, max_pages] */
     const int64_t *context_lens; /* [n] keys each decode attends to, its own included */
-    int64_t n, max_pages, page_size, n_heads, kv_heads, head_dim, q_row_stride;
+    int64_t n, max_pages, page_size, n_heads, kv_heads, head_dim;
+    int64_t q_row_stride, new_k_row_stride, new_v_row_stride;
     float scale;
 } DecodeBatch;
 
-/* Where token t of a sequence with these pages lies in one layer's K or V cache. The page
- * size is a power of two in practice, and a shift and a mask cost far less than a division. */
-static inline const float *page_token(const DecodeBatch *b, const float *cache,
-                                      const int64_t *pages, int64_t t) {
+/* Where token t of a sequence with these pages lies in one layer's K or V cache, in floats.
+ * The page size is a power of two in practice, and a shift and a mask cost far less than a
+ * division. */
+static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int64_t t) {
     const int64_t token_stride = b->kv_heads * b->head_dim;
     if ((b->page_size & (b->page_size - 1)) == 0) {
         const int shift = __builtin_ctzll((unsigned long long)b->page_size);
-        return cache + (pages[t >> shift] << shift | (t & (b->page_size - 1))) * token_stride;
+        return (pages[t >> shift] << shift | (t & (b->page_size - 1))) * token_stride;
     }
-    return cache + (pages[t / b->page_size] * b->page_size + t % b->page_size) * token_stride;
+    return (pages[t / b->page_size] * b->page_size + t % b->page_size) * token_stride;
 }
 
 /* Keys scored together: their dot products are independent chains of FMAs, where one dot
  * product alone would wait on its own accumulator at every step. */
 #define KEY_BLOCK 8
-
-typedef int32_t int8v __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-/* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,
- * exp(r) by its Taylor series to r^7. Below -87.3 it returns exp(-87.3) ~ 1e-38, not 0: the
- * softmax this serves always has a term of 1, so the difference is far below rounding. */
-static inline __attribute__((always_inline)) vec8 exp_nonpositive(vec8 x) {
-    const vec8 lowest = (vec8){0.0f} - 87.3f;
-    const int8v clamp = x < lowest;
-    x = (vec8)(((int8v)x & ~clamp) | ((int8v)lowest & clamp));
-    const int8v n = __builtin_convertvector(x * 1.44269504f - 0.5f, int8v); /* trunc: x <= 0 */
-    const vec8 nf = __builtin_convertvector(n, vec8);
-    const vec8 r = x - nf * 0.693359375f - nf * -2.12194440e-4f; /* ln 2 in two parts */
-    vec8 p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * (vec8)((n + 127) << 23);
-}
 
 /* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
  * [kv_begin, kv_end). scratch holds scratch_len(...) floats. head_dim is a multiple of LANES. */
@@ -85,11 +70,20 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
     float *scores = scratch;                                   /* [n_heads, stride] */
     const float **values = (const float **)(scores + n_heads * stride); /* [ctx] V rows */
 
+    if (b->new_k != NULL) { /* this decode's own token comes last */
+        const int64_t slot = page_token(b, pages, ctx - 1) + kv_begin * hd;
+        const size_t bytes = sizeof(float) * (kv_end - kv_begin) * hd;
+        memcpy(b->k_cache + slot, b->new_k + b->rows[i] * b->new_k_row_stride + kv_begin * hd,
+               bytes);
+        memcpy(b->v_cache + slot, b->new_v + b->rows[i] * b->new_v_row_stride + kv_begin * hd,
+               bytes);
+    }
+
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
         const float *keys[KEY_BLOCK];
         for (int64_t j = 0; j < KEY_BLOCK; j++)
-            keys[j] = page_token(b, b->k_cache, pages, t0 + (j < n_keys ? j : 0)) + kv_begin * hd;
+            keys[j] = b->k_cache + page_token(b, pages, t0 + (j < n_keys ? j : 0)) + kv_begin * hd;
         for (int64_t h = 0; h < n_heads; h++) {
             const float *qh = q + h * hd;
             const int64_t k_offset = (h / group) * hd;
@@ -120,7 +114,7 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
     }
 
     /* out = scores @ V, one LANES-wide slice of head_dim at a time, four tokens in flight */
-    for (int64_t t = 0; t < ctx; t++) values[t] = page_token(b, b->v_cache, pages, t);
+    for (int64_t t = 0; t < ctx; t++) values[t] = b->v_cache + page_token(b, pages, t);
     for (int64_t h = 0; h < n_heads; h++) {
         const float *s = scores + h * stride;
         const int64_t v_offset = (kv_begin + h / group) * hd;
@@ -176,18 +170,22 @@ static int attend_all(const DecodeBatch *b) {
 
 static PyObject *decode(PyObject *module, PyObject *args) {
     (void)module;
-    Py_ssize_t out, q, k_cache, v_cache, rows, block_tables, context_lens;
-    Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim, q_row_stride;
+    Py_ssize_t out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride;
+    Py_ssize_t k_cache, v_cache, rows, block_tables, context_lens;
+    Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim;
     float scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnf", &out, &q, &k_cache, &v_cache, &rows,
-                          &block_tables, &context_lens, &n, &max_pages, &page_size, &n_heads,
-                          &kv_heads, &head_dim, &q_row_stride, &scale))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnf", &out, &q, &q_row_stride, &new_k,
+                          &new_k_row_stride, &new_v, &new_v_row_stride, &k_cache, &v_cache,
+                          &rows, &block_tables, &context_lens, &n, &max_pages, &page_size,
+                          &n_heads, &kv_heads, &head_dim, &scale))
         return NULL;
     const DecodeBatch b = {
         .out = (float *)out,
         .q = (const float *)q,
-        .k_cache = (const float *)k_cache,
-        .v_cache = (const float *)v_cache,
+        .new_k = (const float *)new_k,
+        .new_v = (const float *)new_v,
+        .k_cache = (float *)k_cache,
+        .v_cache = (float *)v_cache,
         .rows = (const int64_t *)rows,
         .block_tables = (const int64_t *)block_tables,
         .context_lens = (const int64_t *)context_lens,
@@ -198,6 +196,8 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         .kv_heads = kv_heads,
         .head_dim = head_dim,
         .q_row_stride = q_row_stride,
+        .new_k_row_stride = new_k_row_stride,
+        .new_v_row_stride = new_v_row_stride,
         .scale = scale,
     };
     int status;
@@ -210,8 +210,9 @@ static PyObject *decode(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(out, q, k_cache, v_cache, rows, block_tables, context_lens, n, max_pages, "
-     "page_size, n_heads, kv_heads, head_dim, q_row_stride, scale): data pointers, then sizes."},
+     "decode(out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride, k_cache, "
+     "v_cache, rows, block_tables, context_lens, n, max_pages, page_size, n_heads, kv_heads, "
+     "head_dim, scale): data pointers and sizes; new_k and new_v 0 when already stored."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -429,17 +429,17 @@ class CacheView:
         self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
 
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-        self.decode_groups: list[DecodeGroup | PagedDecode]
+        self.paged_decode: PagedDecode | None = None
+        self.decode_groups: list[DecodeGroup] = []
         if decodes and PagedDecode.supports(cache):
             index = torch.tensor(decodes, device=device)
-            self.decode_groups = [
-                PagedDecode(
-                    rows=first_rows[index],
-                    block_tables=block_table[index],
-                    context_lens=starts[index] + 1,
-                )
-            ]
-        else:
+            self.paged_decode = PagedDecode(
+                cache,
+                rows=first_rows[index],
+                block_tables=block_table[index],
+                context_lens=starts[index] + 1,
+            )
+        elif decodes:
             self.decode_groups = [
                 DecodeGroup.build(
                     cache,
@@ -470,11 +470,16 @@ class CacheView:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Write k, v [num_tokens, kvh, hd] to the cache; attend q [num_tokens, heads, hd]."""
+        out = q.new_empty(q.shape)
+        if self.paged_decode is not None and not self.chunks:
+            # Decodes alone: the kernel stores their K/V as it attends, in one call.
+            return self.paged_decode.attend(layer_idx, q, out, k, v)
         k_layer, v_layer = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [pages, ps, kvh, hd]
         kv_heads, head_dim = k_layer.shape[-2:]
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
-        out = q.new_empty(q.shape)
+        if self.paged_decode is not None:
+            self.paged_decode.attend(layer_idx, q, out)
         for group in self.decode_groups:
             out = group.attend(k_layer, v_layer, q, out)
         for rows, pages, mask in self.chunks:
@@ -576,17 +581,38 @@ class DecodeGroup:
         return out.index_copy_(0, self.rows, o)
 
 
-@dataclass
 class PagedDecode:
     """All decodes of a step, attended by the C kernel that reads their pages in place.
 
     For fp32 on the CPU when the extension was built; it needs no gather buffers and no
-    grouping by context length, and each decode's result is independent of the batch.
+    grouping by context length, and each decode's result is independent of the batch. The
+    kernel's arguments are resolved to plain ints once per step, so a layer's call costs one
+    allocation and one C call.
     """
 
-    rows: torch.Tensor  # [n] int64, each decode's row in the batch
-    block_tables: torch.Tensor  # [n, max_pages] int64, padded with page 0; contiguous
-    context_lens: torch.Tensor  # [n] int64, keys each decode sees (its own included)
+    def __init__(
+        self,
+        cache: PagedCache,
+        rows: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ):
+        """rows [n]: each decode's row in the batch; block_tables [n, max_pages] (padded with
+        page 0, contiguous) and context_lens [n]: the keys each sees, its own included."""
+        # The kernel reads these through raw pointers: keep the tensors alive with the view.
+        self.rows, self.block_tables, self.context_lens = rows, block_tables, context_lens
+        k_cache = cache.k_cache  # [n_layers, n_pages, page_size, kvh, hd]
+        self.k_cache_ptr, self.v_cache_ptr = k_cache.data_ptr(), cache.v_cache.data_ptr()
+        self.layer_bytes = k_cache.stride(0) * k_cache.element_size()
+        self.kv_heads, self.head_dim = k_cache.shape[-2:]
+        self.tables_and_sizes = (
+            rows.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            len(rows),
+            block_tables.shape[1],
+            k_cache.shape[2],
+        )
 
     @staticmethod
     def supports(cache: PagedCache) -> bool:
@@ -599,27 +625,42 @@ class PagedDecode:
         )
 
     def attend(
-        self, k_layer: torch.Tensor, v_layer: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write the decodes' attention outputs into out [num_tokens, heads, hd]; return it."""
-        _, _, kv_heads, head_dim = k_layer.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()  # the kernel walks rows of heads x head_dim contiguous floats
+        """Write the decodes' attention outputs into out [num_tokens, heads, hd]; return it.
+
+        With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
+        the cache; without, the caller has stored them.
+        """
+        q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
+        layer_offset = layer_idx * self.layer_bytes
         _paged_attention.decode(
             out.data_ptr(),
             q.data_ptr(),
-            k_layer.data_ptr(),
-            v_layer.data_ptr(),
-            self.rows.data_ptr(),
-            self.block_tables.data_ptr(),
-            self.context_lens.data_ptr(),
-            len(self.rows),
-            self.block_tables.shape[1],
-            k_layer.shape[1],
-            q.shape[1],
-            kv_heads,
-            head_dim,
             q.stride(0),
-            head_dim**-0.5,
+            0 if k is None else k.data_ptr(),
+            0 if k is None else k.stride(0),
+            0 if v is None else v.data_ptr(),
+            0 if v is None else v.stride(0),
+            self.k_cache_ptr + layer_offset,
+            self.v_cache_ptr + layer_offset,
+            *self.tables_and_sizes,
+            q.shape[1],
+            self.kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
         )
         return out
+
+
+def heads_contiguous(t: torch.Tensor | None, head_dim: int) -> torch.Tensor | None:
+    """t [rows, heads, head_dim] with each row's heads in one run of floats, as the kernel
+    walks them; rows may lie any distance apart."""
+    if t is None or (t.stride(2) == 1 and t.stride(1) == head_dim):
+        return t
+    return t.contiguous()

@@ -42,6 +42,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
+def random_kv(n_layers, lengths, n_kv_heads, head_dim, generator):
+    """Per layer, per task id: random K (or V) [length, n_kv_heads, head_dim]."""
+    return [
+        {
+            t: torch.randn(length, n_kv_heads, head_dim, generator=generator)
+            for t, length in lengths.items()
+        }
+        for _ in range(n_layers)
+    ]
+
+
 def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
     """Run one pass of seqs through a view on every layer; check each against dense attention.
 
@@ -92,20 +103,9 @@ def test_mixed_batch_matches_dense_causal_attention(
     # task id -> (tokens already in cache, new tokens this pass)
     plan = {0: (10, 1), 1: (0, 7), 2: (3, 1), 3: (5, 6), 4: (0, 1), 5: (8, 4), 6: (15, 1)}
     full_len = {t: s + n for t, (s, n) in plan.items()}
-    full_k = [
-        {
-            t: torch.randn(length, n_kv_heads, head_dim, generator=generator)
-            for t, length in full_len.items()
-        }
-        for _ in range(n_layers)
-    ]
-    full_v = [
-        {
-            t: torch.randn(length, n_kv_heads, head_dim, generator=generator)
-            for t, length in full_len.items()
-        }
-        for _ in range(n_layers)
-    ]
+    full_k, full_v = (
+        random_kv(n_layers, full_len, n_kv_heads, head_dim, generator) for _ in range(2)
+    )
     # Allocate a page at a time round-robin so page tables interleave in the pool.
     for pages in range(1, -(-max(full_len.values()) // page_size) + 1):
         for task_id, length in full_len.items():
@@ -115,9 +115,32 @@ def test_mixed_batch_matches_dense_causal_attention(
     run_pass(cache, full_k, full_v, earlier, n_heads, generator)
     mixed = [(0, 10, 1), (1, 0, 7), (2, 3, 1), (3, 5, 6), (4, 0, 1), (5, 8, 4), (6, 15, 1)]
     view = run_pass(cache, full_k, full_v, mixed, n_heads, generator)
-    backend = PagedDecode if decode_attention == "c-kernel" else DecodeGroup
-    assert all(isinstance(group, backend) for group in view.decode_groups)
+    assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+    assert all(isinstance(group, DecodeGroup) for group in view.decode_groups)
+    assert bool(view.decode_groups) == (decode_attention == "sdpa")
     run_pass(cache, full_k, full_v, [mixed[i] for i in (3, 6, 1, 0, 5, 2, 4)], n_heads, generator)
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (6, 1, 3)])
+def test_steps_of_decodes_alone_store_their_kv(n_heads, n_kv_heads, page_size, decode_attention):
+    """A step with no prompt chunk leaves storing the decodes' K/V to the kernel, if it runs."""
+    generator = torch.Generator().manual_seed(2)
+    n_layers, head_dim, steps = 2, 8, 3
+    prompt_len = {0: 9, 1: 1, 2: 16, 3: 4}
+    full_len = {t: n + steps for t, n in prompt_len.items()}
+    full_k, full_v = (
+        random_kv(n_layers, full_len, n_kv_heads, head_dim, generator) for _ in range(2)
+    )
+    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=30, page_size=page_size)
+    for task_id, length in full_len.items():
+        assert cache.allocate(task_id, length)
+    prefill = [(t, 0, n) for t, n in prompt_len.items()]
+    run_pass(cache, full_k, full_v, prefill, n_heads, generator)
+    for step in range(steps):
+        # Each token is new to the cache: attending before storing it would read a zero key.
+        decodes = [(t, n + step, 1) for t, n in prompt_len.items()]
+        view = run_pass(cache, full_k, full_v, decodes, n_heads, generator)
+        assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
 
 
 def test_prefix_hit_reads_the_shared_pages():

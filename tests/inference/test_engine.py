@@ -13,7 +13,7 @@ import torch
 from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
 from astrai.inference import cache as cache_module
 from astrai.inference.task import PromptTooLongError, RequestError
-from astrai.model import AutoModel
+from astrai.model import AutoModel, fused_ops
 from astrai.model import linear as linear_module
 from astrai.tokenize import AutoTokenizer
 
@@ -118,9 +118,11 @@ def test_greedy_batch_equals_transformers(model, tokenizer, reference, config):
 def test_greedy_batch_equals_transformers_on_pytorch_ops_alone(
     model, tokenizer, reference, monkeypatch
 ):
-    """The path of an install without a C compiler: SDPA decode attention and F.linear."""
+    """The path of an install without a C compiler: SDPA decode attention, F.linear and the
+    PyTorch formulas of the small ops."""
     monkeypatch.setattr(cache_module, "_paged_attention", None)
     monkeypatch.setattr(linear_module, "_skinny_linear", None)
+    monkeypatch.setattr(fused_ops, "_fused_ops", None)
     prompts, max_tokens, expected = reference
     params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
     with make_engine(model, tokenizer, max_num_batched_tokens=48) as engine:

@@ -1,0 +1,134 @@
+"""The fused small ops: each C kernel against the PyTorch formula it replaces, and fallbacks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.model import fused_ops
+from astrai.model.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+
+
+@pytest.fixture(params=["c-kernel", "pytorch"])
+def backend(request, monkeypatch):
+    """Run a test on the C kernels, then on the PyTorch formulas alone."""
+    if request.param == "c-kernel" and fused_ops._fused_ops is None:
+        pytest.skip("the C fused-ops kernels were not built")
+    if request.param == "pytorch":
+        monkeypatch.setattr(fused_ops, "_fused_ops", None)
+    return request.param
+
+
+def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward for an fp32 x."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+def test_kernels_are_built_where_a_compiler_is():
+    assert fused_ops._fused_ops is not None, "pip install should have built them"
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 5, 32), (300, 24)])
+def test_rms_norm_matches_transformers(shape, backend):
+    generator = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(shape, generator=generator) * 4
+    weight = torch.randn(shape[-1], generator=generator)
+    expected = transformers_rms_norm(x, weight, 1e-5)
+    if backend == "pytorch":
+        # F.rms_norm computes transformers' formula op for op
+        assert torch.equal(rms_norm(x, weight, 1e-5), expected)
+    else:
+        # the kernel sums the squares in another order: a few ulp apart
+        torch.testing.assert_close(rms_norm(x, weight, 1e-5), expected, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_add_rms_norm_returns_the_exact_sum_and_its_norm(rows, backend):
+    generator = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 48, generator=generator) for _ in range(2))
+    weight = torch.randn(48, generator=generator)
+    normed, total = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, x + residual)
+    torch.testing.assert_close(normed, transformers_rms_norm(x + residual, weight, 1e-6))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+def test_silu_and_mul_matches_f_silu(rows, backend):
+    generator = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 40, generator=generator) * 30  # deep in both tails
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_silu_and_mul_at_the_edges_of_exp(backend):
+    gate = torch.tensor([-1e4, -100.0, -87.0, -1e-3, 0.0, 1e-3, 87.0, 100.0] * 2)
+    got = silu_and_mul(torch.cat((gate, torch.ones_like(gate)))[None])[0]
+    torch.testing.assert_close(got, F.silu(gate), rtol=2e-6, atol=1e-30)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bit_identical_to_transformers(dtype, backend):
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    num_tokens, heads, head_dim = 5, 3, 16
+    q = torch.randn(num_tokens, heads, head_dim).to(dtype)
+    angles = torch.randn(num_tokens, head_dim // 2)
+    cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+    full_cos, full_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    # transformers rotates [batch, heads, tokens, head_dim] with cos/sin [batch, tokens, head_dim]
+    expected, _ = llama.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], q.transpose(0, 1)[None], full_cos[None, :, 0], full_sin[None, :, 0]
+    )
+    ours = apply_rope(q, full_cos, torch.cat((-sin, sin), -1))
+    assert torch.equal(ours, expected[0].transpose(0, 1))
+
+
+def test_rope_reads_heads_out_of_a_wider_row(backend):
+    """q and k heads sliced out of the fused qkv projection: rows lie further apart."""
+    qkv = torch.randn(4, 5 * 16)
+    qk = qkv[:, : 3 * 16].view(4, 3, 16)
+    cos, signed_sin = torch.randn(4, 1, 16), torch.randn(4, 1, 16)
+    expected = qk * cos + qk.roll(8, dims=-1) * signed_sin
+    assert torch.equal(apply_rope(qk, cos, signed_sin), expected)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "needs gradients", "not a multiple of 8"])
+def test_inputs_the_kernels_cannot_take_use_the_pytorch_formulas(case, monkeypatch):
+    calls = []
+    if fused_ops._fused_ops is not None:
+        monkeypatch.setattr(fused_ops, "_fused_ops", CountingKernels(fused_ops._fused_ops, calls))
+    dim = 12 if case == "not a multiple of 8" else 16
+    x, residual, weight = torch.randn(3, dim), torch.randn(3, dim), torch.randn(dim)
+    if case == "bfloat16":
+        x, residual, weight = x.bfloat16(), residual.bfloat16(), weight.bfloat16()
+    elif case == "needs gradients":
+        weight.requires_grad_()
+    normed, total = add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(total, x + residual)
+    torch.testing.assert_close(
+        normed,
+        transformers_rms_norm((x + residual).float(), weight.float(), 1e-5).to(x.dtype),
+        rtol=1e-2 if case == "bfloat16" else 1e-5,
+        atol=1e-2 if case == "bfloat16" else 1e-5,
+    )
+    gate_up = torch.randn(3, 2 * dim, requires_grad=case == "needs gradients").to(x.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up)
+    assert calls == []
+
+
+class CountingKernels:
+    """The kernel module, recording which kernels were called."""
+
+    def __init__(self, kernels, calls: list[str]):
+        self.kernels, self.calls = kernels, calls
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.kernels, name)
