@@ -36,6 +36,31 @@ static inline __attribute__((always_inline)) float sum8(vec8 v) {
     return sum;
 }
 
+/* The lane sums of eight vectors as one vector: out[j] = v[j]'s lanes summed pairwise,
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), by shuffles rather than one lane at a time.
+ * Compilers without __builtin_shufflevector add the lanes in the same order one by one. */
+static inline __attribute__((always_inline)) vec8 sum8x8(const vec8 v[LANES]) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUFFLE __builtin_shufflevector
+    vec8 pairs[4], quads[2];
+    for (int k = 0; k < 4; k++)
+        pairs[k] = SHUFFLE(v[2 * k], v[2 * k + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                   SHUFFLE(v[2 * k], v[2 * k + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int k = 0; k < 2; k++)
+        quads[k] = SHUFFLE(pairs[2 * k], pairs[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                   SHUFFLE(pairs[2 * k], pairs[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#undef SHUFFLE
+#else
+    vec8 out;
+    for (int j = 0; j < LANES; j++)
+        out[j] = ((v[j][0] + v[j][1]) + (v[j][2] + v[j][3])) +
+                 ((v[j][4] + v[j][5]) + (v[j][6] + v[j][7]));
+    return out;
+#endif
+}
+
 typedef int32_t int8v __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 /* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,

@@ -52,8 +52,47 @@ static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int
 }
 
 /* Keys scored together: their dot products are independent chains of FMAs, where one dot
- * product alone would wait on its own accumulator at every step. */
-#define KEY_BLOCK 8
+ * product alone would wait on its own accumulator at every step; sum8x8 then adds up each
+ * one's lanes at once. */
+#define KEY_BLOCK LANES
+
+/* Query heads of one kv head whose value sums run together, in registers. */
+#define HEAD_BLOCK 4
+
+/* out[g, d0 : d0 + n_vec * LANES] = sum over t of s[g * stride + t] * values[t][d0 : ...] for
+ * the n_heads <= HEAD_BLOCK heads whose scores rows start at s. Inlined with both counts
+ * constant, so the 2 * n_heads accumulators live in vector registers and each token's value
+ * vectors are loaded once for all the heads. */
+static inline __attribute__((always_inline)) void weigh_values(float *out, const float *s,
+                                                               int64_t stride,
+                                                               const float *const *values,
+                                                               int64_t ctx, int64_t hd,
+                                                               int64_t d0, const int n_heads,
+                                                               const int n_vec) {
+    vec8 acc[HEAD_BLOCK][2] = {{{0.0f}}};
+    for (int64_t t = 0; t < ctx; t++)
+        for (int v = 0; v < n_vec; v++) {
+            const vec8 value = load8(values[t] + d0 + v * LANES);
+            for (int g = 0; g < n_heads; g++) acc[g][v] += s[g * stride + t] * value;
+        }
+    for (int g = 0; g < n_heads; g++)
+        for (int v = 0; v < n_vec; v++) store8(out + g * hd + d0 + v * LANES, acc[g][v]);
+}
+
+/* weigh_values for a run-time head count, over a 16-float slice (n_vec 2) or 8 (n_vec 1). */
+static inline __attribute__((always_inline)) void weigh_values_of(float *out, const float *s,
+                                                                  int64_t stride,
+                                                                  const float *const *values,
+                                                                  int64_t ctx, int64_t hd,
+                                                                  int64_t d0, int64_t n_heads,
+                                                                  const int n_vec) {
+    switch (n_heads) {
+    case 1: weigh_values(out, s, stride, values, ctx, hd, d0, 1, n_vec); break;
+    case 2: weigh_values(out, s, stride, values, ctx, hd, d0, 2, n_vec); break;
+    case 3: weigh_values(out, s, stride, values, ctx, hd, d0, 3, n_vec); break;
+    default: weigh_values(out, s, stride, values, ctx, hd, d0, HEAD_BLOCK, n_vec); break;
+    }
+}
 
 /* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
  * [kv_begin, kv_end). scratch holds scratch_len(...) floats. head_dim is a multiple of LANES. */
@@ -92,8 +131,9 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
                 const vec8 qv = load8(qh + d0);
                 for (int j = 0; j < KEY_BLOCK; j++) acc[j] += qv * load8(keys[j] + k_offset + d0);
             }
-            for (int64_t j = 0; j < n_keys; j++)
-                scores[h * stride + t0 + j] = sum8(acc[j]) * b->scale;
+            /* a whole block: the row is padded to a multiple of LANES, and softmax overwrites
+             * the scores past ctx */
+            store8(scores + h * stride + t0, sum8x8(acc) * b->scale);
         }
     }
 
@@ -113,20 +153,21 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
         for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
     }
 
-    /* out = scores @ V, one LANES-wide slice of head_dim at a time, four tokens in flight */
+    /* out = scores @ V: per kv head, HEAD_BLOCK of its query heads at a time, over 16 floats
+     * of head_dim at a time (8 for the rest) */
     for (int64_t t = 0; t < ctx; t++) values[t] = b->v_cache + page_token(b, pages, t);
-    for (int64_t h = 0; h < n_heads; h++) {
-        const float *s = scores + h * stride;
-        const int64_t v_offset = (kv_begin + h / group) * hd;
-        for (int64_t d0 = 0; d0 < hd; d0 += LANES) {
-            vec8 acc[4] = {{0.0f}};
-            int64_t t = 0;
-            for (; t + 4 <= ctx; t += 4)
-                for (int u = 0; u < 4; u++)
-                    acc[u] += s[t + u] * load8(values[t + u] + v_offset + d0);
-            for (; t < ctx; t++) acc[0] += s[t] * load8(values[t] + v_offset + d0);
-            const vec8 o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-            store8(out + h * hd + d0, o);
+    for (int64_t kv = kv_begin; kv < kv_end; kv++) {
+        for (int64_t t = 0; t < ctx; t++) values[t] += kv == kv_begin ? kv_begin * hd : hd;
+        for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
+            const int64_t h = (kv - kv_begin) * group + g0; /* first head, of this item's */
+            const int64_t n = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
+            int64_t d0 = 0;
+            for (; d0 + 2 * LANES <= hd; d0 += 2 * LANES)
+                weigh_values_of(out + h * hd, scores + h * stride, stride, values, ctx, hd, d0, n,
+                                2);
+            if (d0 < hd)
+                weigh_values_of(out + h * hd, scores + h * stride, stride, values, ctx, hd, d0, n,
+                                1);
         }
     }
 }
