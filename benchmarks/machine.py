@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -41,11 +42,21 @@ def read_bandwidth(nbytes: int = 1 << 30) -> float:
     return nbytes / best_seconds(src.sum, repeats=5)
 
 
-def matmul_rate(dtype: torch.dtype, size: int = 2048) -> float:
-    """FLOP/s of a square [size, size] @ [size, size] matmul in dtype."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    return 2 * size**3 / best_seconds(lambda: a @ b, repeats=5)
+def matmul_rate(dtype: torch.dtype, max_size: int = 2048, max_seconds: float = 0.5) -> float:
+    """FLOP/s of a square [size, size] @ [size, size] matmul in dtype.
+
+    size doubles from 256 up to max_size while one product takes under max_seconds: large
+    enough to run at the kernel's full rate, but a CPU with no fast kernel for dtype (bf16
+    without AVX-512) is measured in seconds rather than in many minutes.
+    """
+    size = 256
+    while True:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        product = functools.partial(torch.matmul, a, b)
+        if size >= max_size or best_seconds(product, repeats=1, warmup=1) * 8 > max_seconds:
+            return 2 * size**3 / best_seconds(product, repeats=5, warmup=0)
+        size *= 2
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:

@@ -1,6 +1,7 @@
 """Prefill of one 512-token prompt against the machine's matmul rate, astrai and transformers.
 
-The matmul rates are large square bf16 and fp32 matmuls measured in the same run. A prefill's
+The matmul rates are square bf16 and fp32 matmuls measured in the same run (up to 2048^3, less
+where a dtype has no fast kernel and one product would take seconds). A prefill's
 work is counted as the FLOPs of its matmuls: the projections and MLP of every layer on every
 token, causal attention (QK^T and PV), and the lm_head on the last
 row only, which is all either engine needs to produce the first token.
@@ -73,8 +74,8 @@ def main() -> None:
     ]
     bf16_rate, fp32_rate = matmul_rate(torch.bfloat16), matmul_rate(torch.float32)
     print(
-        f"prefill of one {args.prompt_tokens}-token prompt, {args.threads} threads; matmul "
-        f"2048^3: bf16 {bf16_rate / 1e9:.1f} GFLOP/s, fp32 {fp32_rate / 1e9:.1f}"
+        f"prefill of one {args.prompt_tokens}-token prompt, {args.threads} threads; square "
+        f"matmuls: bf16 {bf16_rate / 1e9:.1f} GFLOP/s, fp32 {fp32_rate / 1e9:.1f}"
     )
     # On a CPU without AVX-512 bf16 matmuls crawl, and the fp32 rate is the honest yardstick.
     print(
