@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from kernel_switch import kernel_or_fallback, requires_compiler
 
 from astrai.inference import cache as cache_module
 from astrai.inference.cache import (
@@ -77,16 +77,10 @@ def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
 @pytest.fixture(params=["c-kernel", "sdpa"])
 def decode_attention(request, monkeypatch):
     """Run a test with each decode-attention backend: the C kernel, then gather + SDPA."""
-    if request.param == "c-kernel" and cache_module._paged_attention is None:
-        pytest.skip("the C decode-attention kernel was not built")
-    if request.param == "sdpa":
-        monkeypatch.setattr(cache_module, "_paged_attention", None)
-    return request.param
+    return kernel_or_fallback(request, monkeypatch, cache_module, "_paged_attention")
 
 
-@pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
+@requires_compiler
 def test_decode_kernel_is_built_where_a_compiler_is():
     assert cache_module._paged_attention is not None, "pip install should have built it"
 

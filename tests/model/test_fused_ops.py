@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_switch import kernel_or_fallback, requires_compiler
 
 from astrai.model import fused_ops
 from astrai.model.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
@@ -15,11 +14,7 @@ from astrai.model.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_
 @pytest.fixture(params=["c-kernel", "pytorch"])
 def backend(request, monkeypatch):
     """Run a test on the C kernels, then on the PyTorch formulas alone."""
-    if request.param == "c-kernel" and fused_ops._fused_ops is None:
-        pytest.skip("the C fused-ops kernels were not built")
-    if request.param == "pytorch":
-        monkeypatch.setattr(fused_ops, "_fused_ops", None)
-    return request.param
+    return kernel_or_fallback(request, monkeypatch, fused_ops, "_fused_ops")
 
 
 def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,9 +22,7 @@ def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
+@requires_compiler
 def test_kernels_are_built_where_a_compiler_is():
     assert fused_ops._fused_ops is not None, "pip install should have built them"
 

@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_switch import requires_compiler
 
 from astrai.model import linear as linear_module
 from astrai.model.linear import SKINNY_MAX_ROWS, Linear, linear, runs_skinny
@@ -14,9 +13,7 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-@pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
+@requires_compiler
 def test_kernel_is_built_where_a_compiler_is():
     assert linear_module._skinny_linear is not None, "pip install should have built it"
 
