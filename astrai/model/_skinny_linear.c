@@ -1,4 +1,4 @@
-/* y = x W^T + b for a few rows of x, fp32 on the CPU: the linears of a decode step.
+/* y = x W^T + b for a few rows of x, fp32 or bf16 on the CPU: the linears of a decode step.
  *
  * With a handful of rows a linear is bound by reading W from memory, and BLAS GEMMs do that
  * badly at small M: measured on a 2-core AMD EPYC, MKL's GEMV streamed a SmolLM2-135M layer's
@@ -8,11 +8,16 @@
  * the L1 cache. Every output is one dot product summed in the same order whatever the number of
  * rows, so a sequence's logits do not depend on what else is in the batch.
  *
+ * bf16 tensors are read as bf16 (half the bytes of fp32) and multiplied and summed in fp32,
+ * as PyTorch's bf16 GEMMs do, and the result is rounded to bf16 once: on a CPU without
+ * AVX-512 PyTorch has no fast bf16 GEMM, and this is the one way to stream bf16 weights there.
+ *
  * Like _paged_attention, it links libgomp by soname and so shares torch's OpenMP runtime.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vec8.h"
 
@@ -22,62 +27,141 @@
 #define ROW_BLOCK 4
 #define X_BLOCK 2
 
+typedef uint16_t bf16;
+
+static inline __attribute__((always_inline)) float bf16_to_float(bf16 h) {
+    const uint32_t bits = (uint32_t)h << 16; /* a bf16 is the high half of an fp32 */
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* f rounded to the nearest bf16, ties to even, NaN kept NaN: as PyTorch rounds. */
+static inline __attribute__((always_inline)) bf16 float_to_bf16(float f) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, sizeof bits);
+    return f != f ? 0x7fc0 : (bf16)((bits + 0x7fff + (bits >> 16 & 1)) >> 16);
+}
+
 /* out[m0 : m0 + n_x, n0 : n0 + ROW_BLOCK] for n_x <= X_BLOCK, from the W rows w. Inlined
- * with n_x a constant, so the accumulators live in vector registers. */
-static inline __attribute__((always_inline)) void tile(float *out, const float *x,
-                                                        const float *const *w, const float *bias,
+ * with n_x and is_bf16 constants, so the accumulators live in vector registers.
+ *
+ * fp32: x and out are fp32 rows. bf16: W, bias and out are bf16 and x is fp32 with each run
+ * of 16 values stored evens first, then odds (bf16_x_layout). 16 bf16 of a W row are then
+ * one 32-byte load, whose evens become fp32 by a shift and whose odds by a mask, two integer
+ * ops for 16 values where widening them in order takes shuffles. */
+static inline __attribute__((always_inline)) void tile(void *out, const float *x,
+                                                        const void *const *w, const void *bias,
                                                         int64_t in_features, int64_t n_out,
-                                                        int64_t n0, int64_t m0, int n_x) {
+                                                        int64_t n0, int64_t m0, int n_x,
+                                                        const int is_bf16) {
     vec8 acc[X_BLOCK][ROW_BLOCK] = {{{0.0f}}};
-    for (int64_t k0 = 0; k0 < in_features; k0 += LANES) {
-        vec8 wk[ROW_BLOCK];
-        for (int r = 0; r < ROW_BLOCK; r++) wk[r] = load8(w[r] + k0);
-        for (int i = 0; i < n_x; i++) {
-            const vec8 xk = load8(x + (m0 + i) * in_features + k0);
-            for (int r = 0; r < ROW_BLOCK; r++) acc[i][r] += xk * wk[r];
+    if (is_bf16) {
+        for (int64_t k0 = 0; k0 < in_features; k0 += 2 * LANES) {
+            vec8 evens[X_BLOCK], odds[X_BLOCK];
+            for (int i = 0; i < n_x; i++) {
+                evens[i] = load8(x + (m0 + i) * in_features + k0);
+                odds[i] = load8(x + (m0 + i) * in_features + k0 + LANES);
+            }
+            for (int r = 0; r < ROW_BLOCK; r++) {
+                int8v pairs;
+                __builtin_memcpy(&pairs, (const bf16 *)w[r] + k0, sizeof pairs);
+                const vec8 w_evens = (vec8)(pairs << 16), w_odds = (vec8)(pairs & -65536);
+                for (int i = 0; i < n_x; i++) acc[i][r] += evens[i] * w_evens + odds[i] * w_odds;
+            }
+        }
+    } else {
+        for (int64_t k0 = 0; k0 < in_features; k0 += LANES) {
+            vec8 wk[ROW_BLOCK];
+            for (int r = 0; r < ROW_BLOCK; r++) wk[r] = load8((const float *)w[r] + k0);
+            for (int i = 0; i < n_x; i++) {
+                const vec8 xk = load8(x + (m0 + i) * in_features + k0);
+                for (int r = 0; r < ROW_BLOCK; r++) acc[i][r] += xk * wk[r];
+            }
         }
     }
     for (int i = 0; i < n_x; i++)
         for (int r = 0; r < ROW_BLOCK && n0 + r < n_out; r++) {
-            const float dot = sum8(acc[i][r]);
-            out[(m0 + i) * n_out + n0 + r] = bias == NULL ? dot : dot + bias[n0 + r];
+            float dot = sum8(acc[i][r]);
+            const int64_t at = (m0 + i) * n_out + n0 + r;
+            if (is_bf16) {
+                if (bias != NULL) dot += bf16_to_float(((const bf16 *)bias)[n0 + r]);
+                ((bf16 *)out)[at] = float_to_bf16(dot);
+            } else {
+                ((float *)out)[at] = bias == NULL ? dot : dot + ((const float *)bias)[n0 + r];
+            }
+        }
+}
+
+/* bf16 rows of x as fp32, each run of 16 values reordered evens first, then odds, as tile()
+ * pairs them with W's. */
+static void bf16_x_layout(float *dst, const bf16 *x, int64_t n) {
+    for (int64_t k0 = 0; k0 < n; k0 += 2 * LANES)
+        for (int j = 0; j < LANES; j++) {
+            dst[k0 + j] = bf16_to_float(x[k0 + 2 * j]);
+            dst[k0 + LANES + j] = bf16_to_float(x[k0 + 2 * j + 1]);
         }
 }
 
 /* out[:, n0 : n0 + ROW_BLOCK] for every row of x; W rows past n_out are computed on row
  * n_out - 1 and not stored. in_features is a multiple of LANES. */
-VECTOR_CLONES
-static void row_block(float *out, const float *x, const float *weight, const float *bias,
-                      int64_t rows, int64_t in_features, int64_t n_out, int64_t n0) {
-    const float *w[ROW_BLOCK];
+static inline __attribute__((always_inline)) void row_block(void *out, const float *x,
+                                                             const void *weight, const void *bias,
+                                                             int64_t rows, int64_t in_features,
+                                                             int64_t n_out, int64_t n0,
+                                                             const int is_bf16) {
+    const int64_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
+    const void *w[ROW_BLOCK];
     for (int64_t r = 0; r < ROW_BLOCK; r++)
-        w[r] = weight + (n0 + r < n_out ? n0 + r : n_out - 1) * in_features;
+        w[r] = (const char *)weight + (n0 + r < n_out ? n0 + r : n_out - 1) * row_bytes;
     int64_t m = 0;
     for (; m + X_BLOCK <= rows; m += X_BLOCK)
-        tile(out, x, w, bias, in_features, n_out, n0, m, X_BLOCK);
-    for (; m < rows; m++) tile(out, x, w, bias, in_features, n_out, n0, m, 1);
+        tile(out, x, w, bias, in_features, n_out, n0, m, X_BLOCK, is_bf16);
+    for (; m < rows; m++) tile(out, x, w, bias, in_features, n_out, n0, m, 1, is_bf16);
+}
+
+VECTOR_CLONES
+static void row_block_fp32(void *out, const float *x, const void *weight, const void *bias,
+                           int64_t rows, int64_t in_features, int64_t n_out, int64_t n0) {
+    row_block(out, x, weight, bias, rows, in_features, n_out, n0, 0);
+}
+
+VECTOR_CLONES
+static void row_block_bf16(void *out, const float *x, const void *weight, const void *bias,
+                           int64_t rows, int64_t in_features, int64_t n_out, int64_t n0) {
+    row_block(out, x, weight, bias, rows, in_features, n_out, n0, 1);
 }
 
 static PyObject *linear(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, x, weight, bias, rows, in_features, n_out;
-    if (!PyArg_ParseTuple(args, "nnnnnnn", &out, &x, &weight, &bias, &rows, &in_features,
-                          &n_out))
+    int is_bf16;
+    if (!PyArg_ParseTuple(args, "nnnnnnnp", &out, &x, &weight, &bias, &rows, &in_features,
+                          &n_out, &is_bf16))
         return NULL;
     const int64_t blocks = (n_out + ROW_BLOCK - 1) / ROW_BLOCK;
+    void (*const run)(void *, const float *, const void *, const void *, int64_t, int64_t,
+                      int64_t, int64_t) = is_bf16 ? row_block_bf16 : row_block_fp32;
+    float *bf16_x = NULL;
+    if (is_bf16 && (bf16_x = malloc(sizeof(float) * rows * in_features)) == NULL)
+        return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS;
+    if (is_bf16) bf16_x_layout(bf16_x, (const bf16 *)x, rows * in_features);
+    const float *x_rows = is_bf16 ? bf16_x : (const float *)x;
 #pragma omp parallel for schedule(static)
     for (int64_t block = 0; block < blocks; block++)
-        row_block((float *)out, (const float *)x, (const float *)weight, (const float *)bias,
-                  rows, in_features, n_out, block * ROW_BLOCK);
+        run((void *)out, x_rows, (const void *)weight, (const void *)bias, rows, in_features,
+            n_out, block * ROW_BLOCK);
     Py_END_ALLOW_THREADS;
+    free(bf16_x);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS,
-     "linear(out, x, weight, bias, rows, in_features, out_features): data pointers (bias 0 for "
-     "none) of contiguous fp32 tensors, then sizes; writes out [rows, out_features]."},
+     "linear(out, x, weight, bias, rows, in_features, out_features, is_bf16): data pointers "
+     "(bias 0 for none) of contiguous tensors, all fp32 or all bf16, then sizes; writes out "
+     "[rows, out_features]."},
     {NULL, NULL, 0, NULL},
 };
 

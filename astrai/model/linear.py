@@ -1,12 +1,16 @@
-"""Linear layers whose few-row fp32 products on the CPU run on the _skinny_linear kernel.
+"""Linear layers whose few-row products on the CPU run on the _skinny_linear kernel.
 
 A decode step multiplies a few rows (one per running sequence) by every weight of the model,
 so it is bound by how fast the weights stream from memory. MKL, which F.linear calls, does
 that badly at small M; the C kernel reads each weight once across all threads. Measured on a
 2-core AMD EPYC over all 120 linears of a SmolLM2-135M-shaped model: 1 row 34 -> 17 ms,
 8 rows 47 -> 28 ms, 32 rows 89 -> 62 ms, a tie at 64 and 128, MKL ahead at 256
-(benchmarks/README.md). Bigger products (prefill) and other dtypes and devices stay on
-F.linear.
+(benchmarks/README.md). Bigger products (prefill) and other devices stay on F.linear.
+
+bf16 takes the kernel too where PyTorch has no fast bf16 GEMM (no AVX-512 bf16 instructions
+or AMX): there the kernel streams the bf16 weights and sums in fp32, and bigger bf16 products
+run as fp32 GEMMs on upcast copies, which compute what a bf16 GEMM does (exact products,
+fp32 sums, one rounding) at fp32's rate instead of a fifth of it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ except ImportError:  # installed without a C compiler: every product runs on F.l
 
 SKINNY_MAX_ROWS = 64
 
+# PyTorch's bf16 GEMMs are fast only with AVX-512 bf16 instructions or AMX; on an AVX2 CPU they
+# ran at 15.8 GFLOP/s against fp32's 74.7 (64 rows).
+SLOW_BF16_MATMUL = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+KERNEL_DTYPES = (torch.float32, torch.bfloat16) if SLOW_BF16_MATMUL else (torch.float32,)
+
 
 def runs_skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether linear(x, weight, bias) takes the skinny kernel rather than F.linear.
@@ -30,14 +39,15 @@ def runs_skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """
     return (
         _skinny_linear is not None
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
+        and x.dtype in KERNEL_DTYPES
+        and weight.dtype == x.dtype
         and x.is_cpu
         and weight.is_cpu
         and x.numel() <= SKINNY_MAX_ROWS * weight.shape[1]
-        and weight.shape[1] % 8 == 0  # the kernel reads 8 floats of a row at a time
+        # the kernel reads a row 8 floats or 16 bf16 at a time
+        and weight.shape[1] % (8 if x.dtype == torch.float32 else 16) == 0
         and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         # The kernel has no backward: training and gradients stay on F.linear.
         and not (
             torch.is_grad_enabled()
@@ -51,8 +61,11 @@ def runs_skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias), on the skinny kernel where it is faster."""
+    """F.linear(x, weight, bias), on the skinny kernel or fp32 GEMMs where they are faster."""
     if not runs_skinny(x, weight, bias):
+        if SLOW_BF16_MATMUL and x.dtype == weight.dtype == torch.bfloat16 and x.is_cpu:
+            bias = None if bias is None else bias.float()
+            return F.linear(x.float(), weight.float(), bias).to(torch.bfloat16)
         return F.linear(x, weight, bias)
     x = x.contiguous()
     out_features, in_features = weight.shape
@@ -65,6 +78,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         x.numel() // in_features,
         in_features,
         out_features,
+        x.dtype == torch.bfloat16,
     )
     return out
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from kernel_switch import requires_compiler
 
 from astrai.model import linear as linear_module
-from astrai.model.linear import SKINNY_MAX_ROWS, Linear, linear, runs_skinny
+from astrai.model.linear import SKINNY_MAX_ROWS, SLOW_BF16_MATMUL, Linear, linear, runs_skinny
 
 needs_kernel = pytest.mark.skipif(
     linear_module._skinny_linear is None, reason="the C skinny-linear kernel was not built"
@@ -43,7 +43,13 @@ def test_leading_dimensions_and_strided_input():
 
 @pytest.mark.parametrize(
     "case",
-    ["too many rows", "in_features not a multiple of 8", "bfloat16", "needs gradients"],
+    [
+        "too many rows",
+        "in_features not a multiple of 8",
+        "bf16 in_features not a multiple of 16",
+        "float16",
+        "needs gradients",
+    ],
 )
 def test_products_the_kernel_cannot_take_stay_on_f_linear(case):
     x, weight = torch.randn(4, 16), torch.randn(8, 16)
@@ -51,12 +57,38 @@ def test_products_the_kernel_cannot_take_stay_on_f_linear(case):
         x = torch.randn(SKINNY_MAX_ROWS + 1, 16)
     elif case == "in_features not a multiple of 8":
         x, weight = torch.randn(4, 12), torch.randn(8, 12)
-    elif case == "bfloat16":
-        x, weight = x.bfloat16(), weight.bfloat16()
+    elif case == "bf16 in_features not a multiple of 16":
+        x, weight = torch.randn(4, 24).bfloat16(), torch.randn(8, 24).bfloat16()
+    elif case == "float16":
+        x, weight = x.half(), weight.half()
     else:
         weight.requires_grad_()
     assert not runs_skinny(x, weight)
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
+
+
+def bf16_product(x, weight, bias=None):
+    """What a bf16 GEMM computes: exact products, fp32 sums, one rounding to bf16."""
+    bias = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), bias).bfloat16()
+
+
+@pytest.mark.skipif(not SLOW_BF16_MATMUL, reason="PyTorch has fast bf16 GEMMs on this CPU")
+@pytest.mark.parametrize("rows", [1, 2, 7, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_products_sum_in_fp32_where_bf16_gemms_are_slow(rows, with_bias):
+    """Few rows on the kernel reading bf16 weights, more as an fp32 GEMM on upcast copies."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=generator).bfloat16()
+    weight = torch.randn(13, 48, generator=generator).bfloat16()
+    bias = torch.randn(13, generator=generator).bfloat16() if with_bias else None
+    assert runs_skinny(x, weight, bias) == (
+        linear_module._skinny_linear is not None and rows <= SKINNY_MAX_ROWS
+    )
+    out = linear(x, weight, bias)
+    assert out.dtype == torch.bfloat16
+    # fp32 sums in another order can round to the neighbouring bf16
+    torch.testing.assert_close(out, bf16_product(x, weight, bias), rtol=8e-3, atol=1e-2)
 
 
 def test_linear_module_keeps_nn_linear_parameters_and_trains():
