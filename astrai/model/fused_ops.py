@@ -19,7 +19,7 @@ except ImportError:  # installed without a C compiler: the PyTorch formulas belo
     _fused_ops = None
 
 
-def takes_cpu_kernel(x: Tensor, weight: Tensor | None = None) -> bool:
+def _takes_cpu_kernel(x: Tensor, weight: Tensor | None = None) -> bool:
     """Whether x (and weight) may go to a C kernel: fp32 on the CPU, no autograd, no tracing.
 
     Called for every op of every step, so it is cheap tests first and no loops.
@@ -45,7 +45,7 @@ def _kernel_takes_rows(x: Tensor, weight: Tensor) -> bool:
         and x.shape[-1] % 8 == 0
         and x.is_contiguous()
         and weight.is_contiguous()
-        and takes_cpu_kernel(x, weight)
+        and _takes_cpu_kernel(x, weight)
     )
 
 
@@ -96,7 +96,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         _fused_ops is not None
         and dim % 8 == 0
         and gate_up.is_contiguous()
-        and takes_cpu_kernel(gate_up)
+        and _takes_cpu_kernel(gate_up)
     ):
         out = gate_up.new_empty(*gate_up.shape[:-1], dim)
         _fused_ops.silu_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // dim, dim)
@@ -121,7 +121,7 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
         and x.stride(1) == head_dim
         and cos.is_contiguous()
         and signed_sin.is_contiguous()
-        and takes_cpu_kernel(x, cos)
+        and _takes_cpu_kernel(x, cos)
     ):
         out = x.new_empty(x.shape)
         _fused_ops.rope(
