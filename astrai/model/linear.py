@@ -26,9 +26,17 @@ except ImportError:  # installed without a C compiler: every product runs on F.l
 
 SKINNY_MAX_ROWS = 64
 
-# PyTorch's bf16 GEMMs are fast only with AVX-512 bf16 instructions or AMX; on an AVX2 CPU they
-# ran at 15.8 GFLOP/s against fp32's 74.7 (64 rows).
-SLOW_BF16_MATMUL = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+def bf16_matmul_is_slow() -> bool:
+    """Whether PyTorch's CPU bf16 GEMMs are emulated: fast ones need AVX-512 bf16 or AMX, and on
+    an AVX2 CPU they ran at 15.8 GFLOP/s against fp32's 74.7 (64 rows)."""
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a build without oneDNN: leave bf16 to PyTorch
+        return False
+
+
+SLOW_BF16_MATMUL = bf16_matmul_is_slow()
 KERNEL_DTYPES = (torch.float32, torch.bfloat16) if SLOW_BF16_MATMUL else (torch.float32,)
 
 
