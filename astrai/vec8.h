@@ -63,13 +63,17 @@ static inline __attribute__((always_inline)) vec8 sum8x8(const vec8 v[LANES]) {
 
 typedef int32_t int8v __attribute__((vector_size(LANES * sizeof(int32_t))));
 
+/* a where mask is set, else b, lane by lane; mask is a comparison's result */
+static inline __attribute__((always_inline)) vec8 select8(int8v mask, vec8 a, vec8 b) {
+    return (vec8)(((int8v)a & mask) | ((int8v)b & ~mask));
+}
+
 /* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,
  * exp(r) by its Taylor series to r^7. Below -87.3 it returns exp(-87.3) ~ 1e-38, not 0: its
  * users (softmax, silu) add it to a term of 1 or more, so the difference is far below rounding. */
 static inline __attribute__((always_inline)) vec8 exp_nonpositive(vec8 x) {
     const vec8 lowest = (vec8){0.0f} - 87.3f;
-    const int8v clamp = x < lowest;
-    x = (vec8)(((int8v)x & ~clamp) | ((int8v)lowest & clamp));
+    x = select8(x < lowest, lowest, x);
     const int8v n = __builtin_convertvector(x * 1.44269504f - 0.5f, int8v); /* trunc: x <= 0 */
     const vec8 nf = __builtin_convertvector(n, vec8);
     const vec8 r = x - nf * 0.693359375f - nf * -2.12194440e-4f; /* ln 2 in two parts */

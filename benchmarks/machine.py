@@ -45,9 +45,9 @@ def read_bandwidth(nbytes: int = 1 << 30) -> float:
 def matmul_rate(dtype: torch.dtype, max_size: int = 2048, max_seconds: float = 0.5) -> float:
     """FLOP/s of a square [size, size] @ [size, size] matmul in dtype.
 
-    size doubles from 256 up to max_size while one product takes under max_seconds: large
-    enough to run at the kernel's full rate, but a CPU with no fast kernel for dtype (bf16
-    without AVX-512) is measured in seconds rather than in many minutes.
+    size doubles from 256 up to max_size while the next size's product (8x the work) would
+    still take under max_seconds: large enough to run at the kernel's full rate, but a CPU with
+    no fast kernel for dtype (bf16 without AVX-512) is measured in seconds, not many minutes.
     """
     size = 256
     while True:

@@ -21,3 +21,14 @@ def kernel_or_fallback(request, monkeypatch, module: ModuleType, extension: str)
     if request.param != "c-kernel":
         monkeypatch.setattr(module, extension, None)
     return request.param
+
+
+class CountingKernels:
+    """The kernel module, recording which kernels were called."""
+
+    def __init__(self, kernels, calls: list[str]):
+        self.kernels, self.calls = kernels, calls
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.kernels, name)

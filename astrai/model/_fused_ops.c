@@ -59,11 +59,6 @@ static PyObject *rms_norm(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* a where mask is set, else b */
-static inline __attribute__((always_inline)) vec8 select8(int8v mask, vec8 a, vec8 b) {
-    return (vec8)(((int8v)a & mask) | ((int8v)b & ~mask));
-}
-
 /* out[:dim] = silu(gate_up[:dim]) * gate_up[dim:], silu(g) = g / (1 + exp(-g)). For g < 0 it
  * is taken as g * e / (1 + e) with e = exp(g): the exponent is never positive, so nothing
  * overflows. */

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_switch import kernel_or_fallback, requires_compiler
+from kernel_switch import CountingKernels, kernel_or_fallback, requires_compiler
 
 from astrai.model import fused_ops
 from astrai.model.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
@@ -128,14 +128,3 @@ def test_inputs_the_kernels_cannot_take_use_the_pytorch_formulas(case, monkeypat
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up)
     assert calls == []
-
-
-class CountingKernels:
-    """The kernel module, recording which kernels were called."""
-
-    def __init__(self, kernels, calls: list[str]):
-        self.kernels, self.calls = kernels, calls
-
-    def __getattr__(self, name):
-        self.calls.append(name)
-        return getattr(self.kernels, name)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_switch import CountingKernels
 from tiny_models import LLAMA3_ROPE, write_hf_model
 
 from astrai.config import ModelConfig
-from astrai.model import AutoModel, Transformer
+from astrai.model import AutoModel, Transformer, fused_ops
 from astrai.model.linear import Linear
 
 VARIANTS = {
@@ -193,6 +194,21 @@ def test_forward_captures_as_one_graph():
         torch.testing.assert_close(
             compiled(ids, positions, attention, torch.tensor([2, 4])), expected
         )
+
+
+@pytest.mark.skipif(fused_ops._fused_ops is None, reason="the C fused-ops kernels were not built")
+def test_fp32_cpu_forward_takes_every_fused_kernel(monkeypatch):
+    """RMSNorm (with and without the residual add), SwiGLU and rope reach their C kernels."""
+    calls: list[str] = []
+    monkeypatch.setattr(fused_ops, "_fused_ops", CountingKernels(fused_ops._fused_ops, calls))
+    model = Transformer(tiny_config()).eval()
+    with torch.no_grad():
+        model.forward(torch.tensor([3, 4, 5]), torch.tensor([0, 1, 2]), RaggedAttention([3]))
+    n_layers = model.config.n_layers
+    # a norm before each of 2 sublayers per layer, plus the final one; one SwiGLU and rope each
+    assert sorted(set(calls)) == ["rms_norm", "rope", "silu_mul"]
+    assert calls.count("rms_norm") == 2 * n_layers + 1
+    assert calls.count("silu_mul") == calls.count("rope") == n_layers
 
 
 def test_every_linear_runs_through_astrai_linear():
