@@ -24,11 +24,17 @@ def kernel_or_fallback(request, monkeypatch, module: ModuleType, extension: str)
 
 
 class CountingKernels:
-    """The kernel module, recording which kernels were called."""
+    """The kernel module, recording the name of each kernel call (not of each lookup: a caller
+    may look a kernel up once and call it many times)."""
 
     def __init__(self, kernels, calls: list[str]):
         self.kernels, self.calls = kernels, calls
 
     def __getattr__(self, name):
-        self.calls.append(name)
-        return getattr(self.kernels, name)
+        kernel = getattr(self.kernels, name)
+
+        def counted(*args):
+            self.calls.append(name)
+            return kernel(*args)
+
+        return counted

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from astrai.config import ModelConfig
 from astrai.model.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from astrai.model.kernel_layers import kernel_layers
 from astrai.model.linear import Linear, linear
 
 WEIGHTS_FILE = "model.safetensors"
@@ -29,7 +30,9 @@ class AttentionBackend(Protocol):
 
     q is [num_tokens, n_heads, head_dim]; k and v are [num_tokens, n_kv_heads, head_dim], with
     rope and q/k norm already applied. Returns [num_tokens, n_heads, head_dim], computed with
-    scale 1/sqrt(head_dim). layer_idx says which layer's cache to use.
+    scale 1/sqrt(head_dim). layer_idx says which layer's cache to use. q, k and v are valid for
+    the call only (the fp32 CPU path reuses their memory for the next layer): a backend that
+    keeps K/V copies them.
     """
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -226,6 +229,13 @@ class Transformer(nn.Module):
         self.output = (
             None if config.tie_weight else Linear(config.dim, config.vocab_size, bias=False)
         )
+        # Bumped by every load_state_dict, whose assign=True swaps in new parameter objects, so
+        # kernel_layers re-reads the weights' pointers.
+        self.weights_version = 0
+        self.register_load_state_dict_post_hook(Transformer._loaded_weights)
+
+    def _loaded_weights(self, incompatible_keys) -> None:
+        self.weights_version += 1
 
     def forward(
         self,
@@ -244,9 +254,13 @@ class Transformer(nn.Module):
         cos, sin = (t.to(h.dtype)[:, None, :] for t in self.rope(positions))
         # [num_tokens, 1, head_dim] for apply_rope, built once for every layer
         cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, signed_sin, attention)
+        plan = kernel_layers(self, h)
+        if plan is not None:
+            h, residual = plan.run(h, cos, signed_sin, attention)
+        else:
+            residual = None
+            for layer in self.layers:
+                h, residual = layer(h, residual, cos, signed_sin, attention)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]  # [num_logits, dim]
         h, _ = self.norm.add_and_norm(h, residual)

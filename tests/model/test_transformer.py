@@ -133,7 +133,8 @@ class ContiguousCacheAttention:
         if self.keys[layer_idx] is not None:
             k = torch.cat([self.keys[layer_idx], k])
             v = torch.cat([self.values[layer_idx], v])
-        self.keys[layer_idx], self.values[layer_idx] = k, v
+        # q/k/v are valid for the call only (AttentionBackend): keep copies
+        self.keys[layer_idx], self.values[layer_idx] = k.clone(), v.clone()
         n_new, n_all = q.shape[0], k.shape[0]
         # query i (absolute position n_all - n_new + i) sees keys at positions <= its own
         visible = torch.ones(n_new, n_all, dtype=torch.bool).tril(diagonal=n_all - n_new)

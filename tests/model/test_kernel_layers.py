@@ -1,0 +1,122 @@
+"""The fp32 CPU layers as direct kernel calls against the modules' own forward."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_transformer import RaggedAttention, tiny_config
+
+from astrai.model import Transformer, fused_ops, kernel_layers, linear
+from astrai.model import transformer as transformer_module
+
+needs_kernels = pytest.mark.skipif(
+    fused_ops._fused_ops is None or linear._skinny_linear is None,
+    reason="the C kernels were not built",
+)
+
+CONFIGS = {
+    "llama": {},
+    "qwen2-bias-tied": {"attention_bias": True, "tie_weight": True},
+    "mistral-one-kv-head": {"n_kv_heads": 1},
+}
+
+
+def random_model(seed: int, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(**overrides)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.5)
+    return model
+
+
+def forward(model, lengths, logits_indices=None):
+    ids = torch.arange(sum(lengths)) * 7 % model.config.vocab_size
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return model.forward(ids, positions, RaggedAttention(lengths), logits_indices)
+
+
+def module_forward(monkeypatch, model, lengths, logits_indices=None):
+    with monkeypatch.context() as patch:
+        patch.setattr(transformer_module, "kernel_layers", lambda model, h: None)
+        return forward(model, lengths, logits_indices)
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("lengths", [[1], [3, 1, 4], [64]])
+def test_kernel_layers_give_the_modules_logits_bit_for_bit(monkeypatch, config, lengths):
+    model = random_model(0, **CONFIGS[config])
+    with torch.inference_mode():
+        assert kernel_layers.kernel_layers(model, torch.empty(sum(lengths), 32)) is not None
+        logits = forward(model, lengths)
+        last = torch.tensor(lengths).cumsum(0) - 1
+        last_logits = forward(model, lengths, last)
+        expected = module_forward(monkeypatch, model, lengths)
+    assert torch.equal(logits, expected)
+    assert torch.equal(last_logits, expected[last])
+
+
+@needs_kernels
+def test_buffers_serve_batch_sizes_in_turn_and_steps_outside_inference_mode(monkeypatch):
+    model = random_model(1)
+    for lengths in ([2, 1], [1], [2, 1]):
+        with torch.inference_mode():
+            logits = forward(model, lengths)
+        with torch.no_grad():
+            assert torch.equal(forward(model, lengths), logits)
+            assert torch.equal(logits, module_forward(monkeypatch, model, lengths))
+
+
+@needs_kernels
+@pytest.mark.parametrize("change", ["load_state_dict", "assign", "to", "data"])
+def test_weights_are_reread_after_they_change(monkeypatch, change):
+    model, other = random_model(2), random_model(3)
+    with torch.no_grad():
+        forward(model, [2])  # the kernel layers now point at model's first weights
+        if change == "to":
+            model.to(torch.float64).to(torch.float32)  # new storage, same values
+            other = model
+        elif change == "data":
+            model.layers[1].feed_forward.w13.weight.data = torch.randn(128, 32)
+            other = model
+        else:
+            model.load_state_dict(other.state_dict(), assign=change == "assign")
+        assert torch.equal(forward(model, [2]), module_forward(monkeypatch, other, [2]))
+
+
+@needs_kernels
+def test_each_thread_has_its_own_buffers():
+    model = random_model(4)
+    h = torch.empty(2, 32)
+    theirs = []
+
+    @torch.no_grad()  # grad mode is per thread
+    def plan_in_another_thread():
+        theirs.append(kernel_layers.kernel_layers(model, h))
+
+    with torch.no_grad():
+        mine = kernel_layers.kernel_layers(model, h)
+        thread = threading.Thread(target=plan_in_another_thread)
+        thread.start()
+        thread.join()
+        assert mine is not None and theirs[0] is not None and theirs[0] is not mine
+        assert kernel_layers.kernel_layers(model, h) is mine
+
+
+@pytest.mark.parametrize(
+    "case", ["bf16", "gradients", "too many rows", "q/k norm", "no kernels", "fp64 weights"]
+)
+def test_the_modules_run_where_the_kernels_cannot(monkeypatch, case):
+    model = random_model(5, use_qk_norm=case == "q/k norm")
+    h = torch.empty(linear.SKINNY_MAX_ROWS + 1 if case == "too many rows" else 2, 32)
+    if case == "bf16":
+        h = h.bfloat16()
+    if case == "no kernels":
+        monkeypatch.setattr(fused_ops, "_fused_ops", None)
+    if case == "fp64 weights":
+        model.layers[1].feed_forward.w2.double()
+    with torch.set_grad_enabled(case == "gradients"):
+        assert kernel_layers.kernel_layers(model, h) is None
