@@ -28,44 +28,58 @@ _per_thread = threading.local()
 
 
 @dataclass
+class LayerWeights:
+    """Pointers to one layer's weights (0 for no qkv bias)."""
+
+    attention_norm: int
+    wqkv: int
+    wqkv_bias: int
+    wo: int
+    ffn_norm: int
+    w13: int
+    w2: int
+
+
+@dataclass
 class LayerCalls:
-    """One layer's kernel calls, as argument tuples; wo's input comes from the backend."""
+    """One layer's kernel calls for one batch size, as argument tuples."""
 
     attention_norm: tuple
     qkv: tuple
     rope: tuple
-    wo: tuple  # the arguments after the input pointer's place is filled
+    wo: tuple  # the arguments after out and the input, which the attention backend allocates
     ffn_norm: tuple
     w13: tuple
     silu_mul: tuple
     w2: tuple
 
 
-class KernelLayers:
-    """One model's layers as kernel calls for one batch size: weights, buffers, arguments."""
+@dataclass
+class StepCalls:
+    """Every layer's calls for one batch size, and the buffer views they read and write."""
 
-    def __init__(self, model: torch.nn.Module, rows: int):
+    layers: list[LayerCalls]
+    embedded: Tensor  # the layer-0 residual stream, the embeddings copied in
+    cos: Tensor
+    signed_sin: Tensor
+    q: Tensor  # what the attention backend gets
+    k: Tensor
+    v: Tensor
+    wo_out: int  # where wo writes
+    ffn_out: Tensor  # what the layers return: the last feed-forward output and the stream
+    stream: Tensor
+
+
+class KernelLayers:
+    """One model's layers as kernel calls: its weights' pointers, buffers for up to capacity
+    rows, and the calls of each batch size met so far (argument tuples are cheap to keep)."""
+
+    def __init__(self, model: torch.nn.Module):
         config = model.config
         self.weights_version = model.weights_version
-        self.rows = rows
-        dim, head_dim = config.dim, config.head_dim
+        self.dim, self.head_dim, self.ffn = config.dim, config.head_dim, config.dim_ffn
         self.heads, self.kv_heads = config.n_heads, config.n_kv_heads
-        q_size, kv_size = self.heads * head_dim, self.kv_heads * head_dim
-        qkv_size = q_size + 2 * kv_size
-        ffn = config.dim_ffn
-        eps = config.norm_eps
-
-        with torch.inference_mode(False):  # buffers that steps in and out of it may write
-            empty = lambda *shape: torch.empty(rows, *shape)  # noqa: E731
-            self.stream = (empty(dim), empty(dim))  # the residual stream, written in turns
-            self.cos, self.signed_sin = empty(1, head_dim), empty(1, head_dim)
-            normed, self.ffn_out = empty(dim), empty(dim)
-            qkv, qk = empty(qkv_size), empty(self.heads + self.kv_heads, head_dim)
-            self.wo_out, gate_up, act = empty(dim), empty(2 * ffn), empty(ffn)
-        self.q, self.k = qk.split([self.heads, self.kv_heads], dim=1)
-        self.v = qkv[:, q_size + kv_size :].view(rows, self.kv_heads, head_dim)
-        self.buffers = (normed, qkv, qk, gate_up, act)
-
+        self.eps = config.norm_eps
         # The weights whose pointers the calls hold; weights_moved() checks them every step.
         self.weights: list[Tensor] = []
 
@@ -75,37 +89,90 @@ class KernelLayers:
             self.weights.append(t)
             return t.data_ptr()
 
-        first, second = (t.data_ptr() for t in self.stream)
-        self.layers = []
-        for index, layer in enumerate(model.layers):
-            attention, ffn_layer = layer.attention, layer.feed_forward
-            # Layer 0 norms the embeddings (in stream[0]); later layers first add the last
-            # feed-forward output to the stream (stream[1]) into stream[0].
-            sum_and_terms = (first, self.ffn_out.data_ptr(), second) if index else (0, first, 0)
-            self.layers.append(
-                LayerCalls(
-                    attention_norm=(normed.data_ptr(), *sum_and_terms,
-                                    ptr(layer.attention_norm.weight), eps, rows, dim),
-                    qkv=(qkv.data_ptr(), normed.data_ptr(), ptr(attention.wqkv.weight),
-                         ptr(attention.wqkv.bias), rows, dim, qkv_size, False),
-                    rope=(qk.data_ptr(), qkv.data_ptr(), self.cos.data_ptr(),
-                          self.signed_sin.data_ptr(), rows, self.heads + self.kv_heads,
-                          head_dim, qkv_size),
-                    wo=(ptr(attention.wo.weight), 0, rows, q_size, dim, False),
-                    ffn_norm=(normed.data_ptr(), second, self.wo_out.data_ptr(), first,
-                              ptr(layer.ffn_norm.weight), eps, rows, dim),
-                    w13=(gate_up.data_ptr(), normed.data_ptr(), ptr(ffn_layer.w13.weight), 0,
-                         rows, dim, 2 * ffn, False),
-                    silu_mul=(act.data_ptr(), gate_up.data_ptr(), rows, ffn),
-                    w2=(self.ffn_out.data_ptr(), act.data_ptr(), ptr(ffn_layer.w2.weight), 0,
-                        rows, ffn, dim, False),
-                )
-            )  # fmt: skip
+        self.layer_weights = [
+            LayerWeights(
+                attention_norm=ptr(layer.attention_norm.weight),
+                wqkv=ptr(layer.attention.wqkv.weight),
+                wqkv_bias=ptr(layer.attention.wqkv.bias),
+                wo=ptr(layer.attention.wo.weight),
+                ffn_norm=ptr(layer.ffn_norm.weight),
+                w13=ptr(layer.feed_forward.w13.weight),
+                w2=ptr(layer.feed_forward.w2.weight),
+            )
+            for layer in model.layers
+        ]
         self.pointers = [t.data_ptr() for t in self.weights]
+        self.capacity = 0
+        self.steps: dict[int, StepCalls] = {}
 
     def weights_moved(self) -> bool:
         """Whether a weight now lies elsewhere (.to(), .data = ...): some 40 us a step."""
         return [t.data_ptr() for t in self.weights] != self.pointers
+
+    def _allocate(self, capacity: int) -> None:
+        """Buffers for up to capacity rows; calls made for the old ones are dropped."""
+        dim, head_dim = self.dim, self.head_dim
+        qkv_size = (self.heads + 2 * self.kv_heads) * head_dim
+        with torch.inference_mode(False):  # buffers that steps in and out of it may write
+            empty = lambda *shape: torch.empty(capacity, *shape)  # noqa: E731
+            self.buffers = {
+                # the residual stream, written in turns
+                "stream": empty(dim),
+                "stream_next": empty(dim),
+                "cos": empty(1, head_dim),
+                "signed_sin": empty(1, head_dim),
+                "normed": empty(dim),
+                "qkv": empty(qkv_size),
+                "qk": empty(self.heads + self.kv_heads, head_dim),
+                "wo_out": empty(dim),
+                "gate_up": empty(2 * self.ffn),
+                "act": empty(self.ffn),
+                "ffn_out": empty(dim),
+            }
+        self.capacity = capacity
+        self.steps.clear()
+
+    def _calls(self, rows: int) -> StepCalls:
+        if rows > self.capacity:
+            self._allocate(max(rows, 2 * self.capacity))
+        b = {name: t[:rows] for name, t in self.buffers.items()}
+        at = {name: t.data_ptr() for name, t in b.items()}
+        first, second = at["stream"], at["stream_next"]
+        dim, head_dim, ffn, eps = self.dim, self.head_dim, self.ffn, self.eps
+        q_size, kv_size = self.heads * head_dim, self.kv_heads * head_dim
+        qkv_size, qk_heads = q_size + 2 * kv_size, self.heads + self.kv_heads
+        layers = []
+        for index, w in enumerate(self.layer_weights):
+            # Layer 0 norms the embeddings (in stream); later layers first add the last
+            # feed-forward output to the stream (in stream_next) into stream.
+            sum_and_terms = (first, at["ffn_out"], second) if index else (0, first, 0)
+            layers.append(
+                LayerCalls(
+                    attention_norm=(at["normed"], *sum_and_terms, w.attention_norm, eps, rows, dim),
+                    qkv=(at["qkv"], at["normed"], w.wqkv, w.wqkv_bias, rows, dim, qkv_size, False),
+                    rope=(at["qk"], at["qkv"], at["cos"], at["signed_sin"], rows, qk_heads,
+                          head_dim, qkv_size),
+                    wo=(w.wo, 0, rows, q_size, dim, False),
+                    ffn_norm=(at["normed"], second, at["wo_out"], first, w.ffn_norm, eps, rows,
+                              dim),
+                    w13=(at["gate_up"], at["normed"], w.w13, 0, rows, dim, 2 * ffn, False),
+                    silu_mul=(at["act"], at["gate_up"], rows, ffn),
+                    w2=(at["ffn_out"], at["act"], w.w2, 0, rows, ffn, dim, False),
+                )
+            )  # fmt: skip
+        q, k = b["qk"].split([self.heads, self.kv_heads], dim=1)
+        return StepCalls(
+            layers=layers,
+            embedded=b["stream"],
+            cos=b["cos"],
+            signed_sin=b["signed_sin"],
+            q=q,
+            k=k,
+            v=b["qkv"][:, q_size + kv_size :].view(rows, self.kv_heads, head_dim),
+            wo_out=at["wo_out"],
+            ffn_out=b["ffn_out"],
+            stream=b["stream_next"],
+        )
 
     def run(
         self,
@@ -116,29 +183,33 @@ class KernelLayers:
     ) -> tuple[Tensor, Tensor]:
         """(last feed-forward output, residual stream before it), as the layer loop returns.
 
-        Both are this object's buffers: the caller reads them before the next forward pass.
+        Both are views of this object's buffers: the caller reads them before the next forward
+        pass.
         """
-        self.stream[0].copy_(h)
-        self.cos.copy_(cos)
-        self.signed_sin.copy_(signed_sin)
+        rows = h.shape[0]
+        step = self.steps.get(rows)
+        if step is None:
+            step = self.steps[rows] = self._calls(rows)
+        step.embedded.copy_(h)
+        step.cos.copy_(cos)
+        step.signed_sin.copy_(signed_sin)
         rms_norm, silu_mul, rope = (
             fused_ops._fused_ops.rms_norm,
             fused_ops._fused_ops.silu_mul,
             fused_ops._fused_ops.rope,
         )
         matmul = linear._skinny_linear.linear
-        wo_out = self.wo_out.data_ptr()
-        for layer_idx, calls in enumerate(self.layers):
+        for layer_idx, calls in enumerate(step.layers):
             rms_norm(*calls.attention_norm)
             matmul(*calls.qkv)
             rope(*calls.rope)
-            out = attention(layer_idx, self.q, self.k, self.v).contiguous()
-            matmul(wo_out, out.data_ptr(), *calls.wo)
+            out = attention(layer_idx, step.q, step.k, step.v).contiguous()
+            matmul(step.wo_out, out.data_ptr(), *calls.wo)
             rms_norm(*calls.ffn_norm)
             matmul(*calls.w13)
             silu_mul(*calls.silu_mul)
             matmul(*calls.w2)
-        return self.ffn_out, self.stream[1]
+        return step.ffn_out, step.stream
 
 
 def kernel_layers(model: torch.nn.Module, h: Tensor) -> KernelLayers | None:
@@ -168,16 +239,11 @@ def kernel_layers(model: torch.nn.Module, h: Tensor) -> KernelLayers | None:
     if plans is None:
         plans = _per_thread.plans = weakref.WeakKeyDictionary()
     plan = plans.get(model)
-    if (
-        plan is None
-        or plan.rows != rows
-        or plan.weights_version != model.weights_version
-        or plan.weights_moved()
-    ):
+    if plan is None or plan.weights_version != model.weights_version or plan.weights_moved():
         if not all(
             p.dtype == torch.float32 and p.is_cpu and p.is_contiguous()
             for p in model.layers.parameters()
         ):
             return None
-        plan = plans[model] = KernelLayers(model, rows)
+        plan = plans[model] = KernelLayers(model)
     return plan

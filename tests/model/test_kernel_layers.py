@@ -61,8 +61,10 @@ def test_kernel_layers_give_the_modules_logits_bit_for_bit(monkeypatch, config, 
 
 @needs_kernels
 def test_buffers_serve_batch_sizes_in_turn_and_steps_outside_inference_mode(monkeypatch):
+    """Batch sizes come and go (the buffers grow for 3 rows, then 7) and steps run both in
+    inference mode and out of it."""
     model = random_model(1)
-    for lengths in ([2, 1], [1], [2, 1]):
+    for lengths in ([1], [2, 1], [1], [4, 3], [2, 1]):
         with torch.inference_mode():
             logits = forward(model, lengths)
         with torch.no_grad():
