@@ -3,6 +3,7 @@
  * The kernels are written once on vec8; VECTOR_CLONES compiles a function twice, for x86-64-v3
  * (AVX2 + FMA: one register per vec8) and for the baseline (two SSE registers), and the loader
  * picks the clone the CPU can run. Other compilers and targets get the portable code only.
+ * bf16 values are widened to fp32 on load and rounded back on store, as PyTorch's bf16 ops do.
  */
 #ifndef ASTRAI_VEC8_H
 #define ASTRAI_VEC8_H
@@ -66,6 +67,43 @@ typedef int32_t int8v __attribute__((vector_size(LANES * sizeof(int32_t))));
 /* a where mask is set, else b, lane by lane; mask is a comparison's result */
 static inline __attribute__((always_inline)) vec8 select8(int8v mask, vec8 a, vec8 b) {
     return (vec8)(((int8v)a & mask) | ((int8v)b & ~mask));
+}
+
+/* bf16: the high half of an fp32, stored as 16 bits. */
+typedef uint16_t bf16;
+typedef uint16_t bf16x8 __attribute__((vector_size(LANES * sizeof(bf16))));
+typedef uint32_t uint8v __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+static inline __attribute__((always_inline)) float bf16_to_float(bf16 h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* f rounded to the nearest bf16, ties to even, NaN kept NaN: as PyTorch rounds. */
+static inline __attribute__((always_inline)) bf16 float_to_bf16(float f) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, sizeof bits);
+    return f != f ? 0x7fc0 : (bf16)((bits + 0x7fff + (bits >> 16 & 1)) >> 16);
+}
+
+static inline __attribute__((always_inline)) vec8 load8_bf16(const bf16 *p) {
+    bf16x8 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (vec8)(__builtin_convertvector(h, uint8v) << 16);
+}
+
+/* Each lane rounded to bf16 as float_to_bf16 does, and kept as an fp32. */
+static inline __attribute__((always_inline)) vec8 round8_bf16(vec8 v) {
+    const uint8v bits = (uint8v)v;
+    const vec8 rounded = (vec8)((bits + 0x7fff + (bits >> 16 & 1)) & 0xffff0000u);
+    return select8(v != v, v, rounded);
+}
+
+static inline __attribute__((always_inline)) void store8_bf16(bf16 *p, vec8 v) {
+    const bf16x8 h = __builtin_convertvector((uint8v)round8_bf16(v) >> 16, bf16x8);
+    __builtin_memcpy(p, &h, sizeof h);
 }
 
 /* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,

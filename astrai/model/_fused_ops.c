@@ -1,4 +1,4 @@
-/* The small ops between a layer's linears, one call each, for fp32 on the CPU.
+/* The small ops between a layer's linears, one call each, for fp32 and bf16 on the CPU.
  *
  * At batch 1 a decode step's linears stream the weights at the machine's read rate, and what
  * is left of the step is some 35 PyTorch ops per layer on a few hundred floats each, every one
@@ -17,114 +17,196 @@
 
 #include "vec8.h"
 
-/* Below this many floats an op runs on the calling thread: waking the pool costs more. */
-#define PARALLEL_MIN_FLOATS 32768
+/* Below this many values an op runs on the calling thread: waking the pool costs more. */
+#define PARALLEL_MIN_VALUES 32768
+
+/* Rows are fp32 or bf16. A bf16 op computes in fp32 and rounds to bf16 wherever the PyTorch
+ * formula it replaces rounds (after each op), so the two agree but for the last ulp of a sum
+ * or an exp; in fp32 rounding is the identity. Inlined with is_bf16 a constant. */
+static inline __attribute__((always_inline)) vec8 load_any(const void *p, int64_t i,
+                                                            const int is_bf16) {
+    return is_bf16 ? load8_bf16((const bf16 *)p + i) : load8((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void store_any(void *p, int64_t i, vec8 v,
+                                                             const int is_bf16) {
+    if (is_bf16)
+        store8_bf16((bf16 *)p + i, v);
+    else
+        store8((float *)p + i, v);
+}
+
+static inline __attribute__((always_inline)) vec8 rounded(vec8 v, const int is_bf16) {
+    return is_bf16 ? round8_bf16(v) : v;
+}
 
 /* out = RMSNorm(x + residual) * weight, and residual_out = x + residual; without a residual
- * (residual == NULL) out = RMSNorm(x) * weight. Rows of dim floats, dim a multiple of LANES. */
-VECTOR_CLONES
-static void rms_norm_row(float *out, float *residual_out, const float *x, const float *residual,
-                         const float *weight, float eps, int64_t dim) {
-    const float *h = x;
+ * (residual == NULL) out = RMSNorm(x) * weight. Rows of dim values, dim a multiple of LANES.
+ * bf16 rounds the sum, the normalised row and the product with the weight, as transformers. */
+static inline __attribute__((always_inline)) void rms_norm_row(
+    void *out, void *residual_out, const void *x, const void *residual, const void *weight,
+    float eps, int64_t dim, const int is_bf16) {
+    const void *h = x;
     if (residual != NULL) {
         for (int64_t d = 0; d < dim; d += LANES)
-            store8(residual_out + d, load8(x + d) + load8(residual + d));
+            store_any(residual_out, d,
+                      load_any(x, d, is_bf16) + load_any(residual, d, is_bf16), is_bf16);
         h = residual_out;
     }
     vec8 squares = {0.0f};
     for (int64_t d = 0; d < dim; d += LANES) {
-        const vec8 v = load8(h + d);
+        const vec8 v = load_any(h, d, is_bf16);
         squares += v * v;
     }
     const float inv_rms = 1.0f / sqrtf(sum8(squares) / (float)dim + eps);
     for (int64_t d = 0; d < dim; d += LANES)
-        store8(out + d, load8(h + d) * inv_rms * load8(weight + d));
+        store_any(out, d,
+                  rounded(load_any(h, d, is_bf16) * inv_rms, is_bf16) *
+                      load_any(weight, d, is_bf16),
+                  is_bf16);
 }
+
+/* out[:dim] = silu(gate_up[:dim]) * gate_up[dim:], silu(g) = g / (1 + exp(-g)). For g < 0 it
+ * is taken as g * e / (1 + e) with e = exp(g): the exponent is never positive, so nothing
+ * overflows. bf16 rounds silu's result before the product, as F.silu(gate) * up does. */
+static inline __attribute__((always_inline)) void silu_mul_row(void *out, const void *gate_up,
+                                                                int64_t dim, const int is_bf16) {
+    for (int64_t d = 0; d < dim; d += LANES) {
+        const vec8 g = load_any(gate_up, d, is_bf16), up = load_any(gate_up, dim + d, is_bf16);
+        const int8v negative = g < 0.0f;
+        const vec8 e = exp_nonpositive(select8(negative, g, -g));
+        store_any(out, d, rounded(select8(negative, g * e, g) / (1.0f + e), is_bf16) * up,
+                  is_bf16);
+    }
+}
+
+static inline __attribute__((always_inline)) float load1(const void *p, int64_t i,
+                                                           const int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) float rounded1(float v, const int is_bf16) {
+    return is_bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+}
+
+/* x * cos + partner * signed_sin for one value; bf16 rounds both products and the sum, as the
+ * PyTorch ops do, and the caller's store rounds the sum. */
+static inline __attribute__((always_inline)) float rotated(const void *x, int64_t i,
+                                                            int64_t partner, const void *cos,
+                                                            const void *signed_sin, int64_t d,
+                                                            const int is_bf16) {
+    return rounded1(load1(x, i, is_bf16) * load1(cos, d, is_bf16), is_bf16) +
+           rounded1(load1(x, partner, is_bf16) * load1(signed_sin, d, is_bf16), is_bf16);
+}
+
+/* One row of heads: out = x * cos + swap_halves(x) * signed_sin, head by head, where cos and
+ * signed_sin hold head_dim values for this row's position. */
+static inline __attribute__((always_inline)) void rope_row(void *out, const void *x,
+                                                            const void *cos,
+                                                            const void *signed_sin,
+                                                            int64_t heads, int64_t head_dim,
+                                                            const int is_bf16) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < heads * head_dim; i += head_dim)
+        for (int64_t d = 0; d < head_dim; d++) {
+            const float v = rotated(x, i + d, d < half ? i + d + half : i + d - half, cos,
+                                    signed_sin, d, is_bf16);
+            if (is_bf16)
+                ((bf16 *)out)[i + d] = float_to_bf16(v);
+            else
+                ((float *)out)[i + d] = v;
+        }
+}
+
+/* Each kernel compiled for fp32 and for bf16 rows, and for AVX2 and the baseline. */
+#define ROW_KERNEL(name, params, args)                                                        \
+    VECTOR_CLONES static void name##_fp32 params { name args(0); }                            \
+    VECTOR_CLONES static void name##_bf16 params { name args(1); }
+
+#define RMS_ARGS(is_bf16) (out, residual_out, x, residual, weight, eps, dim, is_bf16)
+ROW_KERNEL(rms_norm_row,
+           (void *out, void *residual_out, const void *x, const void *residual,
+            const void *weight, float eps, int64_t dim),
+           RMS_ARGS)
 
 static PyObject *rms_norm(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, residual_out, x, residual, weight, rows, dim;
     float eps;
-    if (!PyArg_ParseTuple(args, "nnnnnfnn", &out, &residual_out, &x, &residual, &weight, &eps,
-                          &rows, &dim))
+    int is_bf16;
+    if (!PyArg_ParseTuple(args, "nnnnnfnnp", &out, &residual_out, &x, &residual, &weight, &eps,
+                          &rows, &dim, &is_bf16))
         return NULL;
+    void (*const row)(void *, void *, const void *, const void *, const void *, float, int64_t) =
+        is_bf16 ? rms_norm_row_bf16 : rms_norm_row_fp32;
+    const int64_t row_bytes = dim * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_FLOATS)
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_VALUES)
     for (int64_t r = 0; r < rows; r++)
-        rms_norm_row((float *)out + r * dim, residual ? (float *)residual_out + r * dim : NULL,
-                     (const float *)x + r * dim,
-                     residual ? (const float *)residual + r * dim : NULL, (const float *)weight,
-                     eps, dim);
+        row((char *)out + r * row_bytes, residual ? (char *)residual_out + r * row_bytes : NULL,
+            (const char *)x + r * row_bytes, residual ? (const char *)residual + r * row_bytes : NULL,
+            (const void *)weight, eps, dim);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
-/* out[:dim] = silu(gate_up[:dim]) * gate_up[dim:], silu(g) = g / (1 + exp(-g)). For g < 0 it
- * is taken as g * e / (1 + e) with e = exp(g): the exponent is never positive, so nothing
- * overflows. */
-VECTOR_CLONES
-static void silu_mul_row(float *out, const float *gate_up, int64_t dim) {
-    for (int64_t d = 0; d < dim; d += LANES) {
-        const vec8 g = load8(gate_up + d), up = load8(gate_up + dim + d);
-        const int8v negative = g < 0.0f;
-        const vec8 e = exp_nonpositive(select8(negative, g, -g));
-        store8(out + d, select8(negative, g * e, g) / (1.0f + e) * up);
-    }
-}
+#define SILU_ARGS(is_bf16) (out, gate_up, dim, is_bf16)
+ROW_KERNEL(silu_mul_row, (void *out, const void *gate_up, int64_t dim), SILU_ARGS)
 
 static PyObject *silu_mul(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, gate_up, rows, dim;
-    if (!PyArg_ParseTuple(args, "nnnn", &out, &gate_up, &rows, &dim)) return NULL;
+    int is_bf16;
+    if (!PyArg_ParseTuple(args, "nnnnp", &out, &gate_up, &rows, &dim, &is_bf16)) return NULL;
+    void (*const row)(void *, const void *, int64_t) =
+        is_bf16 ? silu_mul_row_bf16 : silu_mul_row_fp32;
+    const int64_t row_bytes = dim * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_FLOATS)
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_VALUES)
     for (int64_t r = 0; r < rows; r++)
-        silu_mul_row((float *)out + r * dim, (const float *)gate_up + 2 * r * dim, dim);
+        row((char *)out + r * row_bytes, (const char *)gate_up + 2 * r * row_bytes, dim);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
-/* One row of heads: out = x * cos + swap_halves(x) * signed_sin, head by head, where cos and
- * signed_sin hold head_dim floats for this row's position. */
-VECTOR_CLONES
-static void rope_row(float *out, const float *x, const float *cos, const float *signed_sin,
-                     int64_t heads, int64_t head_dim) {
-    const int64_t half = head_dim / 2;
-    for (int64_t h = 0; h < heads; h++) {
-        const float *xh = x + h * head_dim;
-        float *oh = out + h * head_dim;
-        for (int64_t d = 0; d < half; d++) oh[d] = xh[d] * cos[d] + xh[d + half] * signed_sin[d];
-        for (int64_t d = half; d < head_dim; d++)
-            oh[d] = xh[d] * cos[d] + xh[d - half] * signed_sin[d];
-    }
-}
+#define ROPE_ARGS(is_bf16) (out, x, cos, signed_sin, heads, head_dim, is_bf16)
+ROW_KERNEL(rope_row,
+           (void *out, const void *x, const void *cos, const void *signed_sin, int64_t heads,
+            int64_t head_dim),
+           ROPE_ARGS)
 
 static PyObject *rope(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, x, cos, signed_sin, rows, heads, head_dim, x_row_stride;
-    if (!PyArg_ParseTuple(args, "nnnnnnnn", &out, &x, &cos, &signed_sin, &rows, &heads,
-                          &head_dim, &x_row_stride))
+    int is_bf16;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnp", &out, &x, &cos, &signed_sin, &rows, &heads,
+                          &head_dim, &x_row_stride, &is_bf16))
         return NULL;
+    void (*const row)(void *, const void *, const void *, const void *, int64_t, int64_t) =
+        is_bf16 ? rope_row_bf16 : rope_row_fp32;
+    const int64_t size = is_bf16 ? sizeof(bf16) : sizeof(float);
     Py_BEGIN_ALLOW_THREADS;
-#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_MIN_FLOATS)
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_MIN_VALUES)
     for (int64_t r = 0; r < rows; r++)
-        rope_row((float *)out + r * heads * head_dim, (const float *)x + r * x_row_stride,
-                 (const float *)cos + r * head_dim, (const float *)signed_sin + r * head_dim,
-                 heads, head_dim);
+        row((char *)out + r * heads * head_dim * size, (const char *)x + r * x_row_stride * size,
+            (const char *)cos + r * head_dim * size, (const char *)signed_sin + r * head_dim * size,
+            heads, head_dim);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS,
-     "rms_norm(out, residual_out, x, residual, weight, eps, rows, dim): data pointers of "
-     "contiguous fp32 [rows, dim] tensors (residual and residual_out 0 for none), then sizes."},
+     "rms_norm(out, residual_out, x, residual, weight, eps, rows, dim, is_bf16): data pointers "
+     "of contiguous [rows, dim] tensors, all fp32 or all bf16 (residual and residual_out 0 for "
+     "none), then sizes."},
     {"silu_mul", silu_mul, METH_VARARGS,
-     "silu_mul(out, gate_up, rows, dim): out [rows, dim] = silu(gate) * up of gate_up "
+     "silu_mul(out, gate_up, rows, dim, is_bf16): out [rows, dim] = silu(gate) * up of gate_up "
      "[rows, 2 * dim]."},
     {"rope", rope, METH_VARARGS,
-     "rope(out, x, cos, signed_sin, rows, heads, head_dim, x_row_stride): out [rows, heads, "
-     "head_dim] from x rows x_row_stride floats apart; cos and signed_sin [rows, head_dim]."},
+     "rope(out, x, cos, signed_sin, rows, heads, head_dim, x_row_stride, is_bf16): out [rows, "
+     "heads, head_dim] from x rows x_row_stride values apart; cos and signed_sin [rows, "
+     "head_dim]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,22 +27,6 @@
 #define ROW_BLOCK 4
 #define X_BLOCK 2
 
-typedef uint16_t bf16;
-
-static inline __attribute__((always_inline)) float bf16_to_float(bf16 h) {
-    const uint32_t bits = (uint32_t)h << 16; /* a bf16 is the high half of an fp32 */
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* f rounded to the nearest bf16, ties to even, NaN kept NaN: as PyTorch rounds. */
-static inline __attribute__((always_inline)) bf16 float_to_bf16(float f) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    return f != f ? 0x7fc0 : (bf16)((bits + 0x7fff + (bits >> 16 & 1)) >> 16);
-}
-
 /* out[m0 : m0 + n_x, n0 : n0 + ROW_BLOCK] for n_x <= X_BLOCK, from the W rows w. Inlined
  * with n_x and is_bf16 constants, so the accumulators live in vector registers.
  *

@@ -1,10 +1,11 @@
 """The model's small ops -- RMSNorm with the residual add, SiLU-and-mul, rope -- one call each.
 
-For fp32 on the CPU they run on the _fused_ops kernels: at batch 1 the 35 or so PyTorch ops
-between a layer's linears cost a third of a decode step in dispatch and allocation alone
-(benchmarks/README.md). Everything else (other dtypes and devices, gradients, torch.compile
-tracing, an install without a C compiler) takes the PyTorch formulas, which are transformers'
-own op for op.
+For fp32 and bf16 on the CPU they run on the _fused_ops kernels: at batch 1 the 35 or so
+PyTorch ops between a layer's linears cost a third of a decode step in dispatch and allocation
+alone (benchmarks/README.md). A bf16 kernel computes in fp32 and rounds wherever the PyTorch
+formula rounds. Everything else (other dtypes and devices, gradients, torch.compile tracing,
+an install without a C compiler) takes the PyTorch formulas, which are transformers' own op
+for op.
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ except ImportError:  # installed without a C compiler: the PyTorch formulas belo
     _fused_ops = None
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _takes_cpu_kernel(x: Tensor, weight: Tensor | None = None) -> bool:
-    """Whether x (and weight) may go to a C kernel: fp32 on the CPU, no autograd, no tracing.
+    """Whether x (and weight) may go to a C kernel: fp32 or bf16 on the CPU, no autograd, no
+    tracing.
 
     Called for every op of every step, so it is cheap tests first and no loops.
     """
     return (
-        x.dtype == torch.float32
+        x.dtype in KERNEL_DTYPES
         and x.is_cpu
-        and (weight is None or (weight.dtype == torch.float32 and weight.is_cpu))
+        and (weight is None or (weight.dtype == x.dtype and weight.is_cpu))
         # The kernels have no backward: training and gradients stay on PyTorch ops.
         and not (
             torch.is_grad_enabled()
@@ -63,6 +68,7 @@ def _rms_norm_kernel(
         eps,
         x.numel() // x.shape[-1],
         x.shape[-1],
+        x.dtype == torch.bfloat16,
     )
     return out, total
 
@@ -99,7 +105,9 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         and _takes_cpu_kernel(gate_up)
     ):
         out = gate_up.new_empty(*gate_up.shape[:-1], dim)
-        _fused_ops.silu_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // dim, dim)
+        _fused_ops.silu_mul(
+            out.data_ptr(), gate_up.data_ptr(), out.numel() // dim, dim, out.dtype == torch.bfloat16
+        )
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -126,7 +134,7 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
         out = x.new_empty(x.shape)
         _fused_ops.rope(
             out.data_ptr(), x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), num_tokens,
-            heads, head_dim, x.stride(0),
+            heads, head_dim, x.stride(0), x.dtype == torch.bfloat16,
         )  # fmt: skip
         return out
     return x * cos + x.roll(head_dim // 2, dims=-1) * signed_sin

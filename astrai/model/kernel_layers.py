@@ -1,4 +1,4 @@
-"""The decoder layers for a few fp32 rows on the CPU, as direct calls to the C kernels.
+"""The decoder layers for a few rows on the CPU, as direct calls to the C kernels.
 
 A batch-1 decode step spent some 5 ms of its 45 in Python around the kernels -- module calls,
 eligibility checks and a fresh tensor for every op's output, about 175 us a layer on a 2-core
@@ -74,9 +74,10 @@ class KernelLayers:
     """One model's layers as kernel calls: its weights' pointers, buffers for up to capacity
     rows, and the calls of each batch size met so far (argument tuples are cheap to keep)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         config = model.config
         self.weights_version = model.weights_version
+        self.dtype, self.is_bf16 = dtype, dtype == torch.bfloat16
         self.dim, self.head_dim, self.ffn = config.dim, config.head_dim, config.dim_ffn
         self.heads, self.kv_heads = config.n_heads, config.n_kv_heads
         self.eps = config.norm_eps
@@ -114,7 +115,7 @@ class KernelLayers:
         dim, head_dim = self.dim, self.head_dim
         qkv_size = (self.heads + 2 * self.kv_heads) * head_dim
         with torch.inference_mode(False):  # buffers that steps in and out of it may write
-            empty = lambda *shape: torch.empty(capacity, *shape)  # noqa: E731
+            empty = lambda *shape: torch.empty(capacity, *shape, dtype=self.dtype)  # noqa: E731
             self.buffers = {
                 # the residual stream, written in turns
                 "stream": empty(dim),
@@ -134,11 +135,11 @@ class KernelLayers:
 
     def _calls(self, rows: int) -> StepCalls:
         if rows > self.capacity:
-            self._allocate(max(rows, 2 * self.capacity))
+            self._allocate(min(max(rows, 2 * self.capacity), linear.SKINNY_MAX_ROWS))
         b = {name: t[:rows] for name, t in self.buffers.items()}
         at = {name: t.data_ptr() for name, t in b.items()}
         first, second = at["stream"], at["stream_next"]
-        dim, head_dim, ffn, eps = self.dim, self.head_dim, self.ffn, self.eps
+        dim, head_dim, ffn, eps, bf16 = self.dim, self.head_dim, self.ffn, self.eps, self.is_bf16
         q_size, kv_size = self.heads * head_dim, self.kv_heads * head_dim
         qkv_size, qk_heads = q_size + 2 * kv_size, self.heads + self.kv_heads
         layers = []
@@ -148,16 +149,17 @@ class KernelLayers:
             sum_and_terms = (first, at["ffn_out"], second) if index else (0, first, 0)
             layers.append(
                 LayerCalls(
-                    attention_norm=(at["normed"], *sum_and_terms, w.attention_norm, eps, rows, dim),
-                    qkv=(at["qkv"], at["normed"], w.wqkv, w.wqkv_bias, rows, dim, qkv_size, False),
+                    attention_norm=(at["normed"], *sum_and_terms, w.attention_norm, eps, rows, dim,
+                                    bf16),
+                    qkv=(at["qkv"], at["normed"], w.wqkv, w.wqkv_bias, rows, dim, qkv_size, bf16),
                     rope=(at["qk"], at["qkv"], at["cos"], at["signed_sin"], rows, qk_heads,
-                          head_dim, qkv_size),
-                    wo=(w.wo, 0, rows, q_size, dim, False),
+                          head_dim, qkv_size, bf16),
+                    wo=(w.wo, 0, rows, q_size, dim, bf16),
                     ffn_norm=(at["normed"], second, at["wo_out"], first, w.ffn_norm, eps, rows,
-                              dim),
-                    w13=(at["gate_up"], at["normed"], w.w13, 0, rows, dim, 2 * ffn, False),
-                    silu_mul=(at["act"], at["gate_up"], rows, ffn),
-                    w2=(at["ffn_out"], at["act"], w.w2, 0, rows, ffn, dim, False),
+                              dim, bf16),
+                    w13=(at["gate_up"], at["normed"], w.w13, 0, rows, dim, 2 * ffn, bf16),
+                    silu_mul=(at["act"], at["gate_up"], rows, ffn, bf16),
+                    w2=(at["ffn_out"], at["act"], w.w2, 0, rows, ffn, dim, bf16),
                 )
             )  # fmt: skip
         q, k = b["qk"].split([self.heads, self.kv_heads], dim=1)
@@ -215,35 +217,41 @@ class KernelLayers:
 def kernel_layers(model: torch.nn.Module, h: Tensor) -> KernelLayers | None:
     """The model's KernelLayers for h's rows, or None where its own modules must run.
 
-    They run for fp32 on the CPU with every kernel built, no gradients, no torch.compile
-    tracing, few enough rows for the skinny linears, and no q/k norm (Qwen3).
+    They run on the CPU with every kernel built, no gradients, no torch.compile tracing, few
+    enough rows for the skinny linears, no q/k norm (Qwen3), in fp32, or in bf16 where the
+    skinny kernel takes bf16 linears (where PyTorch has no fast bf16 GEMM).
     """
     config = model.config
-    rows = h.shape[0]
+    dtype = h.dtype
+    # the kernels read rows 8 floats or 16 bf16 at a time
+    multiple = {torch.float32: 8, torch.bfloat16: 16}.get(dtype)
     if not (
         fused_ops._fused_ops is not None
         and linear._skinny_linear is not None
-        and h.dtype == torch.float32
+        and dtype in linear.KERNEL_DTYPES
         and h.is_cpu
-        and rows <= linear.SKINNY_MAX_ROWS
+        and h.shape[0] <= linear.SKINNY_MAX_ROWS
         and not config.use_qk_norm
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
-        # the kernels read rows 8 floats at a time
-        and config.dim % 8 == 0
-        and config.dim_ffn % 8 == 0
-        and (config.n_heads * config.head_dim) % 8 == 0
+        and config.dim % multiple == 0
+        and config.dim_ffn % multiple == 0
+        and (config.n_heads * config.head_dim) % multiple == 0
     ):
         return None
     plans = getattr(_per_thread, "plans", None)
     if plans is None:
         plans = _per_thread.plans = weakref.WeakKeyDictionary()
     plan = plans.get(model)
-    if plan is None or plan.weights_version != model.weights_version or plan.weights_moved():
+    if (
+        plan is None
+        or plan.dtype != dtype
+        or plan.weights_version != model.weights_version
+        or plan.weights_moved()
+    ):
         if not all(
-            p.dtype == torch.float32 and p.is_cpu and p.is_contiguous()
-            for p in model.layers.parameters()
+            p.dtype == dtype and p.is_cpu and p.is_contiguous() for p in model.layers.parameters()
         ):
             return None
-        plan = plans[model] = KernelLayers(model)
+        plan = plans[model] = KernelLayers(model, dtype)
     return plan

@@ -76,8 +76,8 @@ def test_rope_is_bit_identical_to_transformers(backend):
     assert_rope_is_transformers(torch.float32)
 
 
-def test_bf16_rope_is_bit_identical_to_transformers():
-    """bf16 takes the PyTorch formula, which rounds as transformers' does."""
+def test_bf16_rope_is_bit_identical_to_transformers(backend):
+    """The bf16 kernel rounds both products and their sum, as transformers' ops do."""
     assert_rope_is_transformers(torch.bfloat16)
 
 
@@ -105,15 +105,50 @@ def test_rope_reads_heads_out_of_a_wider_row(backend):
     assert torch.equal(apply_rope(qk, cos, signed_sin), expected)
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "needs gradients", "not a multiple of 8"])
+def assert_rounds_as_pytorch_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 computed in fp32 and rounded where PyTorch rounds: equal but for a last place where
+    an fp32 sum or exp, taken in another order, lands beside a rounding boundary."""
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=1e-6)
+    assert (got == expected).float().mean() >= 0.98
+
+
+def transformers_bf16_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward for a bf16 x: normalise in fp32, round, multiply by the weight."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_bf16_rms_norms_round_as_transformers(rows, backend):
+    generator = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 64, generator=generator).bfloat16() for _ in range(2))
+    weight = torch.randn(64, generator=generator).bfloat16()
+    normed, total = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, x + residual)  # one rounding of an exact fp32 sum
+    assert_rounds_as_pytorch_bf16(normed, transformers_bf16_rms_norm(total, weight, 1e-6))
+    assert_rounds_as_pytorch_bf16(
+        rms_norm(x, weight, 1e-6), transformers_bf16_rms_norm(x, weight, 1e-6)
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_bf16_silu_and_mul_rounds_as_f_silu(rows, backend):
+    generator = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 48, generator=generator) * 8).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_rounds_as_pytorch_bf16(silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("case", ["float16", "needs gradients", "not a multiple of 8"])
 def test_inputs_the_kernels_cannot_take_use_the_pytorch_formulas(case, monkeypatch):
     calls = []
     if fused_ops._fused_ops is not None:
         monkeypatch.setattr(fused_ops, "_fused_ops", CountingKernels(fused_ops._fused_ops, calls))
     dim = 12 if case == "not a multiple of 8" else 16
     x, residual, weight = torch.randn(3, dim), torch.randn(3, dim), torch.randn(dim)
-    if case == "bfloat16":
-        x, residual, weight = x.bfloat16(), residual.bfloat16(), weight.bfloat16()
+    if case == "float16":
+        x, residual, weight = x.half(), residual.half(), weight.half()
     elif case == "needs gradients":
         weight.requires_grad_()
     normed, total = add_rms_norm(x, residual, weight, 1e-5)
@@ -121,8 +156,8 @@ def test_inputs_the_kernels_cannot_take_use_the_pytorch_formulas(case, monkeypat
     torch.testing.assert_close(
         normed,
         transformers_rms_norm((x + residual).float(), weight.float(), 1e-5).to(x.dtype),
-        rtol=1e-2 if case == "bfloat16" else 1e-5,
-        atol=1e-2 if case == "bfloat16" else 1e-5,
+        rtol=1e-2 if case == "float16" else 1e-5,
+        atol=1e-2 if case == "float16" else 1e-5,
     )
     gate_up = torch.randn(3, 2 * dim, requires_grad=case == "needs gradients").to(x.dtype)
     gate, up = gate_up.chunk(2, dim=-1)

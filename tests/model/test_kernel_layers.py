@@ -23,13 +23,13 @@ CONFIGS = {
 }
 
 
-def random_model(seed: int, **overrides) -> Transformer:
+def random_model(seed: int, dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(tiny_config(**overrides)).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0, 0.5)
-    return model
+    return model.to(dtype)
 
 
 def forward(model, lengths, logits_indices=None):
@@ -47,10 +47,14 @@ def module_forward(monkeypatch, model, lengths, logits_indices=None):
 @needs_kernels
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("lengths", [[1], [3, 1, 4], [64]])
-def test_kernel_layers_give_the_modules_logits_bit_for_bit(monkeypatch, config, lengths):
-    model = random_model(0, **CONFIGS[config])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_layers_give_the_modules_logits_bit_for_bit(monkeypatch, config, lengths, dtype):
+    if dtype not in linear.KERNEL_DTYPES:
+        pytest.skip("PyTorch has fast bf16 GEMMs here: bf16 linears stay on PyTorch")
+    model = random_model(0, dtype, **CONFIGS[config])
     with torch.inference_mode():
-        assert kernel_layers.kernel_layers(model, torch.empty(sum(lengths), 32)) is not None
+        h = torch.empty(sum(lengths), 32, dtype=dtype)
+        assert kernel_layers.kernel_layers(model, h) is not None
         logits = forward(model, lengths)
         last = torch.tensor(lengths).cumsum(0) - 1
         last_logits = forward(model, lengths, last)
@@ -109,13 +113,13 @@ def test_each_thread_has_its_own_buffers():
 
 
 @pytest.mark.parametrize(
-    "case", ["bf16", "gradients", "too many rows", "q/k norm", "no kernels", "fp64 weights"]
+    "case", ["fp16", "gradients", "too many rows", "q/k norm", "no kernels", "fp64 weights"]
 )
 def test_the_modules_run_where_the_kernels_cannot(monkeypatch, case):
     model = random_model(5, use_qk_norm=case == "q/k norm")
     h = torch.empty(linear.SKINNY_MAX_ROWS + 1 if case == "too many rows" else 2, 32)
-    if case == "bf16":
-        h = h.bfloat16()
+    if case == "fp16":
+        model, h = model.half(), h.half()
     if case == "no kernels":
         monkeypatch.setattr(fused_ops, "_fused_ops", None)
     if case == "fp64 weights":
