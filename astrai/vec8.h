@@ -106,6 +106,21 @@ static inline __attribute__((always_inline)) void store8_bf16(bf16 *p, vec8 v) {
     __builtin_memcpy(p, &h, sizeof h);
 }
 
+/* Eight values of an fp32 or bf16 array (is_bf16 a constant after inlining) as fp32, and back:
+ * for kernels written once for both. */
+static inline __attribute__((always_inline)) vec8 load_any(const void *p, int64_t i,
+                                                            const int is_bf16) {
+    return is_bf16 ? load8_bf16((const bf16 *)p + i) : load8((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void store_any(void *p, int64_t i, vec8 v,
+                                                             const int is_bf16) {
+    if (is_bf16)
+        store8_bf16((bf16 *)p + i, v);
+    else
+        store8((float *)p + i, v);
+}
+
 /* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,
  * exp(r) by its Taylor series to r^7. Below -87.3 it returns exp(-87.3) ~ 1e-38, not 0: its
  * users (softmax, silu) add it to a term of 1 or more, so the difference is far below rounding. */

@@ -1,4 +1,4 @@
-/* Decode attention that reads the paged KV cache in place, for fp32 on the CPU.
+/* Decode attention that reads the paged KV cache in place, for fp32 or bf16 on the CPU.
  *
  * Gathering each decode's pages into a contiguous buffer and calling SDPA copies every K/V
  * byte once more and runs a flash kernel tuned for long queries on one-token ones: at 64
@@ -23,23 +23,31 @@
 
 #include "vec8.h"
 
+/* Every tensor is fp32, or every one bf16; sizes and strides count values, not bytes. */
 typedef struct {
-    float *out;     /* [num_tokens, n_heads, head_dim], contiguous */
-    const float *q; /* rows of q_row_stride floats; heads contiguous within a row */
-    /* The decodes' own new K and V, rows of new_k/v_row_stride floats, which attend() stores in
+    void *out;     /* [num_tokens, n_heads, head_dim], contiguous */
+    const void *q; /* rows of q_row_stride values; heads contiguous within a row */
+    /* The decodes' own new K and V, rows of new_k/v_row_stride values, which attend() stores in
      * the cache before reading it; NULL when the caller has stored them already. */
-    const float *new_k, *new_v;
-    float *k_cache; /* [n_pages, page_size, kv_heads, head_dim], one layer */
-    float *v_cache;
+    const void *new_k, *new_v;
+    void *k_cache; /* [n_pages, page_size, kv_heads, head_dim], one layer */
+    void *v_cache;
     const int64_t *rows;         /* [n] the batch row of each decode */
     const int64_t *block_tables; /* [n, max_pages] */
     const int64_t *context_lens; /* [n] keys each decode attends to, its own included */
     int64_t n, max_pages, page_size, n_heads, kv_heads, head_dim;
     int64_t q_row_stride, new_k_row_stride, new_v_row_stride;
     float scale;
+    int is_bf16;
 } DecodeBatch;
 
-/* Where token t of a sequence with these pages lies in one layer's K or V cache, in floats.
+/* The address of value i of an fp32 or bf16 array. */
+static inline __attribute__((always_inline)) const void *at(const void *p, int64_t i,
+                                                             const int is_bf16) {
+    return (const char *)p + i * (is_bf16 ? sizeof(bf16) : sizeof(float));
+}
+
+/* Where token t of a sequence with these pages lies in one layer's K or V cache, in values.
  * The page size is a power of two in practice, and a shift and a mask cost far less than a
  * division. */
 static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int64_t t) {
@@ -60,76 +68,73 @@ static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int
 #define HEAD_BLOCK 4
 
 /* out[g, d0 : d0 + n_vec * LANES] = sum over t of s[g * stride + t] * values[t][d0 : ...] for
- * the n_heads <= HEAD_BLOCK heads whose scores rows start at s. Inlined with both counts
- * constant, so the 2 * n_heads accumulators live in vector registers and each token's value
- * vectors are loaded once for all the heads. */
-static inline __attribute__((always_inline)) void weigh_values(float *out, const float *s,
-                                                               int64_t stride,
-                                                               const float *const *values,
-                                                               int64_t ctx, int64_t hd,
-                                                               int64_t d0, const int n_heads,
-                                                               const int n_vec) {
+ * the n_heads <= HEAD_BLOCK heads whose scores rows start at s; out's heads are hd values
+ * apart. Inlined with the counts and is_bf16 constant, so the 2 * n_heads accumulators live in
+ * vector registers and each token's value vectors are loaded once for all the heads. */
+static inline __attribute__((always_inline)) void weigh_values(
+    void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx, int64_t hd,
+    int64_t d0, const int n_heads, const int n_vec, const int is_bf16) {
     vec8 acc[HEAD_BLOCK][2] = {{{0.0f}}};
     for (int64_t t = 0; t < ctx; t++)
         for (int v = 0; v < n_vec; v++) {
-            const vec8 value = load8(values[t] + d0 + v * LANES);
+            const vec8 value = load_any(values[t], d0 + v * LANES, is_bf16);
             for (int g = 0; g < n_heads; g++) acc[g][v] += s[g * stride + t] * value;
         }
     for (int g = 0; g < n_heads; g++)
-        for (int v = 0; v < n_vec; v++) store8(out + g * hd + d0 + v * LANES, acc[g][v]);
+        for (int v = 0; v < n_vec; v++) store_any(out, g * hd + d0 + v * LANES, acc[g][v], is_bf16);
 }
 
-/* weigh_values for a run-time head count, over a 16-float slice (n_vec 2) or 8 (n_vec 1). */
-static inline __attribute__((always_inline)) void weigh_values_of(float *out, const float *s,
-                                                                  int64_t stride,
-                                                                  const float *const *values,
-                                                                  int64_t ctx, int64_t hd,
-                                                                  int64_t d0, int64_t n_heads,
-                                                                  const int n_vec) {
+/* weigh_values for a run-time head count, over a 16-value slice (n_vec 2) or 8 (n_vec 1). */
+static inline __attribute__((always_inline)) void weigh_values_of(
+    void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx, int64_t hd,
+    int64_t d0, int64_t n_heads, const int n_vec, const int is_bf16) {
     switch (n_heads) {
-    case 1: weigh_values(out, s, stride, values, ctx, hd, d0, 1, n_vec); break;
-    case 2: weigh_values(out, s, stride, values, ctx, hd, d0, 2, n_vec); break;
-    case 3: weigh_values(out, s, stride, values, ctx, hd, d0, 3, n_vec); break;
-    default: weigh_values(out, s, stride, values, ctx, hd, d0, HEAD_BLOCK, n_vec); break;
+    case 1: weigh_values(out, s, stride, values, ctx, hd, d0, 1, n_vec, is_bf16); break;
+    case 2: weigh_values(out, s, stride, values, ctx, hd, d0, 2, n_vec, is_bf16); break;
+    case 3: weigh_values(out, s, stride, values, ctx, hd, d0, 3, n_vec, is_bf16); break;
+    default: weigh_values(out, s, stride, values, ctx, hd, d0, HEAD_BLOCK, n_vec, is_bf16); break;
     }
 }
 
 /* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
- * [kv_begin, kv_end). scratch holds scratch_len(...) floats. head_dim is a multiple of LANES. */
-VECTOR_CLONES
-static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
-                   float *scratch) {
+ * [kv_begin, kv_end). scratch holds scratch_len(...) floats. head_dim is a multiple of LANES.
+ * bf16 is read as fp32, computed in fp32 and rounded once, at the output. */
+static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, int64_t i,
+                                                          int64_t kv_begin, int64_t kv_end,
+                                                          float *scratch, const int is_bf16) {
     const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
     const int64_t ctx = b->context_lens[i], n_heads = (kv_end - kv_begin) * group;
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES; /* a head's row of scores */
     const int64_t *pages = b->block_tables + i * b->max_pages;
     const int64_t first_head = kv_begin * group;
-    const float *q = b->q + b->rows[i] * b->q_row_stride + first_head * hd; /* [n_heads, hd] */
-    float *out = b->out + (b->rows[i] * b->n_heads + first_head) * hd;       /* [n_heads, hd] */
-    float *scores = scratch;                                   /* [n_heads, stride] */
-    const float **values = (const float **)(scores + n_heads * stride); /* [ctx] V rows */
+    /* [n_heads, hd] each */
+    const void *q = at(b->q, b->rows[i] * b->q_row_stride + first_head * hd, is_bf16);
+    void *out = (void *)at(b->out, (b->rows[i] * b->n_heads + first_head) * hd, is_bf16);
+    float *scores = scratch;                                           /* [n_heads, stride] */
+    const void **values = (const void **)(scores + n_heads * stride); /* [ctx] V rows */
 
     if (b->new_k != NULL) { /* this decode's own token comes last */
         const int64_t slot = page_token(b, pages, ctx - 1) + kv_begin * hd;
-        const size_t bytes = sizeof(float) * (kv_end - kv_begin) * hd;
-        memcpy(b->k_cache + slot, b->new_k + b->rows[i] * b->new_k_row_stride + kv_begin * hd,
-               bytes);
-        memcpy(b->v_cache + slot, b->new_v + b->rows[i] * b->new_v_row_stride + kv_begin * hd,
-               bytes);
+        const size_t bytes = (is_bf16 ? sizeof(bf16) : sizeof(float)) * (kv_end - kv_begin) * hd;
+        memcpy((void *)at(b->k_cache, slot, is_bf16),
+               at(b->new_k, b->rows[i] * b->new_k_row_stride + kv_begin * hd, is_bf16), bytes);
+        memcpy((void *)at(b->v_cache, slot, is_bf16),
+               at(b->new_v, b->rows[i] * b->new_v_row_stride + kv_begin * hd, is_bf16), bytes);
     }
 
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
-        const float *keys[KEY_BLOCK];
+        const void *keys[KEY_BLOCK];
         for (int64_t j = 0; j < KEY_BLOCK; j++)
-            keys[j] = b->k_cache + page_token(b, pages, t0 + (j < n_keys ? j : 0)) + kv_begin * hd;
+            keys[j] = at(b->k_cache, page_token(b, pages, t0 + (j < n_keys ? j : 0)) + kv_begin * hd,
+                         is_bf16);
         for (int64_t h = 0; h < n_heads; h++) {
-            const float *qh = q + h * hd;
             const int64_t k_offset = (h / group) * hd;
             vec8 acc[KEY_BLOCK] = {{0.0f}};
             for (int64_t d0 = 0; d0 < hd; d0 += LANES) {
-                const vec8 qv = load8(qh + d0);
-                for (int j = 0; j < KEY_BLOCK; j++) acc[j] += qv * load8(keys[j] + k_offset + d0);
+                const vec8 qv = load_any(q, h * hd + d0, is_bf16);
+                for (int j = 0; j < KEY_BLOCK; j++)
+                    acc[j] += qv * load_any(keys[j], k_offset + d0, is_bf16);
             }
             /* a whole block: the row is padded to a multiple of LANES, and softmax overwrites
              * the scores past ctx */
@@ -153,30 +158,45 @@ static void attend(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv
         for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
     }
 
-    /* out = scores @ V: per kv head, HEAD_BLOCK of its query heads at a time, over 16 floats
+    /* out = scores @ V: per kv head, HEAD_BLOCK of its query heads at a time, over 16 values
      * of head_dim at a time (8 for the rest) */
-    for (int64_t t = 0; t < ctx; t++) values[t] = b->v_cache + page_token(b, pages, t);
+    for (int64_t t = 0; t < ctx; t++)
+        values[t] = at(b->v_cache, page_token(b, pages, t) + kv_begin * hd, is_bf16);
     for (int64_t kv = kv_begin; kv < kv_end; kv++) {
-        for (int64_t t = 0; t < ctx; t++) values[t] += kv == kv_begin ? kv_begin * hd : hd;
+        if (kv > kv_begin)
+            for (int64_t t = 0; t < ctx; t++) values[t] = at(values[t], hd, is_bf16);
         for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
             const int64_t h = (kv - kv_begin) * group + g0; /* first head, of this item's */
             const int64_t n = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
+            void *out_h = (void *)at(out, h * hd, is_bf16);
             int64_t d0 = 0;
             for (; d0 + 2 * LANES <= hd; d0 += 2 * LANES)
-                weigh_values_of(out + h * hd, scores + h * stride, stride, values, ctx, hd, d0, n,
-                                2);
+                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 2,
+                                is_bf16);
             if (d0 < hd)
-                weigh_values_of(out + h * hd, scores + h * stride, stride, values, ctx, hd, d0, n,
-                                1);
+                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 1,
+                                is_bf16);
         }
     }
+}
+
+VECTOR_CLONES
+static void attend_fp32(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
+                        float *scratch) {
+    attend(b, i, kv_begin, kv_end, scratch, 0);
+}
+
+VECTOR_CLONES
+static void attend_bf16(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
+                        float *scratch) {
+    attend(b, i, kv_begin, kv_end, scratch, 1);
 }
 
 /* Floats of scratch attend() needs for kv_per_item kv heads of a decode of ctx keys. */
 static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ctx) {
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES;
     const int64_t pointer_floats =
-        (ctx * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
+        (ctx * (int64_t)sizeof(void *) + sizeof(float) - 1) / sizeof(float);
     return kv_per_item * (b->n_heads / b->kv_heads) * stride + pointer_floats;
 }
 
@@ -202,7 +222,8 @@ static int attend_all(const DecodeBatch *b) {
             if (scratch == NULL) continue;
             const int64_t i = item / items_per_decode;
             const int64_t kv_begin = item % items_per_decode * kv_per_item;
-            attend(b, i, kv_begin, kv_begin + kv_per_item, scratch);
+            (b->is_bf16 ? attend_bf16 : attend_fp32)(b, i, kv_begin, kv_begin + kv_per_item,
+                                                     scratch);
         }
         free(scratch);
     }
@@ -215,18 +236,19 @@ static PyObject *decode(PyObject *module, PyObject *args) {
     Py_ssize_t k_cache, v_cache, rows, block_tables, context_lens;
     Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim;
     float scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnf", &out, &q, &q_row_stride, &new_k,
+    int is_bf16;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnfp", &out, &q, &q_row_stride, &new_k,
                           &new_k_row_stride, &new_v, &new_v_row_stride, &k_cache, &v_cache,
                           &rows, &block_tables, &context_lens, &n, &max_pages, &page_size,
-                          &n_heads, &kv_heads, &head_dim, &scale))
+                          &n_heads, &kv_heads, &head_dim, &scale, &is_bf16))
         return NULL;
     const DecodeBatch b = {
-        .out = (float *)out,
-        .q = (const float *)q,
-        .new_k = (const float *)new_k,
-        .new_v = (const float *)new_v,
-        .k_cache = (float *)k_cache,
-        .v_cache = (float *)v_cache,
+        .out = (void *)out,
+        .q = (const void *)q,
+        .new_k = (const void *)new_k,
+        .new_v = (const void *)new_v,
+        .k_cache = (void *)k_cache,
+        .v_cache = (void *)v_cache,
         .rows = (const int64_t *)rows,
         .block_tables = (const int64_t *)block_tables,
         .context_lens = (const int64_t *)context_lens,
@@ -240,6 +262,7 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         .new_k_row_stride = new_k_row_stride,
         .new_v_row_stride = new_v_row_stride,
         .scale = scale,
+        .is_bf16 = is_bf16,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS;
@@ -253,7 +276,8 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride, k_cache, "
      "v_cache, rows, block_tables, context_lens, n, max_pages, page_size, n_heads, kv_heads, "
-     "head_dim, scale): data pointers and sizes; new_k and new_v 0 when already stored."},
+     "head_dim, scale, is_bf16): data pointers of fp32 or bf16 tensors and sizes; new_k and "
+     "new_v 0 when already stored."},
     {NULL, NULL, 0, NULL},
 };
 

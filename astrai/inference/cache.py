@@ -397,8 +397,9 @@ class CacheView:
 
     view() resolves every index once -- write slots, the decodes' page tables, each prompt
     chunk's pages and causal mask -- so each layer's call is tensor work only: write the layer's
-    new K/V, attend the decodes (one C kernel call that reads their pages in place for fp32 on
-    the CPU, else one SDPA call per group of gathered pages), then one SDPA call per prompt chunk.
+    new K/V, attend the decodes (one C kernel call that reads their pages in place for fp32 and
+    bf16 on the CPU, else one SDPA call per group of gathered pages), then one SDPA call per
+    prompt chunk.
     """
 
     def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
@@ -584,7 +585,8 @@ class DecodeGroup:
 class PagedDecode:
     """All decodes of a step, attended by the C kernel that reads their pages in place.
 
-    For fp32 on the CPU when the extension was built; it needs no gather buffers and no
+    For fp32 and bf16 on the CPU when the extension was built (bf16 computed in fp32 and
+    rounded once, at the output); it needs no gather buffers and no
     grouping by context length, and each decode's result is independent of the batch. The
     kernel's arguments are resolved to plain ints once per step, so a layer's call costs one
     allocation and one C call.
@@ -605,6 +607,7 @@ class PagedDecode:
         self.k_cache_ptr, self.v_cache_ptr = k_cache.data_ptr(), cache.v_cache.data_ptr()
         self.layer_bytes = k_cache.stride(0) * k_cache.element_size()
         self.kv_heads, self.head_dim = k_cache.shape[-2:]
+        self.dtype, self.is_bf16 = k_cache.dtype, k_cache.dtype == torch.bfloat16
         self.tables_and_sizes = (
             rows.data_ptr(),
             block_tables.data_ptr(),
@@ -620,8 +623,8 @@ class PagedDecode:
         return (
             _paged_attention is not None
             and k.device.type == "cpu"
-            and k.dtype == torch.float32
-            and k.shape[-1] % 8 == 0  # the kernel scores 8 floats of head_dim at a time
+            and k.dtype in (torch.float32, torch.bfloat16)
+            and k.shape[-1] % 8 == 0  # the kernel scores 8 values of head_dim at a time
         )
 
     def attend(
@@ -637,6 +640,8 @@ class PagedDecode:
         With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
         the cache; without, the caller has stored them.
         """
+        if q.dtype != self.dtype:  # the kernel reads every tensor as the cache's dtype
+            raise ValueError(f"q is {q.dtype} but the KV cache holds {self.dtype}")
         q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
         layer_offset = layer_idx * self.layer_bytes
         _paged_attention.decode(
@@ -654,6 +659,7 @@ class PagedDecode:
             self.kv_heads,
             self.head_dim,
             self.head_dim**-0.5,
+            self.is_bf16,
         )
         return out
 

@@ -23,19 +23,6 @@
 /* Rows are fp32 or bf16. A bf16 op computes in fp32 and rounds to bf16 wherever the PyTorch
  * formula it replaces rounds (after each op), so the two agree but for the last ulp of a sum
  * or an exp; in fp32 rounding is the identity. Inlined with is_bf16 a constant. */
-static inline __attribute__((always_inline)) vec8 load_any(const void *p, int64_t i,
-                                                            const int is_bf16) {
-    return is_bf16 ? load8_bf16((const bf16 *)p + i) : load8((const float *)p + i);
-}
-
-static inline __attribute__((always_inline)) void store_any(void *p, int64_t i, vec8 v,
-                                                             const int is_bf16) {
-    if (is_bf16)
-        store8_bf16((bf16 *)p + i, v);
-    else
-        store8((float *)p + i, v);
-}
-
 static inline __attribute__((always_inline)) vec8 rounded(vec8 v, const int is_bf16) {
     return is_bf16 ? round8_bf16(v) : v;
 }

@@ -56,20 +56,27 @@ def random_kv(n_layers, lengths, n_kv_heads, head_dim, generator):
 def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
     """Run one pass of seqs through a view on every layer; check each against dense attention.
 
+    q, k and v go in the cache's dtype; the reference is fp32 attention over those values.
     Returns the view, so a test can see which decode backend it used."""
     view = cache.view(seqs)
+    dtype = cache.k_cache.dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
     for layer in range(cache.k_cache.shape[0]):
         k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
         v = torch.cat([full_v[layer][t][s : s + n] for t, s, n in seqs])
-        q = torch.randn(k.shape[0], n_heads, k.shape[2], generator=generator)
-        out = view(layer, q, k, v)
+        q = torch.randn(k.shape[0], n_heads, k.shape[2], generator=generator).to(dtype)
+        out = view(layer, q, k.to(dtype), v.to(dtype))
+        assert out.dtype == dtype
         row = 0
         for task_id, start, n in seqs:
             ctx = start + n
-            expected = dense_attention(
-                q[row : row + n], full_k[layer][task_id][:ctx], full_v[layer][task_id][:ctx], start
+            k_seq, v_seq = (
+                full[layer][task_id][:ctx].to(dtype).float() for full in (full_k, full_v)
             )
-            torch.testing.assert_close(out[row : row + n], expected, atol=1e-5, rtol=1e-5)
+            expected = dense_attention(q[row : row + n].float(), k_seq, v_seq, start)
+            torch.testing.assert_close(
+                out[row : row + n].float(), expected, atol=tolerance, rtol=tolerance
+            )
             row += n
     return view
 
@@ -88,12 +95,13 @@ def test_decode_kernel_is_built_where_a_compiler_is():
 @pytest.mark.parametrize(
     ("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (4, 4, 4), (6, 1, 4), (4, 2, 3)]
 )
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_mixed_batch_matches_dense_causal_attention(
-    n_heads, n_kv_heads, page_size, decode_attention
+    n_heads, n_kv_heads, page_size, dtype, decode_attention
 ):
     generator = torch.Generator().manual_seed(0)
     n_layers, head_dim = 2, 8
-    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=40, page_size=page_size)
+    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=40, page_size=page_size, dtype=dtype)
     # task id -> (tokens already in cache, new tokens this pass)
     plan = {0: (10, 1), 1: (0, 7), 2: (3, 1), 3: (5, 6), 4: (0, 1), 5: (8, 4), 6: (15, 1)}
     full_len = {t: s + n for t, (s, n) in plan.items()}
@@ -116,7 +124,10 @@ def test_mixed_batch_matches_dense_causal_attention(
 
 
 @pytest.mark.parametrize(("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (6, 1, 3)])
-def test_steps_of_decodes_alone_store_their_kv(n_heads, n_kv_heads, page_size, decode_attention):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_steps_of_decodes_alone_store_their_kv(
+    n_heads, n_kv_heads, page_size, dtype, decode_attention
+):
     """A step with no prompt chunk leaves storing the decodes' K/V to the kernel, if it runs."""
     generator = torch.Generator().manual_seed(2)
     n_layers, head_dim, steps = 2, 8, 3
@@ -125,7 +136,7 @@ def test_steps_of_decodes_alone_store_their_kv(n_heads, n_kv_heads, page_size, d
     full_k, full_v = (
         random_kv(n_layers, full_len, n_kv_heads, head_dim, generator) for _ in range(2)
     )
-    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=30, page_size=page_size)
+    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=30, page_size=page_size, dtype=dtype)
     for task_id, length in full_len.items():
         assert cache.allocate(task_id, length)
     prefill = [(t, 0, n) for t, n in prompt_len.items()]
@@ -450,3 +461,14 @@ PagedCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_paged_cache_state_machine = PagedCacheMachine.TestCase
+
+
+def test_decode_kernel_refuses_queries_of_another_dtype():
+    """The kernel reads q as the cache's dtype: a mismatch is refused, never misread."""
+    if cache_module._paged_attention is None:
+        pytest.skip("the C extension _paged_attention was not built")
+    cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
+    assert cache.allocate(0, 3)
+    q, k, v = (torch.randn(1, h, 8).bfloat16() for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="KV cache holds torch.float32"):
+        cache.view([(0, 2, 1)])(0, q, k, v)
