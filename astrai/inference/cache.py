@@ -12,8 +12,9 @@ import hashlib
 import os
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -467,6 +468,20 @@ class CacheView:
             mask = key_pos[None, :] <= query_pos[:, None]  # [n, start + n]
             self.chunks.append((rows, block_table[i, : len(tables[i])], mask))
 
+    def decode_calls(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> list[Callable[[], None]] | None:
+        """For a step of decodes alone on the C kernel: each layer's attention as a call with
+        its arguments resolved, doing what __call__(layer, q, k, v) does but writing into out.
+        None for any other step. For a caller whose q, k, v and out stay where they are for
+        every layer (the kernel layers): some 40 us of Python a layer saved."""
+        if self.paged_decode is None or self.chunks:
+            return None
+        return [
+            partial(_paged_attention.decode, *self.paged_decode.arguments(layer, q, out, k, v))
+            for layer in range(self.k_cache.shape[0])
+        ]
+
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -640,11 +655,24 @@ class PagedDecode:
         With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
         the cache; without, the caller has stored them.
         """
+        _paged_attention.decode(*self.arguments(layer_idx, q, out, k, v))
+        return out
+
+    def arguments(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> tuple:
+        """The kernel's arguments for attend(): plain ints and floats, valid while q, k, v and
+        out stay where they are and this view lives."""
         if q.dtype != self.dtype:  # the kernel reads every tensor as the cache's dtype
             raise ValueError(f"q is {q.dtype} but the KV cache holds {self.dtype}")
         q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
         layer_offset = layer_idx * self.layer_bytes
-        _paged_attention.decode(
+        return (
             out.data_ptr(),
             q.data_ptr(),
             q.stride(0),
@@ -661,7 +689,6 @@ class PagedDecode:
             self.head_dim**-0.5,
             self.is_bf16,
         )
-        return out
 
 
 def heads_contiguous(t: torch.Tensor | None, head_dim: int) -> torch.Tensor | None:

@@ -65,6 +65,7 @@ class StepCalls:
     q: Tensor  # what the attention backend gets
     k: Tensor
     v: Tensor
+    attention_out: Tensor  # where the attention writes when the backend offers decode_calls
     wo_out: int  # where wo writes
     ffn_out: Tensor  # what the layers return: the last feed-forward output and the stream
     stream: Tensor
@@ -125,6 +126,7 @@ class KernelLayers:
                 "normed": empty(dim),
                 "qkv": empty(qkv_size),
                 "qk": empty(self.heads + self.kv_heads, head_dim),
+                "attention_out": empty(self.heads * head_dim),
                 "wo_out": empty(dim),
                 "gate_up": empty(2 * self.ffn),
                 "act": empty(self.ffn),
@@ -171,6 +173,7 @@ class KernelLayers:
             q=q,
             k=k,
             v=b["qkv"][:, q_size + kv_size :].view(rows, self.kv_heads, head_dim),
+            attention_out=b["attention_out"].view(rows, self.heads, head_dim),
             wo_out=at["wo_out"],
             ffn_out=b["ffn_out"],
             stream=b["stream_next"],
@@ -201,12 +204,21 @@ class KernelLayers:
             fused_ops._fused_ops.rope,
         )
         matmul = linear._skinny_linear.linear
+        # A backend that can resolve every layer's attention call at once (a step of paged
+        # decodes) writes into attention_out; any other is called layer by layer.
+        decode_calls = getattr(attention, "decode_calls", None)
+        direct = decode_calls and decode_calls(step.q, step.k, step.v, step.attention_out)
+        attention_out = step.attention_out.data_ptr()
         for layer_idx, calls in enumerate(step.layers):
             rms_norm(*calls.attention_norm)
             matmul(*calls.qkv)
             rope(*calls.rope)
-            out = attention(layer_idx, step.q, step.k, step.v).contiguous()
-            matmul(step.wo_out, out.data_ptr(), *calls.wo)
+            if direct:
+                direct[layer_idx]()
+            else:
+                out = attention(layer_idx, step.q, step.k, step.v).contiguous()
+                attention_out = out.data_ptr()
+            matmul(step.wo_out, attention_out, *calls.wo)
             rms_norm(*calls.ffn_norm)
             matmul(*calls.w13)
             silu_mul(*calls.silu_mul)

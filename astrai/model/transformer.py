@@ -33,6 +33,9 @@ class AttentionBackend(Protocol):
     scale 1/sqrt(head_dim). layer_idx says which layer's cache to use. q, k and v are valid for
     the call only (the fp32 CPU path reuses their memory for the next layer): a backend that
     keeps K/V copies them.
+
+    A backend may also offer decode_calls(q, k, v, out): every layer's attention resolved at
+    once for buffers that stay put, or None (see CacheView); the kernel layers use it.
     """
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...

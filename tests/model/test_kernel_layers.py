@@ -8,6 +8,8 @@ import pytest
 import torch
 from test_transformer import RaggedAttention, tiny_config
 
+from astrai.inference import cache as cache_module
+from astrai.inference.cache import CacheView, PagedCache
 from astrai.model import Transformer, fused_ops, kernel_layers, linear
 from astrai.model import transformer as transformer_module
 
@@ -61,6 +63,53 @@ def test_kernel_layers_give_the_modules_logits_bit_for_bit(monkeypatch, config, 
         expected = module_forward(monkeypatch, model, lengths)
     assert torch.equal(logits, expected)
     assert torch.equal(last_logits, expected[last])
+
+
+def paged_steps(model, dtype) -> list[torch.Tensor]:
+    """Each step's logits: two prompts in one step, then three steps of their two decodes."""
+    config = model.config
+    cache = PagedCache(
+        config.n_layers, config.n_kv_heads, config.head_dim, n_pages=16, page_size=4, dtype=dtype
+    )
+    prompts = {0: 5, 1: 9}
+    for task_id, length in prompts.items():
+        assert cache.allocate(task_id, length + 3)
+    steps = [[(t, 0, n) for t, n in prompts.items()]]
+    steps += [[(t, n + step, 1) for t, n in prompts.items()] for step in range(3)]
+    logits = []
+    for seqs in steps:
+        view = cache.view(seqs)
+        ids = view.positions * 5 % config.vocab_size
+        logits.append(model.forward(ids, view.positions, view))
+    return logits
+
+
+@needs_kernels
+@pytest.mark.skipif(cache_module._paged_attention is None, reason="no paged attention kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_decodes_attend_by_calls_resolved_once_a_step(monkeypatch, dtype):
+    """A step of decodes alone calls the attention kernel directly, not the view per layer,
+    and gives the modules' logits (which go through the view) bit for bit."""
+    if dtype not in linear.KERNEL_DTYPES:
+        pytest.skip("PyTorch has fast bf16 GEMMs here: bf16 linears stay on PyTorch")
+    model = random_model(0, dtype)
+    view_calls = []
+    view_call = CacheView.__call__
+
+    def counted_view_call(view, *args):
+        view_calls.append(args[0])
+        return view_call(view, *args)
+
+    with torch.inference_mode():
+        with monkeypatch.context() as patch:
+            patch.setattr(CacheView, "__call__", counted_view_call)
+            logits = paged_steps(model, dtype)
+        with monkeypatch.context() as patch:
+            patch.setattr(transformer_module, "kernel_layers", lambda model, h: None)
+            expected = paged_steps(model, dtype)
+    assert view_calls == [0, 1], "only the prompt step calls the view, layer by layer"
+    for step_logits, step_expected in zip(logits, expected, strict=True):
+        assert torch.equal(step_logits, step_expected)
 
 
 @needs_kernels
