@@ -478,7 +478,7 @@ class CacheView:
         if self.paged_decode is None or self.chunks:
             return None
         return [
-            partial(_paged_attention.decode, *self.paged_decode.arguments(layer, q, out, k, v))
+            self.paged_decode.kernel_call(layer, q, out, k, v)
             for layer in range(self.k_cache.shape[0])
         ]
 
@@ -489,13 +489,14 @@ class CacheView:
         out = q.new_empty(q.shape)
         if self.paged_decode is not None and not self.chunks:
             # Decodes alone: the kernel stores their K/V as it attends, in one call.
-            return self.paged_decode.attend(layer_idx, q, out, k, v)
+            self.paged_decode.kernel_call(layer_idx, q, out, k, v)()
+            return out
         k_layer, v_layer = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [pages, ps, kvh, hd]
         kv_heads, head_dim = k_layer.shape[-2:]
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
         if self.paged_decode is not None:
-            self.paged_decode.attend(layer_idx, q, out)
+            self.paged_decode.kernel_call(layer_idx, q, out)()
         for group in self.decode_groups:
             out = group.attend(k_layer, v_layer, q, out)
         for rows, pages, mask in self.chunks:
@@ -642,37 +643,27 @@ class PagedDecode:
             and k.shape[-1] % 8 == 0  # the kernel scores 8 values of head_dim at a time
         )
 
-    def attend(
+    def kernel_call(
         self,
         layer_idx: int,
         q: torch.Tensor,
         out: torch.Tensor,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Write the decodes' attention outputs into out [num_tokens, heads, hd]; return it.
+    ) -> Callable[[], None]:
+        """The kernel call that writes the decodes' attention outputs into out [num_tokens,
+        heads, hd], its arguments resolved to plain ints; it holds q, k, v and out (or their
+        heads-contiguous copies), so the memory it points at lives as long as it does.
 
         With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
         the cache; without, the caller has stored them.
         """
-        _paged_attention.decode(*self.arguments(layer_idx, q, out, k, v))
-        return out
-
-    def arguments(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-    ) -> tuple:
-        """The kernel's arguments for attend(): plain ints and floats, valid while q, k, v and
-        out stay where they are and this view lives."""
         if q.dtype != self.dtype:  # the kernel reads every tensor as the cache's dtype
             raise ValueError(f"q is {q.dtype} but the KV cache holds {self.dtype}")
         q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
         layer_offset = layer_idx * self.layer_bytes
-        return (
+        call = partial(
+            _paged_attention.decode,
             out.data_ptr(),
             q.data_ptr(),
             q.stride(0),
@@ -689,6 +680,8 @@ class PagedDecode:
             self.head_dim**-0.5,
             self.is_bf16,
         )
+        call.keep_alive = (q, k, v, out)  # heads_contiguous's copies must outlive the call
+        return call
 
 
 def heads_contiguous(t: torch.Tensor | None, head_dim: int) -> torch.Tensor | None:

@@ -181,6 +181,21 @@ def test_view_keeps_the_cache_dtype():
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
+def test_decodes_attend_heads_that_lie_apart():
+    """q/k/v whose heads are not side by side in memory are copied for the kernel, and the
+    copies live through its call."""
+    generator = torch.Generator().manual_seed(3)
+    cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
+    assert cache.allocate(0, 6)
+    prompt_q, prompt_k, prompt_v = (torch.randn(5, h, 8, generator=generator) for h in (4, 2, 2))
+    cache.view([(0, 0, 5)])(0, prompt_q, prompt_k, prompt_v)
+    q, k, v = (torch.randn(1, h, 16, generator=generator)[..., :8] for h in (4, 2, 2))
+    assert q.stride(1) == 16
+    out = cache.view([(0, 5, 1)])(0, q, k, v)
+    full_k, full_v = torch.cat((prompt_k, k)), torch.cat((prompt_v, v))
+    torch.testing.assert_close(out, dense_attention(q, full_k, full_v, 5))
+
+
 def test_view_refuses_positions_without_pages():
     cache = PagedCache(1, 1, 4, n_pages=8, page_size=4)
     assert cache.allocate(0, 4)
