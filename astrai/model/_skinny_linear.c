@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "vec8.h"
@@ -37,7 +38,7 @@
 static inline __attribute__((always_inline)) void tile(void *out, const float *x,
                                                         const void *const *w, const void *bias,
                                                         int64_t in_features, int64_t n_out,
-                                                        int64_t n0, int64_t m0, int n_x,
+                                                        const int64_t *n, int64_t m0, int n_x,
                                                         const int is_bf16) {
     vec8 acc[X_BLOCK][ROW_BLOCK] = {{{0.0f}}};
     if (is_bf16) {
@@ -65,14 +66,15 @@ static inline __attribute__((always_inline)) void tile(void *out, const float *x
         }
     }
     for (int i = 0; i < n_x; i++)
-        for (int r = 0; r < ROW_BLOCK && n0 + r < n_out; r++) {
+        for (int r = 0; r < ROW_BLOCK; r++) {
+            if (n[r] < 0) continue;
             float dot = sum8(acc[i][r]);
-            const int64_t at = (m0 + i) * n_out + n0 + r;
+            const int64_t at = (m0 + i) * n_out + n[r];
             if (is_bf16) {
-                if (bias != NULL) dot += bf16_to_float(((const bf16 *)bias)[n0 + r]);
+                if (bias != NULL) dot += bf16_to_float(((const bf16 *)bias)[n[r]]);
                 ((bf16 *)out)[at] = float_to_bf16(dot);
             } else {
-                ((float *)out)[at] = bias == NULL ? dot : dot + ((const float *)bias)[n0 + r];
+                ((float *)out)[at] = bias == NULL ? dot : dot + ((const float *)bias)[n[r]];
             }
         }
 }
@@ -87,33 +89,33 @@ static void bf16_x_layout(float *dst, const bf16 *x, int64_t n) {
         }
 }
 
-/* out[:, n0 : n0 + ROW_BLOCK] for every row of x; W rows past n_out are computed on row
- * n_out - 1 and not stored. in_features is a multiple of LANES. */
+/* out[:, n[r]] for every row of x and the ROW_BLOCK W rows n[r]; a row n[r] < 0 is computed
+ * on row 0 and not stored. in_features is a multiple of LANES. */
 static inline __attribute__((always_inline)) void row_block(void *out, const float *x,
                                                              const void *weight, const void *bias,
                                                              int64_t rows, int64_t in_features,
-                                                             int64_t n_out, int64_t n0,
+                                                             int64_t n_out, const int64_t *n,
                                                              const int is_bf16) {
     const int64_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     const void *w[ROW_BLOCK];
     for (int64_t r = 0; r < ROW_BLOCK; r++)
-        w[r] = (const char *)weight + (n0 + r < n_out ? n0 + r : n_out - 1) * row_bytes;
+        w[r] = (const char *)weight + (n[r] < 0 ? 0 : n[r]) * row_bytes;
     int64_t m = 0;
     for (; m + X_BLOCK <= rows; m += X_BLOCK)
-        tile(out, x, w, bias, in_features, n_out, n0, m, X_BLOCK, is_bf16);
-    for (; m < rows; m++) tile(out, x, w, bias, in_features, n_out, n0, m, 1, is_bf16);
+        tile(out, x, w, bias, in_features, n_out, n, m, X_BLOCK, is_bf16);
+    for (; m < rows; m++) tile(out, x, w, bias, in_features, n_out, n, m, 1, is_bf16);
 }
 
 VECTOR_CLONES
 static void row_block_fp32(void *out, const float *x, const void *weight, const void *bias,
-                           int64_t rows, int64_t in_features, int64_t n_out, int64_t n0) {
-    row_block(out, x, weight, bias, rows, in_features, n_out, n0, 0);
+                           int64_t rows, int64_t in_features, int64_t n_out, const int64_t *n) {
+    row_block(out, x, weight, bias, rows, in_features, n_out, n, 0);
 }
 
 VECTOR_CLONES
 static void row_block_bf16(void *out, const float *x, const void *weight, const void *bias,
-                           int64_t rows, int64_t in_features, int64_t n_out, int64_t n0) {
-    row_block(out, x, weight, bias, rows, in_features, n_out, n0, 1);
+                           int64_t rows, int64_t in_features, int64_t n_out, const int64_t *n) {
+    row_block(out, x, weight, bias, rows, in_features, n_out, n, 1);
 }
 
 static PyObject *linear(PyObject *module, PyObject *args) {
@@ -123,19 +125,32 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nnnnnnnp", &out, &x, &weight, &bias, &rows, &in_features,
                           &n_out, &is_bf16))
         return NULL;
-    const int64_t blocks = (n_out + ROW_BLOCK - 1) / ROW_BLOCK;
     void (*const run)(void *, const float *, const void *, const void *, int64_t, int64_t,
-                      int64_t, int64_t) = is_bf16 ? row_block_bf16 : row_block_fp32;
+                      int64_t, const int64_t *) = is_bf16 ? row_block_bf16 : row_block_fp32;
     float *bf16_x = NULL;
     if (is_bf16 && (bf16_x = malloc(sizeof(float) * rows * in_features)) == NULL)
         return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS;
     if (is_bf16) bf16_x_layout(bf16_x, (const bf16 *)x, rows * in_features);
     const float *x_rows = is_bf16 ? bf16_x : (const float *)x;
-#pragma omp parallel for schedule(static)
-    for (int64_t block = 0; block < blocks; block++)
-        run((void *)out, x_rows, (const void *)weight, (const void *)bias, rows, in_features,
-            n_out, block * ROW_BLOCK);
+#pragma omp parallel
+    {
+        /* Each thread takes a contiguous range of W's rows, cut into ROW_BLOCK parts; a block
+         * reads one row from each part, so the thread reads ROW_BLOCK long sequential streams
+         * that the hardware prefetcher follows across blocks. */
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t begin = n_out * t / threads, end = n_out * (t + 1) / threads;
+        const int64_t part = (end - begin + ROW_BLOCK - 1) / ROW_BLOCK;
+        for (int64_t j = 0; j < part; j++) {
+            int64_t n[ROW_BLOCK];
+            for (int r = 0; r < ROW_BLOCK; r++) {
+                const int64_t row = begin + r * part + j;
+                n[r] = row < end ? row : -1;
+            }
+            run((void *)out, x_rows, (const void *)weight, (const void *)bias, rows, in_features,
+                n_out, n);
+        }
+    }
     Py_END_ALLOW_THREADS;
     free(bf16_x);
     Py_RETURN_NONE;
