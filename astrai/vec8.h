@@ -16,6 +16,13 @@
 #define VECTOR_CLONES
 #endif
 
+/* name_fp32 and name_bf16: the always-inlined name, whose last parameter is is_bf16, compiled
+ * once for each dtype (and each as VECTOR_CLONES). params is their parameter list in
+ * parentheses, the rest the arguments they pass on before is_bf16. */
+#define FP32_AND_BF16(name, params, ...)                                                      \
+    VECTOR_CLONES static void name##_fp32 params { name(__VA_ARGS__, 0); }                    \
+    VECTOR_CLONES static void name##_bf16 params { name(__VA_ARGS__, 1); }
+
 #define LANES 8
 
 typedef float vec8 __attribute__((vector_size(LANES * sizeof(float))));

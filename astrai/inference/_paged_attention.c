@@ -180,17 +180,9 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     }
 }
 
-VECTOR_CLONES
-static void attend_fp32(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
-                        float *scratch) {
-    attend(b, i, kv_begin, kv_end, scratch, 0);
-}
-
-VECTOR_CLONES
-static void attend_bf16(const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end,
-                        float *scratch) {
-    attend(b, i, kv_begin, kv_end, scratch, 1);
-}
+FP32_AND_BF16(attend,
+              (const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end, float *scratch),
+              b, i, kv_begin, kv_end, scratch)
 
 /* Floats of scratch attend() needs for kv_per_item kv heads of a decode of ctx keys. */
 static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ctx) {

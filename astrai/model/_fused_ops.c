@@ -105,16 +105,10 @@ static inline __attribute__((always_inline)) void rope_row(void *out, const void
         }
 }
 
-/* Each kernel compiled for fp32 and for bf16 rows, and for AVX2 and the baseline. */
-#define ROW_KERNEL(name, params, args)                                                        \
-    VECTOR_CLONES static void name##_fp32 params { name args(0); }                            \
-    VECTOR_CLONES static void name##_bf16 params { name args(1); }
-
-#define RMS_ARGS(is_bf16) (out, residual_out, x, residual, weight, eps, dim, is_bf16)
-ROW_KERNEL(rms_norm_row,
-           (void *out, void *residual_out, const void *x, const void *residual,
-            const void *weight, float eps, int64_t dim),
-           RMS_ARGS)
+FP32_AND_BF16(rms_norm_row,
+              (void *out, void *residual_out, const void *x, const void *residual,
+               const void *weight, float eps, int64_t dim),
+              out, residual_out, x, residual, weight, eps, dim)
 
 static PyObject *rms_norm(PyObject *module, PyObject *args) {
     (void)module;
@@ -137,8 +131,7 @@ static PyObject *rms_norm(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-#define SILU_ARGS(is_bf16) (out, gate_up, dim, is_bf16)
-ROW_KERNEL(silu_mul_row, (void *out, const void *gate_up, int64_t dim), SILU_ARGS)
+FP32_AND_BF16(silu_mul_row, (void *out, const void *gate_up, int64_t dim), out, gate_up, dim)
 
 static PyObject *silu_mul(PyObject *module, PyObject *args) {
     (void)module;
@@ -156,11 +149,10 @@ static PyObject *silu_mul(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-#define ROPE_ARGS(is_bf16) (out, x, cos, signed_sin, heads, head_dim, is_bf16)
-ROW_KERNEL(rope_row,
-           (void *out, const void *x, const void *cos, const void *signed_sin, int64_t heads,
-            int64_t head_dim),
-           ROPE_ARGS)
+FP32_AND_BF16(rope_row,
+              (void *out, const void *x, const void *cos, const void *signed_sin, int64_t heads,
+               int64_t head_dim),
+              out, x, cos, signed_sin, heads, head_dim)
 
 static PyObject *rope(PyObject *module, PyObject *args) {
     (void)module;

@@ -106,17 +106,10 @@ static inline __attribute__((always_inline)) void row_block(void *out, const flo
     for (; m < rows; m++) tile(out, x, w, bias, in_features, n_out, n, m, 1, is_bf16);
 }
 
-VECTOR_CLONES
-static void row_block_fp32(void *out, const float *x, const void *weight, const void *bias,
-                           int64_t rows, int64_t in_features, int64_t n_out, const int64_t *n) {
-    row_block(out, x, weight, bias, rows, in_features, n_out, n, 0);
-}
-
-VECTOR_CLONES
-static void row_block_bf16(void *out, const float *x, const void *weight, const void *bias,
-                           int64_t rows, int64_t in_features, int64_t n_out, const int64_t *n) {
-    row_block(out, x, weight, bias, rows, in_features, n_out, n, 1);
-}
+FP32_AND_BF16(row_block,
+              (void *out, const float *x, const void *weight, const void *bias, int64_t rows,
+               int64_t in_features, int64_t n_out, const int64_t *n),
+              out, x, weight, bias, rows, in_features, n_out, n)
 
 static PyObject *linear(PyObject *module, PyObject *args) {
     (void)module;

@@ -32,6 +32,35 @@ def test_skinny_kernel_matches_f_linear(rows, in_features, out_features, with_bi
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_skinny_rows_do_not_depend_on_the_batch_or_the_threads(dtype):
+    """Each output is one dot product summed in a fixed order, however the threads split W's
+    rows (into uneven parts here) and whatever other rows of x share the call."""
+    if dtype not in linear_module.KERNEL_DTYPES:
+        pytest.skip("PyTorch has fast bf16 GEMMs here: bf16 linears stay on PyTorch")
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 32, generator=generator).to(dtype)
+    weight = torch.randn(37, 32, generator=generator).to(dtype)
+    assert runs_skinny(x, weight)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            outs.append(linear(x, weight))
+            for row in range(len(x)):
+                assert torch.equal(linear(x[row : row + 1], weight)[0], outs[-1][row])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(
+        outs[0].float(),
+        F.linear(x.float(), weight.float()),
+        **({"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {}),
+    )
+
+
+@needs_kernel
 def test_leading_dimensions_and_strided_input():
     x = torch.randn(3, 2, 32)[:, :, :16]  # [3, 2, 16], not contiguous
     weight = torch.randn(6, 16)
