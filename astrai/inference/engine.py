@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from astrai.config import ConfigError, EngineConfig
-from astrai.inference.cache import PagedCache
 from astrai.inference.executor import ModelExecutor
+from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.task import (
     STOP,

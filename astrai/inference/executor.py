@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from astrai.inference.cache import PagedCache
+from astrai.inference.attention import CacheView
+from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import Task, TokenLogprob
 
@@ -82,7 +83,7 @@ class ModelExecutor:
         ends = np.cumsum([chunk.length for chunk in chunks]) - 1
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
 
-        view = self.cache.view([(c.task.id, c.start, c.length) for c in chunks])
+        view = CacheView(self.cache, [(c.task.id, c.start, c.length) for c in chunks])
         logits = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             view.positions,

@@ -7,8 +7,8 @@ import threading
 from dataclasses import dataclass
 
 from astrai.config import EngineConfig
-from astrai.inference.cache import PagedCache
 from astrai.inference.executor import ModelExecutor, SampledToken, ScheduledChunk
+from astrai.inference.kv_cache import PagedCache
 from astrai.inference.task import STOP, Task, TaskManager, TaskStatus
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
-from astrai.inference import cache as cache_module
+from astrai.inference import attention as attention_module
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.model import AutoModel, fused_ops
 from astrai.model import linear as linear_module
@@ -120,7 +120,7 @@ def test_greedy_batch_equals_transformers_on_pytorch_ops_alone(
 ):
     """The path of an install without a C compiler: SDPA decode attention, F.linear and the
     PyTorch formulas of the small ops."""
-    monkeypatch.setattr(cache_module, "_paged_attention", None)
+    monkeypatch.setattr(attention_module, "_paged_attention", None)
     monkeypatch.setattr(linear_module, "_skinny_linear", None)
     monkeypatch.setattr(fused_ops, "_fused_ops", None)
     prompts, max_tokens, expected = reference

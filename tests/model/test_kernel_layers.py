@@ -8,8 +8,9 @@ import pytest
 import torch
 from test_transformer import RaggedAttention, tiny_config
 
-from astrai.inference import cache as cache_module
-from astrai.inference.cache import CacheView, PagedCache
+from astrai.inference import attention as cache_module
+from astrai.inference.attention import CacheView
+from astrai.inference.kv_cache import PagedCache
 from astrai.model import Transformer, fused_ops, kernel_layers, linear
 from astrai.model import transformer as transformer_module
 
@@ -78,7 +79,7 @@ def paged_steps(model, dtype) -> list[torch.Tensor]:
     steps += [[(t, n + step, 1) for t, n in prompts.items()] for step in range(3)]
     logits = []
     for seqs in steps:
-        view = cache.view(seqs)
+        view = CacheView(cache, seqs)
         ids = view.positions * 5 % config.vocab_size
         logits.append(model.forward(ids, view.positions, view))
     return logits

@@ -1,0 +1,197 @@
+"""CacheView: paged attention against a dense reference, with the C kernel and with SDPA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_switch import kernel_or_fallback, requires_compiler
+
+from astrai.inference import attention as attention_module
+from astrai.inference.attention import CacheView, DecodeGroup, PagedDecode
+from astrai.inference.kv_cache import PagedCache
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of queries at positions start.. over the full k/v [ctx, kvh, hd]."""
+    n, n_heads, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, hd]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(head_dim)  # [heads, n, ctx]
+    query_pos = torch.arange(start, start + n)[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > query_pos, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+def random_kv(n_layers, lengths, n_kv_heads, head_dim, generator):
+    """Per layer, per task id: random K (or V) [length, n_kv_heads, head_dim]."""
+    return [
+        {
+            t: torch.randn(length, n_kv_heads, head_dim, generator=generator)
+            for t, length in lengths.items()
+        }
+        for _ in range(n_layers)
+    ]
+
+
+def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
+    """Run one pass of seqs through a view on every layer; check each against dense attention.
+
+    q, k and v go in the cache's dtype; the reference is fp32 attention over those values.
+    Returns the view, so a test can see which decode backend it used."""
+    view = CacheView(cache, seqs)
+    dtype = cache.k_cache.dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
+    for layer in range(cache.k_cache.shape[0]):
+        k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
+        v = torch.cat([full_v[layer][t][s : s + n] for t, s, n in seqs])
+        q = torch.randn(k.shape[0], n_heads, k.shape[2], generator=generator).to(dtype)
+        out = view(layer, q, k.to(dtype), v.to(dtype))
+        assert out.dtype == dtype
+        row = 0
+        for task_id, start, n in seqs:
+            ctx = start + n
+            k_seq, v_seq = (
+                full[layer][task_id][:ctx].to(dtype).float() for full in (full_k, full_v)
+            )
+            expected = dense_attention(q[row : row + n].float(), k_seq, v_seq, start)
+            torch.testing.assert_close(
+                out[row : row + n].float(), expected, atol=tolerance, rtol=tolerance
+            )
+            row += n
+    return view
+
+
+@pytest.fixture(params=["c-kernel", "sdpa"])
+def decode_attention(request, monkeypatch):
+    """Run a test with each decode-attention backend: the C kernel, then gather + SDPA."""
+    return kernel_or_fallback(request, monkeypatch, attention_module, "_paged_attention")
+
+
+@requires_compiler
+def test_decode_kernel_is_built_where_a_compiler_is():
+    assert attention_module._paged_attention is not None, "pip install should have built it"
+
+
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (4, 4, 4), (6, 1, 4), (4, 2, 3)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixed_batch_matches_dense_causal_attention(
+    n_heads, n_kv_heads, page_size, dtype, decode_attention
+):
+    generator = torch.Generator().manual_seed(0)
+    n_layers, head_dim = 2, 8
+    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=40, page_size=page_size, dtype=dtype)
+    # task id -> (tokens already in cache, new tokens this pass)
+    plan = {0: (10, 1), 1: (0, 7), 2: (3, 1), 3: (5, 6), 4: (0, 1), 5: (8, 4), 6: (15, 1)}
+    full_len = {t: s + n for t, (s, n) in plan.items()}
+    full_k, full_v = (
+        random_kv(n_layers, full_len, n_kv_heads, head_dim, generator) for _ in range(2)
+    )
+    # Allocate a page at a time round-robin so page tables interleave in the pool.
+    for pages in range(1, -(-max(full_len.values()) // page_size) + 1):
+        for task_id, length in full_len.items():
+            assert cache.allocate(task_id, min(length, pages * page_size))
+
+    earlier = [(t, 0, s) for t, (s, _) in plan.items() if s > 0]
+    run_pass(cache, full_k, full_v, earlier, n_heads, generator)
+    mixed = [(0, 10, 1), (1, 0, 7), (2, 3, 1), (3, 5, 6), (4, 0, 1), (5, 8, 4), (6, 15, 1)]
+    view = run_pass(cache, full_k, full_v, mixed, n_heads, generator)
+    assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+    assert all(isinstance(group, DecodeGroup) for group in view.decode_groups)
+    assert bool(view.decode_groups) == (decode_attention == "sdpa")
+    run_pass(cache, full_k, full_v, [mixed[i] for i in (3, 6, 1, 0, 5, 2, 4)], n_heads, generator)
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (6, 1, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_steps_of_decodes_alone_store_their_kv(
+    n_heads, n_kv_heads, page_size, dtype, decode_attention
+):
+    """A step with no prompt chunk leaves storing the decodes' K/V to the kernel, if it runs."""
+    generator = torch.Generator().manual_seed(2)
+    n_layers, head_dim, steps = 2, 8, 3
+    prompt_len = {0: 9, 1: 1, 2: 16, 3: 4}
+    full_len = {t: n + steps for t, n in prompt_len.items()}
+    full_k, full_v = (
+        random_kv(n_layers, full_len, n_kv_heads, head_dim, generator) for _ in range(2)
+    )
+    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=30, page_size=page_size, dtype=dtype)
+    for task_id, length in full_len.items():
+        assert cache.allocate(task_id, length)
+    prefill = [(t, 0, n) for t, n in prompt_len.items()]
+    run_pass(cache, full_k, full_v, prefill, n_heads, generator)
+    for step in range(steps):
+        # Each token is new to the cache: attending before storing it would read a zero key.
+        decodes = [(t, n + step, 1) for t, n in prompt_len.items()]
+        view = run_pass(cache, full_k, full_v, decodes, n_heads, generator)
+        assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+
+
+def test_prefix_hit_reads_the_shared_pages():
+    generator = torch.Generator().manual_seed(1)
+    n_heads, kvh, hd, ps = 4, 2, 8, 4
+    cache = PagedCache(1, kvh, hd, n_pages=16, page_size=ps)
+    prompt = list(range(10))
+    full_k = [{0: torch.randn(10, kvh, hd, generator=generator)}]
+    full_v = [{0: torch.randn(10, kvh, hd, generator=generator)}]
+    assert cache.allocate(0, 10)
+    run_pass(cache, full_k, full_v, [(0, 0, 10)], n_heads, generator)
+    cache.commit(0, prompt, 10)
+    cache.free(0)
+
+    # Task 1 has the same prompt: its first 8 tokens come from the cache, the rest is computed.
+    assert cache.match_prefix(1, prompt) == 8
+    full_k[0][1], full_v[0][1] = full_k[0][0], full_v[0][0]
+    assert cache.allocate(1, 10)
+    run_pass(cache, full_k, full_v, [(1, 8, 2)], n_heads, generator)
+
+
+def test_view_keeps_the_cache_dtype():
+    generator = torch.Generator().manual_seed(2)
+    cache = PagedCache(1, 2, 8, n_pages=8, page_size=4, dtype=torch.bfloat16)
+    assert cache.allocate(0, 6) and cache.allocate(1, 3)
+    seqs = [(0, 0, 5), (1, 0, 1)]
+    q, k, v = (torch.randn(6, h, 8, generator=generator) for h in (4, 2, 2))
+    out = CacheView(cache, seqs)(0, q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.bfloat16
+    expected = torch.cat(
+        [dense_attention(q[:5], k[:5], v[:5], 0), dense_attention(q[5:], k[5:], v[5:], 0)]
+    )
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_decodes_attend_heads_that_lie_apart():
+    """q/k/v whose heads are not side by side in memory are copied for the kernel, and the
+    copies live through its call."""
+    generator = torch.Generator().manual_seed(3)
+    cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
+    assert cache.allocate(0, 6)
+    prompt_q, prompt_k, prompt_v = (torch.randn(5, h, 8, generator=generator) for h in (4, 2, 2))
+    CacheView(cache, [(0, 0, 5)])(0, prompt_q, prompt_k, prompt_v)
+    q, k, v = (torch.randn(1, h, 16, generator=generator)[..., :8] for h in (4, 2, 2))
+    assert q.stride(1) == 16
+    out = CacheView(cache, [(0, 5, 1)])(0, q, k, v)
+    full_k, full_v = torch.cat((prompt_k, k)), torch.cat((prompt_v, v))
+    torch.testing.assert_close(out, dense_attention(q, full_k, full_v, 5))
+
+
+def test_view_refuses_positions_without_pages():
+    cache = PagedCache(1, 1, 4, n_pages=8, page_size=4)
+    assert cache.allocate(0, 4)
+    with pytest.raises(ValueError, match="allocate before the forward pass"):
+        CacheView(cache, [(0, 4, 1)])
+
+
+def test_decode_kernel_refuses_queries_of_another_dtype():
+    """The kernel reads q as the cache's dtype: a mismatch is refused, never misread."""
+    if attention_module._paged_attention is None:
+        pytest.skip("the C extension _paged_attention was not built")
+    cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
+    assert cache.allocate(0, 3)
+    q, k, v = (torch.randn(1, h, 8).bfloat16() for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="KV cache holds torch.float32"):
+        CacheView(cache, [(0, 2, 1)])(0, q, k, v)
