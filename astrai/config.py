@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -250,22 +250,66 @@ def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def parse_kv_cache_memory(text: str) -> float:
+    """Read kv_cache_memory from text such as "8000000" or "0.25"; the range is checked later."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"expected a byte count (> 1) or a fraction of free memory in (0, 1], got {text!r}"
+        ) from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits and switches of one InferenceEngine.
 
     kv_cache_memory is a byte count (> 1) or a fraction of the device's free memory
     (0 < x <= 1); the KV page pool is sized from it, not from batch size times length.
+    Each field's metadata holds its command-line help (and "flag" where the flag is spelled
+    otherwise than the field, "parse" where its text needs a parser), so the CLI derives its
+    flags from these fields.
     """
 
-    max_batch_size: int = 32
-    kv_cache_memory: float = 0.25
-    page_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_seq_len: int | None = None
-    enable_prefix_cache: bool = True
-    max_waiting: int = 1024
-    check_invariants: bool = False
+    max_batch_size: int = field(default=32, metadata={"help": "most requests generated at once"})
+    kv_cache_memory: float = field(
+        default=0.25,
+        metadata={
+            "help": "KV cache budget: bytes if above 1, else a fraction of free device memory",
+            "metavar": "BYTES_OR_FRACTION",
+            "parse": parse_kv_cache_memory,
+        },
+    )
+    page_size: int = field(default=16, metadata={"help": "tokens per KV cache page"})
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "token budget of one forward pass; longer prompts are prefilled in chunks"
+        },
+    )
+    max_seq_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "longest prompt plus output in tokens (default: the model's context length)"
+        },
+    )
+    enable_prefix_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "reuse the KV cache of shared prompt prefixes",
+            "flag": "--prefix-cache",
+        },
+    )
+    max_waiting: int = field(
+        default=1024,
+        metadata={"help": "most requests queued before new ones are refused"},
+    )
+    check_invariants: bool = field(
+        default=False,
+        metadata={
+            "help": "raise, not only log, when the KV page accounting check at idle finds an error"
+        },
+    )
 
     def __post_init__(self) -> None:
         positive = {

@@ -60,20 +60,58 @@ class GenerationParams:
     returns none, 0 returns the chosen token's logprob, k > 0 adds the top-k alternatives.
     """
 
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    n: int = 1
+    max_tokens: int = field(default=128, metadata={"help": "most tokens to generate"})
+    temperature: float = field(
+        default=1.0, metadata={"help": "softmax temperature; 0 is greedy", "metavar": "T"}
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={
+            "help": "nucleus sampling: keep the smallest set of tokens whose probability "
+            "reaches this; 1 is off",
+            "metavar": "P",
+        },
+    )
+    top_k: int = field(default=0, metadata={"help": "keep only the k most likely tokens; 0 is off"})
+    min_p: float = field(
+        default=0.0,
+        metadata={
+            "help": "drop tokens less likely than this times the most likely one; 0 is off",
+            "metavar": "P",
+        },
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "above 1 makes tokens already in the prompt or output less likely; 1 is off"
+        },
+    )
+    presence_penalty: float = field(
+        default=0.0,
+        metadata={"help": "subtract this from the logits of tokens already generated; 0 is off"},
+    )
+    frequency_penalty: float = field(
+        default=0.0,
+        metadata={
+            "help": "subtract this times its count so far from each generated token's logit; "
+            "0 is off"
+        },
+    )
+    seed: int | None = field(default=None, metadata={"help": "seed for reproducible sampling"})
+    stop: tuple[str, ...] = field(
+        default=(), metadata={"help": "stop when this text appears (not printed); repeatable"}
+    )
+    stop_token_ids: tuple[int, ...] = field(
+        default=(), metadata={"help": "stop when this token id is generated; repeatable"}
+    )
+    ignore_eos: bool = field(
+        default=False, metadata={"help": "keep generating past end-of-sequence tokens"}
+    )
+    logprobs: int | None = field(
+        default=None,
+        metadata={"help": "log probabilities to return: 0 for the chosen token, k for top k"},
+    )
+    n: int = field(default=1, metadata={"help": "samples to generate per prompt"})
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
