@@ -4,32 +4,41 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import random
 import signal
 import sys
 import time
+import typing
 from pathlib import Path
 
 from astrai.config import ConfigError, EngineConfig
+from astrai.inference import GenerationParams
+from astrai.inference.task import InvalidParamsError
 
 log = logging.getLogger("astrai")
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo"
-_ENGINE_DEFAULTS = EngineConfig()
+METAVARS = {int: "N", float: "X", str: "TEXT"}
+Settings = typing.TypeVar("Settings")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one `astrai` subcommand; returns the process exit status."""
     args = _parser().parse_args(argv)
+    try:
+        settings = [from_flags(cls, args) for cls in args.settings]
+    except (ConfigError, InvalidParamsError) as exc:
+        args.parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from astrai.inference.task import RequestError
     from astrai.model import CheckpointError
     from astrai.tokenize import TokenizerError
 
     try:
-        return args.command(args)
+        return args.command(args, *settings)
     except (FileNotFoundError, ConfigError, CheckpointError, TokenizerError, RequestError) as exc:
         print(f"astrai: error: {exc}", file=sys.stderr)
         return 1
@@ -41,9 +50,69 @@ def main(argv: list[str] | None = None) -> int:
 # -- flags ------------------------------------------------------------------------------------
 
 
-def _engine_flags() -> argparse.ArgumentParser:
-    flags = argparse.ArgumentParser(add_help=False)
-    group = flags.add_argument_group("model and engine")
+def add_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
+    """Add a group of flags, one per field of the dataclass cls, so a new field needs no CLI edit.
+
+    The flag is --field-name unless metadata["flag"] spells it otherwise; its help, choices,
+    metavar and parser come from the field's metadata, its type from the annotation: a bool
+    is --flag/--no-flag, an optional type keeps None when the flag is absent, and a tuple is
+    a flag given once per item.
+    """
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for spec in dataclasses.fields(cls):
+        meta = spec.metadata
+        flag = meta.get("flag", "--" + spec.name.replace("_", "-"))
+        options = {"dest": spec.name, "default": spec.default, "help": _help(spec)}
+        kind = _strip_none(hints[spec.name])
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            if typing.get_origin(kind) is tuple:
+                kind = typing.get_args(kind)[0]
+                options.update(action="append", default=list(spec.default))
+            parse = _flag_parser(meta["parse"]) if "parse" in meta else kind
+            options.update(type=parse, metavar=meta.get("metavar", METAVARS.get(kind)))
+            options["choices"] = meta.get("choices")
+        group.add_argument(flag, **options)
+
+
+def from_flags(cls: type[Settings], args: argparse.Namespace) -> Settings:
+    """Build the dataclass cls back from the flags add_flags gave it; cls validates itself."""
+    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def _help(spec: dataclasses.Field) -> str:
+    text = spec.metadata.get("help", "").replace("%", "%%")
+    if spec.default in (None, ()):
+        return text
+    return f"{text} (default: {spec.default})"
+
+
+def _strip_none(hint):
+    """int | None -> int: the flag takes an int, and leaving it out keeps the None default."""
+    kinds = typing.get_args(hint)
+    if type(None) not in kinds:
+        return hint
+    (kind,) = (kind for kind in kinds if kind is not type(None))
+    return kind
+
+
+def _flag_parser(parse):
+    """Let a field's own parser's ValueError message reach the user as argparse's error."""
+
+    def parse_flag(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_flag
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
     group.add_argument(
         "--model",
         type=Path,
@@ -64,94 +133,7 @@ def _engine_flags() -> argparse.ArgumentParser:
         metavar="DEVICE",
         help="cpu, cuda or cuda:N; auto picks CUDA when present",
     )
-    group.add_argument(
-        "--max-batch-size",
-        type=int,
-        metavar="N",
-        default=_ENGINE_DEFAULTS.max_batch_size,
-        help="most requests generated at once (default: %(default)s)",
-    )
-    group.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        metavar="BYTES_OR_FRACTION",
-        default=_ENGINE_DEFAULTS.kv_cache_memory,
-        help="KV cache budget: bytes if above 1, else a fraction of free device memory "
-        "(default: %(default)s)",
-    )
-    group.add_argument(
-        "--page-size",
-        type=int,
-        metavar="N",
-        default=_ENGINE_DEFAULTS.page_size,
-        help="tokens per KV cache page (default: %(default)s)",
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        metavar="N",
-        default=_ENGINE_DEFAULTS.max_num_batched_tokens,
-        help="token budget of one forward pass; longer prompts are prefilled in chunks "
-        "(default: %(default)s)",
-    )
-    group.add_argument(
-        "--max-seq-len",
-        type=int,
-        metavar="N",
-        help="longest prompt plus output in tokens (default: the model's context length)",
-    )
-    group.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        help="do not reuse the KV cache of shared prompt prefixes",
-    )
-    return flags
-
-
-def _sampling_flags() -> argparse.ArgumentParser:
-    from astrai.inference import GenerationParams
-
-    defaults = GenerationParams()
-    flags = argparse.ArgumentParser(add_help=False)
-    group = flags.add_argument_group("sampling")
-    group.add_argument(
-        "--max-tokens",
-        type=int,
-        metavar="N",
-        default=defaults.max_tokens,
-        help="most tokens to generate (default: %(default)s)",
-    )
-    group.add_argument(
-        "--temperature",
-        type=float,
-        metavar="T",
-        default=defaults.temperature,
-        help="softmax temperature; 0 is greedy (default: %(default)s)",
-    )
-    group.add_argument(
-        "--top-p",
-        type=float,
-        metavar="P",
-        default=defaults.top_p,
-        help="nucleus sampling: keep the smallest set of tokens whose probability reaches "
-        "this; 1 is off (default: %(default)s)",
-    )
-    group.add_argument(
-        "--top-k",
-        type=int,
-        metavar="N",
-        default=defaults.top_k,
-        help="keep only the k most likely tokens; 0 is off (default: %(default)s)",
-    )
-    group.add_argument("--seed", type=int, metavar="N", help="seed for reproducible sampling")
-    group.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="stop when this text appears (not printed); repeat for several",
-    )
-    return flags
+    add_flags(parser, "engine", EngineConfig)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -161,11 +143,9 @@ def _parser() -> argparse.ArgumentParser:
         "command uses the demo model shipped with astrai.",
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    engine, sampling = _engine_flags(), _sampling_flags()
 
     serve = commands.add_parser(
         "serve",
-        parents=[engine],
         help="serve OpenAI- and Anthropic-compatible HTTP APIs",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/messages, "
         "/health and /metrics.",
@@ -182,11 +162,11 @@ def _parser() -> argparse.ArgumentParser:
         "--model-name",
         help="model name clients must send (default: the model directory's name)",
     )
-    serve.set_defaults(command=_serve)
+    _add_engine_flags(serve)
+    serve.set_defaults(command=_serve, parser=serve, settings=(EngineConfig,))
 
     generate = commands.add_parser(
         "generate",
-        parents=[engine, sampling],
         help="generate a continuation of a prompt, streamed to stdout",
         description="Generate from one prompt and stream the text to stdout.",
     )
@@ -196,20 +176,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send the prompt as a user message through the model's chat template",
     )
-    generate.set_defaults(command=_generate)
-
     chat = commands.add_parser(
         "chat",
-        parents=[engine, sampling],
         help="chat interactively; keeps the conversation's history",
         description="Chat with the model through its chat template. Type /reset to forget "
         "the conversation, /exit (or end of input) to leave.",
     )
-    chat.set_defaults(command=_chat)
+    for sub, run in ((generate, _generate), (chat, _chat)):
+        _add_engine_flags(sub)
+        add_flags(sub, "sampling", GenerationParams)
+        sub.set_defaults(command=run, parser=sub, settings=(EngineConfig, GenerationParams))
 
     bench = commands.add_parser(
         "bench",
-        parents=[engine],
         help="measure offline throughput on a seeded synthetic workload",
         description="Run random-token prompts through the engine at once and report "
         "throughput. Outputs ignore end-of-sequence, so every request makes --output-len tokens.",
@@ -232,7 +211,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--seed", type=int, default=0, help="seed of prompts and sampling (default: %(default)s)"
     )
-    bench.set_defaults(command=_bench)
+    _add_engine_flags(bench)
+    bench.set_defaults(command=_bench, parser=bench, settings=(EngineConfig,))
     return parser
 
 
@@ -246,7 +226,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return DEMO_MODEL_DIR
 
 
-def _load_engine(args: argparse.Namespace, model_dir: Path):
+def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
     import torch
 
     from astrai.inference import InferenceEngine
@@ -259,43 +239,22 @@ def _load_engine(args: argparse.Namespace, model_dir: Path):
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    config = EngineConfig(
-        max_batch_size=args.max_batch_size,
-        kv_cache_memory=args.kv_cache_memory,
-        page_size=args.page_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_seq_len=args.max_seq_len,
-        enable_prefix_cache=not args.no_prefix_cache,
-    )
     model = AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return InferenceEngine(model, tokenizer, config)
 
 
-def _params(args: argparse.Namespace):
-    from astrai.inference import GenerationParams
-
-    return GenerationParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
-
-
 # -- commands ---------------------------------------------------------------------------------
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
     from astrai.server import create_app
 
     model_dir = _model_dir(args)
     name = args.model_name or model_dir.resolve().name
-    engine = _load_engine(args, model_dir)
+    engine = _load_engine(args, config, model_dir)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM (stops accepting, gives requests a few
     # seconds, then cancels them), then raises the signal again. Let SIGTERM unwind like
     # SIGINT instead of killing the process, so the engine below is closed in both cases.
@@ -316,11 +275,10 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
     from astrai.inference import GenerationRequest
 
-    params = _params(args)
-    with _load_engine(args, _model_dir(args)) as engine:
+    with _load_engine(args, config, _model_dir(args)) as engine:
         prompt = args.prompt
         if args.chat:
             prompt = GenerationRequest(({"role": "user", "content": prompt},), params)
@@ -331,13 +289,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat(args: argparse.Namespace) -> int:
+def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
     from astrai.inference import GenerationRequest
     from astrai.inference.task import RequestError
 
-    params = _params(args)
     interactive = sys.stdin.isatty()
-    with _load_engine(args, _model_dir(args)) as engine:
+    with _load_engine(args, config, _model_dir(args)) as engine:
         history: list[dict[str, str]] = []
         while True:
             try:
@@ -369,10 +326,8 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from astrai.inference import GenerationParams
-
-    with _load_engine(args, _model_dir(args)) as engine:
+def _bench(args: argparse.Namespace, config: EngineConfig) -> int:
+    with _load_engine(args, config, _model_dir(args)) as engine:
         rng = random.Random(args.seed)
         vocab = engine.model.config.vocab_size
         prompts = [
