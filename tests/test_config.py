@@ -1,14 +1,16 @@
-"""ModelConfig: native config.json, conversion from each HF family, and refused settings."""
+"""ModelConfig: native config.json, conversion from each HF family, and refused settings;
+EngineConfig: its fields' command-line metadata and kv_cache_memory's parser."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from tiny_models import LLAMA3_ROPE, TINY
 
-from astrai.config import ConfigError, ModelConfig
+from astrai.config import ConfigError, EngineConfig, ModelConfig, parse_kv_cache_memory
 
 
 def hf_config(directory: Path, arch: str, **overrides) -> Path:
@@ -185,3 +187,20 @@ def test_missing_directory_and_config_file(tmp_path):
         ModelConfig.from_pretrained(tmp_path / "absent")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("spec", dataclasses.fields(EngineConfig), ids=lambda spec: spec.name)
+def test_every_engine_setting_has_command_line_help(spec):
+    assert spec.metadata.get("help"), f"EngineConfig.{spec.name} has no help text for its flag"
+
+
+@pytest.mark.parametrize(("text", "value"), [("8000000", 8e6), ("0.25", 0.25), ("4e9", 4e9)])
+def test_kv_cache_memory_reads_bytes_or_a_fraction(text, value):
+    assert parse_kv_cache_memory(text) == value
+    assert EngineConfig(kv_cache_memory=parse_kv_cache_memory(text)).kv_cache_memory == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "8GB"])
+def test_kv_cache_memory_that_is_no_number_is_refused(text):
+    with pytest.raises(ConfigError, match=f"byte count .* fraction .* got {text!r}"):
+        parse_kv_cache_memory(text)
