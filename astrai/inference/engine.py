@@ -6,7 +6,8 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing, closing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,10 +19,12 @@ from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.task import (
     STOP,
+    EngineClosedError,
     GenerationParams,
     PromptTooLongError,
     RequestError,
     Task,
+    TaskCallback,
     TaskDelta,
     TaskManager,
     TaskResult,
@@ -59,7 +62,10 @@ class GenerationRequest:
 
 @dataclass
 class StreamEvent:
-    """One event of a request: a delta of sample `index`, or (last for that index) its result."""
+    """One event of a request: a delta of sample `index`, or (last for that index) its result.
+
+    Sample s of prompt p has index p * n + s, the choice numbering OpenAI uses.
+    """
 
     index: int
     delta: TaskDelta | None = None
@@ -83,31 +89,29 @@ class EngineStats:
 Prompt = str | GenerationRequest
 
 
-class RequestStream:
-    """The events of one submitted request as an async iterator of StreamEvent.
+class _MergedStream:
+    """The events of every task of one request, merged into one stream of StreamEvent.
 
-    Each sample index gets its deltas, then exactly one event carrying its result. Dropping
-    the stream before the end (break, cancellation, garbage collection) aborts the request.
+    The tasks share one callback that queues (task, event) in arrival order; each index gets
+    its deltas, then exactly one event carrying its result. Constructing it submits the request
+    all or nothing (InferenceEngine.submit_all), because the queue must exist before the tasks.
     """
 
-    def __init__(self, engine: InferenceEngine, tasks: list[Task], events: asyncio.Queue):
-        self.tasks = tasks
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        prompts: Sequence[Sequence[int]],
+        params: GenerationParams,
+        put: Callable[[tuple[Task, TaskDelta | object]], None],
+    ) -> None:
         self._engine = engine
-        self._events = events
-        self._index = {task.id: i for i, task in enumerate(tasks)}
-        self._open = len(tasks)
+        self._open = 0  # set before submitting, so __del__ of a refused request is a no-op
+        groups = engine.submit_all(prompts, params, lambda task, event: put((task, event)))
+        self.tasks = [task for group in groups for task in group]
+        self._index = {task.id: i for i, task in enumerate(self.tasks)}
+        self._open = len(self.tasks)
 
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        if not self._open:
-            raise StopAsyncIteration
-        try:
-            task, event = await self._events.get()
-        except BaseException:
-            self.abort()
-            raise
+    def _event(self, task: Task, event: TaskDelta | object) -> StreamEvent:
         if event is STOP:
             self._open -= 1
             return StreamEvent(self._index[task.id], result=task.result())
@@ -119,12 +123,63 @@ class RequestStream:
             for task in self.tasks:
                 self._engine.abort(task)
 
-    async def aclose(self) -> None:
+    def __del__(self) -> None:
+        self.abort()
+
+
+class SyncRequestStream(_MergedStream):
+    """A request's events as a blocking iterator; close() or dropping it aborts the request."""
+
+    def __init__(self, engine: InferenceEngine, prompts, params: GenerationParams) -> None:
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        super().__init__(engine, prompts, params, self._events.put)
+
+    def __iter__(self) -> SyncRequestStream:
+        return self
+
+    def __next__(self) -> StreamEvent:
+        if not self._open:
+            raise StopIteration
+        return self._event(*self._events.get())
+
+    def close(self) -> None:
         self.abort()
         self._open = 0
 
-    def __del__(self) -> None:
+
+class RequestStream(_MergedStream):
+    """A request's events as an async iterator; created inside a running event loop.
+
+    Dropping it before the end (break, cancellation, aclose(), garbage collection) aborts the
+    request. Events cross from the loop thread with call_soon_threadsafe, never by polling.
+    """
+
+    def __init__(self, engine: InferenceEngine, prompts, params: GenerationParams) -> None:
+        loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        super().__init__(
+            engine,
+            prompts,
+            params,
+            lambda item: loop.call_soon_threadsafe(self._events.put_nowait, item),
+        )
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            item = await self._events.get()
+        except BaseException:
+            self.abort()
+            raise
+        return self._event(*item)
+
+    async def aclose(self) -> None:
         self.abort()
+        self._open = 0
 
 
 class InferenceEngine:
@@ -232,12 +287,33 @@ class InferenceEngine:
         if prompt_tokens + max_tokens > pool_tokens:
             raise PromptTooLongError(prompt_tokens, max_tokens, pool_tokens, "the KV cache pool")
 
-    def submit(self, prompt_ids: Sequence[int], params: GenerationParams, callback) -> list[Task]:
-        """Queue params.n tasks of one prompt; callback(task, TaskDelta | STOP) runs on the loop."""
+    def submit_all(
+        self, prompts: Sequence[Sequence[int]], params: GenerationParams, callback: TaskCallback
+    ) -> list[list[Task]]:
+        """Queue params.n tasks of every prompt, all or none; callback(task, TaskDelta | STOP)
+        runs on the loop.
+
+        Every prompt is checked and the tasks go into the queue in one step, so a refused
+        prompt or a queue without room for all of them raises before any task could run.
+        """
         if self._stopped.is_set():
-            raise RuntimeError("the engine is closed")
+            raise EngineClosedError("the engine is closed; create a new one")
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
+        groups = [
+            self._sample_tasks(self._checked(ids, params), params, callback) for ids in prompts
+        ]
+        self.manager.add_tasks([task for group in groups for task in group])
+        return groups
+
+    def submit(
+        self, prompt_ids: Sequence[int], params: GenerationParams, callback: TaskCallback
+    ) -> list[Task]:
+        """Queue params.n tasks of one prompt; callback(task, TaskDelta | STOP) runs on the loop."""
+        [tasks] = self.submit_all([prompt_ids], params, callback)
+        return tasks
+
+    def _checked(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise RequestError("the prompt is empty; give at least one token")
@@ -245,6 +321,11 @@ class InferenceEngine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must lie in [0, {vocab})")
         self.check_fits(len(prompt_ids), params.max_tokens)
+        return prompt_ids
+
+    def _sample_tasks(
+        self, prompt_ids: list[int], params: GenerationParams, callback: TaskCallback
+    ) -> list[Task]:
         tasks: list[Task] = []
         for i in range(params.n):
             sample_params = params
@@ -260,7 +341,6 @@ class InferenceEngine:
                     parent=tasks[0] if tasks else None,
                 )
             )
-        self.manager.add_tasks(tasks)
         return tasks
 
     def abort(self, task: Task | int) -> None:
@@ -298,18 +378,16 @@ class InferenceEngine:
         single = isinstance(prompts, str | GenerationRequest)
         items = [prompts] if single else list(prompts)
         params = self._params(items, params, param_overrides)
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        groups = self._submit_all(items, params, lambda task, event: events.put((task, event)))
-        done = 0
-        total = sum(len(g) for g in groups)
-        try:
-            while done < total:
-                _, event = events.get()
-                done += event is STOP
-        finally:
-            if done < total:
-                self._abort_groups(groups)
-        shaped = [self._group_results(group) for group in groups]
+        stream = SyncRequestStream(self, [self.encode(item) for item in items], params)
+        results: list[TaskResult | None] = [None] * len(stream.tasks)
+        with closing(stream):
+            for event in stream:
+                if event.result is not None:
+                    results[event.index] = event.result
+        for result in results:
+            result.raise_for_status()
+        n = params.n
+        shaped = [results[i] if n == 1 else results[i : i + n] for i in range(0, len(results), n)]
         return shaped[0] if single else shaped
 
     def _stream(self, prompts, params, single: bool, overrides: dict) -> Iterator:
@@ -317,40 +395,34 @@ class InferenceEngine:
         params = self._params(items, params, overrides)
         if params.n != 1:
             raise RequestError("stream=True supports n=1 only; use submit_async for n > 1")
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        groups = self._submit_all(items, params, lambda task, event: events.put((task, event)))
-        return self._stream_events(groups, events, single)
+        stream = SyncRequestStream(self, [self.encode(item) for item in items], params)
+        return self._stream_text(stream, single)
 
-    def _stream_events(self, groups: list[list[Task]], events: queue.SimpleQueue, single: bool):
-        index = {group[0].id: i for i, group in enumerate(groups)}
-        open_tasks = len(groups)
-        try:
-            while open_tasks:
-                task, event = events.get()
-                if event is STOP:
-                    open_tasks -= 1
-                    _raise_if_failed(task.result())
-                elif event.text:
-                    yield event.text if single else (index[task.id], event.text)
-        finally:
-            if open_tasks:
-                self._abort_groups(groups)
+    @staticmethod
+    def _stream_text(stream: SyncRequestStream, single: bool) -> Iterator:
+        with closing(stream):
+            for event in stream:
+                if event.result is not None:
+                    event.result.raise_for_status()
+                elif event.delta.text:
+                    yield event.delta.text if single else (event.index, event.delta.text)
 
     # -- asyncio API ------------------------------------------------------------------------
 
-    def submit_async(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestStream:
-        """Queue a request now (errors raise here) and return its events as an async iterator.
+    def submit_all_async(
+        self, prompts: Sequence[Sequence[int]], params: GenerationParams
+    ) -> RequestStream:
+        """Queue every prompt's samples, all or none (errors raise here), and return their
+        events merged into one async iterator.
 
         Call it inside a running event loop. Stopping the iteration early, cancelling the
         consuming task or calling abort() ends the request and frees its pages.
         """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        return RequestStream(self, prompts, params)
 
-        def on_event(task: Task, event: TaskDelta | object) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, (task, event))
-
-        return RequestStream(self, self.submit(prompt_ids, params, on_event), events)
+    def submit_async(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestStream:
+        """submit_all_async for one prompt: its n samples' events as an async iterator."""
+        return self.submit_all_async([prompt_ids], params)
 
     async def generate_async(
         self, prompt: Prompt, params: GenerationParams | None = None, **param_overrides: Any
@@ -359,11 +431,12 @@ class InferenceEngine:
         params = self._params([prompt], params, param_overrides)
         if params.n != 1:
             raise RequestError("generate_async supports n=1 only; use submit_async for n > 1")
-        async for event in self.submit_async(self.encode(prompt), params):
-            if event.result is not None:
-                _raise_if_failed(event.result)
-            elif event.delta.text:
-                yield event.delta.text
+        async with aclosing(self.submit_async(self.encode(prompt), params)) as stream:
+            async for event in stream:
+                if event.result is not None:
+                    event.result.raise_for_status()
+                elif event.delta.text:
+                    yield event.delta.text
 
     # -- stats ------------------------------------------------------------------------------
 
@@ -392,37 +465,6 @@ class InferenceEngine:
             requests = [p for p in items if isinstance(p, GenerationRequest)]
             params = requests[0].params if requests else GenerationParams()
         return replace(params, **overrides) if overrides else params
-
-    def _submit_all(self, items: Sequence[Prompt], params: GenerationParams, callback):
-        """Encode and validate every prompt first, so a bad one queues nothing."""
-        encoded = [self.encode(item) for item in items]
-        for ids in encoded:
-            self.check_fits(len(ids), params.max_tokens)
-        groups: list[list[Task]] = []
-        try:
-            for ids in encoded:
-                groups.append(self.submit(ids, params, callback))
-        except Exception:
-            self._abort_groups(groups)
-            raise
-        return groups
-
-    def _abort_groups(self, groups: list[list[Task]]) -> None:
-        for group in groups:
-            for task in group:
-                self.abort(task)
-
-    @staticmethod
-    def _group_results(group: list[Task]) -> TaskResult | list[TaskResult]:
-        results = [task.result() for task in group]
-        for result in results:
-            _raise_if_failed(result)
-        return results[0] if len(results) == 1 else results
-
-
-def _raise_if_failed(result: TaskResult) -> None:
-    if result.finish_reason == "error":
-        raise RuntimeError(f"generation failed: {result.error}")
 
 
 def _map_results(results, fn):

@@ -38,6 +38,18 @@ class QueueFullError(RuntimeError):
     """The bounded waiting queue is full; the caller should retry later."""
 
 
+class EngineClosedError(RuntimeError):
+    """The engine was closed (or its loop crashed), so it takes no more requests."""
+
+
+class GenerationError(RuntimeError):
+    """An accepted request ended in an error, such as a failed model step."""
+
+
+class RequestAbortedError(RuntimeError):
+    """An accepted request ended before it finished: it was aborted or the engine shut down."""
+
+
 def _check_range(name: str, value: Any, low: float, high: float, *, integer: bool = False) -> None:
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
@@ -182,6 +194,9 @@ class TaskDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens the prefix cache served; fixed from the first delta on, so a stream can
+    # report its input usage before the result arrives.
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -194,6 +209,18 @@ class TaskResult:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+
+    def raise_for_status(self) -> None:
+        """Raise the engine's typed error if the task ended without finishing.
+
+        The one place where an "error" or "abort" finish reason becomes an exception, so the
+        engine's and the server's callers agree on what a failed sample is.
+        """
+        if self.finish_reason == "error":
+            raise GenerationError(f"generation failed: {self.error}")
+        if self.finish_reason == "abort":
+            reason = f": {self.error}" if self.error else ""
+            raise RequestAbortedError(f"the request was aborted{reason}")
 
 
 class Detokenizer(Protocol):
@@ -265,7 +292,8 @@ class Task:
         end = len(self._text) if self.is_finished else len(self._text) - self._held_back()
         piece = self._text[self._emitted : end]
         self._emitted = max(self._emitted, end)
-        return TaskDelta(piece, [token_id], None if logprob is None else [logprob])
+        logprobs = None if logprob is None else [logprob]
+        return TaskDelta(piece, [token_id], logprobs, self.cached_tokens)
 
     def _cut_at_stop_string(self) -> bool:
         """Finish at the earliest stop string in the unreleased text, if there is one."""
@@ -326,6 +354,12 @@ class TaskManager:
         self.wakeup = threading.Event()
 
     def add_tasks(self, tasks: Sequence[Task]) -> None:
+        """Queue every task or, if the queue has no room for all of them, none."""
+        if len(tasks) > self.max_waiting:  # retrying would never help
+            raise RequestError(
+                f"the request needs {len(tasks)} places in the waiting queue, which holds "
+                f"{self.max_waiting}; send fewer prompts or samples (n) at once"
+            )
         with self._lock:
             if len(self._waiting) + len(tasks) > self.max_waiting:
                 raise QueueFullError(
