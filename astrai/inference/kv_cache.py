@@ -255,9 +255,16 @@ class PagedCache:
             entry.keys.append(key)
             parent = key
         entry.num_cached = len(entry.pages) * self.page_size
-        self.lookup_tokens += len(tokens)
-        self.hit_tokens += entry.num_cached
         return entry.num_cached
+
+    def count_hit(self, lookup_tokens: int, hit_tokens: int) -> None:
+        """Add an admitted task's prefix match to the hit rate.
+
+        Not match_prefix's job: a task that does not fit yet has its match undone and redone
+        at every admission attempt, and would count its hit each time.
+        """
+        self.lookup_tokens += lookup_tokens
+        self.hit_tokens += hit_tokens
 
     def pages_needed(self, task_id: int, num_tokens: int) -> int:
         """Pages the task must add to its table to hold num_tokens slots."""

@@ -1,10 +1,21 @@
-"""The scheduling loop: clean up, admit, plan a step against the token budget, run it."""
+"""The scheduling policy, schedule(), and the loop that applies its plans, InferenceScheduler.
+
+One step of the policy:
+1. Admit waiting tasks first come, first served while batch slots and KV pages allow; a task
+   reuses the pages of its cached prefix, or of the sibling it was sampled with (n > 1).
+2. Every decoding task gets its one token first, oldest first.
+3. What is left of the token budget goes to prompt chunks, oldest first, each shrunk to the
+   pages to be had without preempting anyone.
+4. When a decode finds no page, or no chunk can run at all, the most recently admitted task is
+   preempted: its pages are freed and it goes back to the head of the queue to recompute.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from astrai.config import EngineConfig
 from astrai.inference.executor import ModelExecutor, SampledToken, ScheduledChunk
@@ -12,6 +23,99 @@ from astrai.inference.kv_cache import PagedCache
 from astrai.inference.task import STOP, Task, TaskManager, TaskStatus
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One step's decisions, which InferenceScheduler.step applies to its queue and batch."""
+
+    running: list[Task]  # the batch after this step's admissions and preemptions, oldest first
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    admitted: list[Task] = field(default_factory=list)  # to take off the queue, oldest first
+    preempted: list[Task] = field(default_factory=list)  # to requeue at the head, newest first
+
+
+def schedule(
+    running: Sequence[Task], waiting: Iterable[Task], cache: PagedCache, config: EngineConfig
+) -> StepPlan:
+    """Plan one step by the policy in this module's docstring.
+
+    It changes nothing but the KV pages it reserves or frees and the status and num_computed
+    of the tasks it admits or preempts, so a test can drive it step by step.
+    """
+    plan = StepPlan(running=list(running))
+    for task in waiting:
+        if len(plan.running) >= config.max_batch_size:
+            break
+        parent = task.parent
+        forks = parent is not None and parent.status is TaskStatus.RUNNING
+        if forks and parent.num_computed < len(parent.prompt_ids):
+            continue  # wait for the sibling's prompt K/V, then share its pages
+        if forks:
+            covered = cache.fork(parent.id, task.id, len(task.prompt_ids))
+        else:
+            covered = cache.match_prefix(task.id, task.all_ids)
+        if not cache.can_allocate(cache.pages_needed(task.id, task.num_tokens)):
+            cache.free(task.id)
+            break  # first come, first served: nobody overtakes the head of the queue
+        if not forks:
+            cache.count_hit(task.num_tokens, covered)
+        task.status = TaskStatus.RUNNING
+        task.num_computed = covered
+        plan.running.append(task)
+        plan.admitted.append(task)
+
+    budget = config.max_num_batched_tokens
+    for task in list(plan.running):
+        if budget == 0:
+            break
+        if task.status is not TaskStatus.RUNNING or task.num_tokens - task.num_computed != 1:
+            continue
+        while task.status is TaskStatus.RUNNING and not cache.allocate(task.id, task.num_tokens):
+            _preempt_newest(plan, cache)
+        if task.status is TaskStatus.RUNNING:
+            plan.chunks.append(ScheduledChunk(task, task.num_computed, 1))
+            budget -= 1
+
+    for task in plan.running:
+        if budget > 0 and task.num_tokens - task.num_computed > 1:
+            chunk = _prompt_chunk(task, budget, cache)
+            if chunk is not None:
+                plan.chunks.append(chunk)
+                budget -= chunk.length
+
+    # Prompts part way through hold every page and none can grow: free the newest ones' pages
+    # until the oldest can go on.
+    while not plan.chunks and plan.running:
+        _preempt_newest(plan, cache)
+        chunk = _prompt_chunk(plan.running[0], budget, cache) if plan.running else None
+        if chunk is not None:
+            plan.chunks.append(chunk)
+    return plan
+
+
+def _prompt_chunk(task: Task, budget: int, cache: PagedCache) -> ScheduledChunk | None:
+    """The task's next prompt chunk: at most budget tokens, shrunk to the pages to be had
+    without preempting anyone; None when not one page is free."""
+    free_slots = cache.capacity(task.id) - task.num_computed
+    length = min(task.num_tokens - task.num_computed, budget, free_slots)
+    if length <= 0:
+        return None
+    allocated = cache.allocate(task.id, task.num_computed + length)
+    assert allocated, "a chunk sized to the free pages must fit"
+    return ScheduledChunk(task, task.num_computed, length)
+
+
+def _preempt_newest(plan: StepPlan, cache: PagedCache) -> None:
+    """Free the most recently admitted task's pages and send it back to the queue."""
+    task = plan.running.pop()
+    cache.free(task.id)
+    task.num_computed = 0
+    task.status = TaskStatus.WAITING
+    if task in plan.admitted:
+        plan.admitted.remove(task)  # admitted this step, never ran: it keeps its queue place
+    else:
+        plan.preempted.append(task)
 
 
 @dataclass
@@ -24,8 +128,8 @@ class SchedulerStats:
 class InferenceScheduler:
     """Owns all scheduling state; runs in one background thread.
 
-    `running` is in admission order, so the last task is the most recently admitted one and
-    the first to be preempted when the KV pool runs out.
+    Each step plans with schedule(), applies the plan, runs the executor and post-processes.
+    `running` is in admission order, so the last task is the most recently admitted one.
     """
 
     def __init__(
@@ -40,6 +144,7 @@ class InferenceScheduler:
         self.manager = manager
         self.config = config
         self.running: list[Task] = []
+        self.requeued: set[Task] = set()  # preempted tasks waiting to be readmitted
         self.stats = SchedulerStats()
         self.invariant_error: Exception | None = None
 
@@ -56,18 +161,18 @@ class InferenceScheduler:
     def step(self) -> bool:
         """Run one iteration; returns False when there was nothing to run."""
         self._cleanup()
-        self._admit()
-        chunks = self._plan()
-        if not chunks:
+        plan = schedule(self.running, self.manager.waiting(), self.cache, self.config)
+        self._apply(plan)
+        if not plan.chunks:
             return False
         try:
-            sampled = self.executor.execute(chunks)
+            sampled = self.executor.execute(plan.chunks)
         except Exception as exc:  # a failing step must not take the loop (and other requests) down
             log.exception("model step failed")
-            for chunk in chunks:
+            for chunk in plan.chunks:
                 self._end(chunk.task, TaskStatus.FAILED, "error", f"model step failed: {exc}")
             return True
-        self._post_process(chunks, sampled)
+        self._post_process(plan.chunks, sampled)
         return True
 
     def _cleanup(self) -> None:
@@ -78,79 +183,24 @@ class InferenceScheduler:
             if task.id in aborts:
                 self._end(task, TaskStatus.ABORTED, "abort")
 
-    def _admit(self) -> None:
-        if len(self.running) >= self.config.max_batch_size:
-            return
-        for task in self.manager.waiting():
-            if len(self.running) >= self.config.max_batch_size:
-                return
-            parent = task.parent
-            if parent is not None and parent.status is TaskStatus.RUNNING:
-                if parent.num_computed < len(parent.prompt_ids):
-                    continue  # wait for the sibling's prompt K/V, then share its pages
-                covered = self.cache.fork(parent.id, task.id, len(task.prompt_ids))
-            else:
-                covered = self.cache.match_prefix(task.id, task.all_ids)
-            if not self.cache.can_allocate(self.cache.pages_needed(task.id, task.num_tokens)):
-                self.cache.free(task.id)
-                return  # first come, first served: nobody overtakes the head of the queue
+    def _apply(self, plan: StepPlan) -> None:
+        """Move the plan's admitted and preempted tasks between the queue and the batch.
+
+        Usage counts a prompt once: a readmitted task keeps the prompt tokens and the cached
+        tokens of its first admission, when its num_computed is what the cache covered.
+        """
+        self.running = plan.running
+        for task in plan.admitted:
             self.manager.remove_waiting(task)
-            if not task.output_ids:
-                task.cached_tokens = covered
+            if task in self.requeued:
+                self.requeued.remove(task)
+            else:
+                task.cached_tokens = task.num_computed
                 self.stats.prompt_tokens += len(task.prompt_ids)
-            task.num_computed = covered
-            task.status = TaskStatus.RUNNING
-            self.running.append(task)
-
-    def _plan(self) -> list[ScheduledChunk]:
-        """Decodes first (one token each), then prompt chunks with what is left of the budget."""
-        budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        for task in list(self.running):
-            if task.status is not TaskStatus.RUNNING or task.num_tokens - task.num_computed != 1:
-                continue
-            if self._reserve(task, task.num_tokens):
-                chunks.append(ScheduledChunk(task, task.num_computed, 1))
-                budget -= 1
-        for task in list(self.running):
-            remaining = task.num_tokens - task.num_computed
-            if task.status is not TaskStatus.RUNNING or remaining <= 1 or budget <= 0:
-                continue
-            length = self._fit_chunk(task, min(remaining, budget))
-            if length:
-                chunks.append(ScheduledChunk(task, task.num_computed, length))
-                budget -= length
-        if not chunks and self.running:
-            self._preempt(self.running[-1])
-            return self._plan()
-        return chunks
-
-    def _reserve(self, task: Task, num_tokens: int) -> bool:
-        """Make room for a decode, preempting the newest tasks; False if `task` itself went."""
-        while not self.cache.allocate(task.id, num_tokens):
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is task:
-                return False
-        return True
-
-    def _fit_chunk(self, task: Task, length: int) -> int:
-        """Shrink a prompt chunk to the pages that can be had without preempting anyone."""
-        length = min(length, self.cache.capacity(task.id) - task.num_computed)
-        if length <= 0:
-            return 0
-        allocated = self.cache.allocate(task.id, task.num_computed + length)
-        assert allocated, "a chunk sized to the free pages must fit"
-        return length
-
-    def _preempt(self, task: Task) -> None:
-        """Free a task's pages and requeue it at the head; it recomputes when readmitted."""
-        self.running.remove(task)
-        self.cache.free(task.id)
-        task.num_computed = 0
-        task.status = TaskStatus.WAITING
-        self.manager.requeue_front(task)
-        self.stats.preemptions += 1
+        for task in plan.preempted:
+            self.manager.requeue_front(task)
+            self.requeued.add(task)
+        self.stats.preemptions += len(plan.preempted)
 
     def _post_process(self, chunks: list[ScheduledChunk], sampled: list[SampledToken]) -> None:
         page_size = self.cache.page_size
@@ -178,6 +228,7 @@ class InferenceScheduler:
     def _release(self, task: Task) -> None:
         if task in self.running:
             self.running.remove(task)
+        self.requeued.discard(task)
         self.cache.free(task.id)
         self._notify(task, STOP)
 

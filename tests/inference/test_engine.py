@@ -12,6 +12,7 @@ import torch
 
 from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
 from astrai.inference import attention as attention_module
+from astrai.inference import scheduler as scheduler_module
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.model import AutoModel, fused_ops
 from astrai.model import linear as linear_module
@@ -83,6 +84,22 @@ def mixed_workload(seed=0, n=16, vocab=512):
     return prompts, max_tokens
 
 
+def record_plans(monkeypatch):
+    """Record every step an engine plans from now on: the batch before it (each task with its
+    tokens left to compute and its output length at the time) and the StepPlan."""
+    plans = []
+    plan_step = scheduler_module.schedule
+
+    def recording(running, waiting, cache, config):
+        before = [(t, t.num_tokens - t.num_computed, len(t.output_ids)) for t in running]
+        plan = plan_step(running, waiting, cache, config)
+        plans.append((before, replace(plan, running=list(plan.running))))  # the loop edits it
+        return plan
+
+    monkeypatch.setattr(scheduler_module, "schedule", recording)
+    return plans
+
+
 @pytest.fixture(scope="module")
 def reference(hf_model, tokenizer):
     prompts, max_tokens = mixed_workload()
@@ -103,16 +120,27 @@ def reference(hf_model, tokenizer):
     ],
     ids=["default", "no-prefix-cache", "chunked-prefill", "small-pages"],
 )
-def test_greedy_batch_equals_transformers(model, tokenizer, reference, config):
+def test_greedy_batch_equals_transformers(model, tokenizer, reference, config, monkeypatch):
     prompts, max_tokens, expected = reference
     params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    plans = record_plans(monkeypatch)
     with make_engine(model, tokenizer, **config) as engine:
         results = run_ids(engine, prompts, params)
         assert engine.get_stats().pages_owned == 0
+        budget = engine.config.max_num_batched_tokens
     for result, want in zip(results, expected, strict=True):
         assert result[0].token_ids == want
         stopped = bool(want) and want[-1] in tokenizer.stop_token_ids
         assert result[0].finish_reason == ("stop" if stopped else "length")
+    # The outputs held under these scheduling rules: the budget bounds every step, and every
+    # decode still in the batch runs before prompt chunks get what is left.
+    for before, plan in plans:
+        assert sum(chunk.length for chunk in plan.chunks) <= budget
+        scheduled = {chunk.task for chunk in plan.chunks}
+        assert all(t in scheduled for t, left, _ in before if left == 1 and t in plan.running)
+    if budget < 300:
+        chunks = [c for _, plan in plans for c in plan.chunks if len(c.task.prompt_ids) == 300]
+        assert len(chunks) >= 2 * -(-300 // budget)  # both 300-token prompts, in budget pieces
 
 
 def test_greedy_batch_equals_transformers_on_pytorch_ops_alone(
@@ -143,8 +171,9 @@ def test_preemption_keeps_greedy_outputs(model, tokenizer, reference):
     assert [r[0].token_ids for r in results] == expected
 
 
-def test_preemption_mid_generation_recomputes_outputs(model, tokenizer):
-    """Victims that already generated tokens resume with the same tokens, seeded or greedy."""
+def test_preemption_mid_generation_recomputes_outputs(model, tokenizer, monkeypatch):
+    """The newest tasks are the victims, and those that already generated tokens resume with
+    the same tokens, seeded or greedy."""
     rng = random.Random(3)
     prompts = [[rng.randrange(4, 512) for _ in range(60)] for _ in range(4)]
     params = [
@@ -154,16 +183,15 @@ def test_preemption_mid_generation_recomputes_outputs(model, tokenizer):
     with make_engine(model, tokenizer) as engine:
         expected = run_ids(engine, prompts, params)
     # 16 pages of 16 tokens: the four fit while prefilling, not while each grows to 100 tokens
+    plans = record_plans(monkeypatch)
     with make_engine(model, tokenizer, kv_cache_memory=16 * 16 * kv_bytes(model)) as engine:
-        victims = []
-        preempt = engine.scheduler._preempt
-
-        def record(task):
-            victims.append(len(task.output_ids))
-            preempt(task)
-
-        engine.scheduler._preempt = record
         results = run_ids(engine, prompts, params)
+    for before, plan in plans:
+        # the victims are the batch's newest tasks, in admission order, newest first
+        batch = [task for task, _, _ in before] + plan.admitted
+        assert batch == plan.running + plan.preempted[::-1]
+    outputs = {task: n for before, _ in plans for task, _, n in before}
+    victims = [outputs[task] for _, plan in plans for task in plan.preempted]
     assert any(n > 0 for n in victims)
     assert [r[0].token_ids for r in results] == [r[0].token_ids for r in expected]
     assert [r[0].text for r in results] == [r[0].text for r in expected]

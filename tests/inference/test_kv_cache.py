@@ -22,8 +22,9 @@ from astrai.inference.kv_cache import CacheInvariantError, PagedCache, PrefixCac
 
 
 def committed(cache: PagedCache, task_id: int, tokens: list[int]) -> int:
-    """Match, allocate and commit a task's whole prompt; return the tokens matched."""
+    """Match, admit, allocate and commit a task's whole prompt; return the tokens matched."""
     covered = cache.match_prefix(task_id, tokens)
+    cache.count_hit(len(tokens), covered)
     assert cache.allocate(task_id, len(tokens))
     cache.commit(task_id, tokens, len(tokens))
     return covered
@@ -40,6 +41,20 @@ def test_same_prompt_reuses_pages():
     # A prompt that is exactly two pages reuses only one: its last token is always computed.
     assert cache.match_prefix(2, prompt[:8]) == 4
     cache.check_invariants()
+
+
+def test_a_match_counts_toward_the_hit_rate_only_when_counted():
+    """Admission matches, frees and matches again while a task does not fit; only the match
+    of the admitted task may count."""
+    cache = PagedCache(1, 1, 4, n_pages=8, page_size=4)
+    prompt = list(range(10))
+    committed(cache, 0, prompt)
+    for _ in range(3):
+        assert cache.match_prefix(1, prompt) == 8
+        cache.free(1)
+    assert (cache.stats().hit_tokens, cache.stats().lookup_tokens) == (0, 10)
+    cache.count_hit(len(prompt), cache.match_prefix(1, prompt))
+    assert (cache.stats().hit_tokens, cache.stats().lookup_tokens) == (8, 20)
 
 
 def test_equal_page_after_different_prefix_is_not_shared():
@@ -187,6 +202,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def add_task(self, tokens):
         task_id = self.new_task(tokens)
         covered = self.cache.match_prefix(task_id, tokens)
+        self.cache.count_hit(len(tokens), covered)
         assert covered % PAGE_SIZE == 0 and covered < len(tokens)
         self.computed[task_id] = covered
         return task_id
