@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from astrai.inference import TaskResult
-from astrai.server.errors import CLIENT_CLOSED, APIError, anthropic_error_body
+from astrai.server.errors import APIError, anthropic_error_body
 from astrai.server.generation import Generation, GenerationService, check_result
 from astrai.server.protocol import CountTokensRequest, MessagesRequest
 from astrai.server.sse import EventStreamResponse, sse_event
@@ -75,12 +74,8 @@ async def messages(body: MessagesRequest, request: Request):
         "model": service.model_name,
     }
     if body.stream:
-        events = _message_events(generation, message, len(prompt))
-        return EventStreamResponse(events)
+        return EventStreamResponse(_message_events(generation, message, len(prompt)))
     outputs = await generation.collect(request)
-    if outputs is None:
-        error = anthropic_error_body(CLIENT_CLOSED, "the client closed the connection")
-        return JSONResponse(error, status_code=CLIENT_CLOSED)
     result = outputs[0].result
     usage = _input_usage(result.prompt_tokens, result.cached_tokens)
     return {
@@ -94,14 +89,20 @@ async def messages(body: MessagesRequest, request: Request):
 async def _message_events(
     generation: Generation, message: dict, prompt_tokens: int
 ) -> AsyncIterator[str]:
-    start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
-    started = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
-    yield sse_event("message_start", {"message": {**started, "usage": start_usage}})
-    block = {"type": "text", "text": ""}
-    yield sse_event("content_block_start", {"index": 0, "content_block": block})
-    yield sse_event("ping", {})
+    # message_start waits for the first engine event: only then is it known how much of the
+    # prompt the prefix cache served, so its input usage equals the final one.
+    opened = False
     async with aclosing(generation.events()) as events:
-        async for _, event in events:
+        async for event in events:
+            if not opened:
+                opened = True
+                cached = (event.result or event.delta).cached_tokens
+                usage = {**_input_usage(prompt_tokens, cached), "output_tokens": 0}
+                started = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
+                yield sse_event("message_start", {"message": {**started, "usage": usage}})
+                block = {"type": "text", "text": ""}
+                yield sse_event("content_block_start", {"index": 0, "content_block": block})
+                yield sse_event("ping", {})
             if event.delta is not None and event.delta.text:
                 delta = {"type": "text_delta", "text": event.delta.text}
                 yield sse_event("content_block_delta", {"index": 0, "delta": delta})

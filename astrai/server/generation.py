@@ -1,4 +1,4 @@
-"""Runs HTTP requests on the engine: prompts, parameters, submission, merged streams, aborts."""
+"""Runs HTTP requests on the engine: prompts, parameters, submission, streams, aborts."""
 
 from __future__ import annotations
 
@@ -11,14 +11,20 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from astrai.inference import (
+    GenerationError,
     GenerationParams,
     GenerationRequest,
     InferenceEngine,
+    PromptTooLongError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestError,
+    RequestStream,
     StreamEvent,
     TaskResult,
+    TokenLogprob,
 )
-from astrai.inference.task import PromptTooLongError, QueueFullError, RequestError, TokenLogprob
-from astrai.server.errors import APIError
+from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
 from astrai.tokenize import ChatTemplateError
 
@@ -39,84 +45,49 @@ class Usage:
 
 
 class Generation:
-    """The engine streams of one HTTP request: one per prompt, n samples each.
+    """The engine stream of one HTTP request: every prompt's n samples, merged.
 
-    Choice index i is sample i % n of prompt i // n, the numbering OpenAI uses.
+    An event's index is its choice: sample i % n of prompt i // n, the numbering OpenAI uses.
     """
 
     def __init__(
-        self,
-        streams: list[AsyncIterator[StreamEvent]],
-        n: int,
-        metrics: ServerMetrics,
-        arrival: float,
+        self, stream: RequestStream, n: int, metrics: ServerMetrics, arrival: float
     ) -> None:
-        self.streams = streams
+        self.stream = stream
         self.n = n
-        self.num_choices = len(streams) * n
+        self.num_choices = len(stream.tasks)
         self.metrics = metrics
         self.arrival = arrival
 
-    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
-        """(choice index, event) in arrival order; closing it early aborts every sample."""
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """The events in arrival order; closing it early aborts every sample."""
         first_token_seen = False
         last_output: dict[int, float] = {}
-        async with aclosing(self._merged()) as merged:
-            async for prompt_index, event in merged:
-                choice = prompt_index * self.n + event.index
+        async with aclosing(self.stream) as stream:
+            async for event in stream:
                 if event.delta is not None and event.delta.token_ids:
                     now = time.perf_counter()
                     if not first_token_seen:
                         first_token_seen = True
                         self.metrics.time_to_first_token.observe(now - self.arrival)
-                    if choice in last_output:
-                        self.metrics.inter_token_latency.observe(now - last_output[choice])
-                    last_output[choice] = now
+                    if event.index in last_output:
+                        self.metrics.inter_token_latency.observe(now - last_output[event.index])
+                    last_output[event.index] = now
                 if event.result is not None:
                     self.metrics.generation_tokens.inc(event.result.completion_tokens)
-                yield choice, event
+                yield event
 
-    async def _merged(self) -> AsyncIterator[tuple[int, StreamEvent]]:
-        # Closing an engine stream (or cancelling the task iterating it) aborts its samples.
-        if len(self.streams) == 1:
-            async with aclosing(self.streams[0]) as stream:
-                async for event in stream:
-                    yield 0, event
-            return
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(prompt_index: int, stream) -> None:
-            try:
-                async for event in stream:
-                    merged.put_nowait((prompt_index, event))
-            finally:
-                merged.put_nowait((prompt_index, None))
-
-        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
-        try:
-            open_streams = len(pumps)
-            while open_streams:
-                prompt_index, event = await merged.get()
-                if event is None:
-                    open_streams -= 1
-                else:
-                    yield prompt_index, event
-        finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-
-    async def collect(self, request: Request) -> list[ChoiceOutput] | None:
-        """Every choice's output; None if the client disconnected first (all samples aborted)."""
+    async def collect(self, request: Request) -> list[ChoiceOutput]:
+        """Every choice's output; a client that disconnects first aborts every sample."""
         outputs = [ChoiceOutput() for _ in range(self.num_choices)]
 
         async def gather() -> None:
             async with aclosing(self.events()) as events:
-                async for choice, event in events:
+                async for event in events:
                     if event.delta is not None and event.delta.logprobs:
-                        outputs[choice].logprobs.extend(event.delta.logprobs)
+                        outputs[event.index].logprobs.extend(event.delta.logprobs)
                     if event.result is not None:
-                        outputs[choice].result = event.result
+                        outputs[event.index].result = event.result
 
         gathering = asyncio.ensure_future(gather())
         disconnect = asyncio.ensure_future(_client_disconnected(request))
@@ -127,7 +98,7 @@ class Generation:
             gathering.cancel()
             await asyncio.gather(gathering, disconnect, return_exceptions=True)
         if gathering.cancelled():
-            return None
+            raise APIError(CLIENT_CLOSED, "the client closed the connection")
         gathering.result()
         for output in outputs:
             check_result(output.result)
@@ -135,7 +106,7 @@ class Generation:
 
     def usage(self, results: Sequence[TaskResult]) -> Usage:
         """Token counts of the whole request; a prompt counts once however many samples it has."""
-        firsts = [results[p * self.n] for p in range(len(self.streams))]
+        firsts = results[:: self.n]
         return Usage(
             prompt_tokens=sum(r.prompt_tokens for r in firsts),
             completion_tokens=sum(r.completion_tokens for r in results),
@@ -145,11 +116,10 @@ class Generation:
 
 def check_result(result: TaskResult) -> None:
     """Raise the API error of a sample that ended without finishing."""
-    if result.finish_reason == "error":
-        raise APIError(500, f"generation failed: {result.error}")
-    if result.finish_reason == "abort":
-        reason = result.error or "the server is shutting down"
-        raise APIError(503, f"the request was aborted: {reason}")
+    try:
+        result.raise_for_status()
+    except (GenerationError, RequestAbortedError) as exc:
+        raise _api_error(exc) from exc
 
 
 async def _client_disconnected(request: Request) -> None:
@@ -207,30 +177,24 @@ class GenerationService:
             raise APIError(400, str(exc)) from exc
 
     def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Generation:
-        """Queue every prompt, or none: a prompt that cannot fit is refused before any is queued,
-        and if the queue fills part-way the ones already queued are aborted."""
+        """Queue every prompt's samples or none (the engine's submit_all)."""
         arrival = time.perf_counter()
-        streams = []
         try:
-            for prompt in prompts:
-                self.engine.check_fits(len(prompt), params.max_tokens)
-            for prompt in prompts:
-                streams.append(self.engine.submit_async(prompt, params))
-        except Exception as exc:
-            for stream in streams:
-                stream.abort()
+            stream = self.engine.submit_all_async(prompts, params)
+        except (RequestError, RuntimeError) as exc:
             raise _api_error(exc) from exc
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        return Generation(streams, params.n, self.metrics, arrival)
+        return Generation(stream, params.n, self.metrics, arrival)
 
 
-def _api_error(exc: Exception) -> Exception:
+def _api_error(exc: RequestError | RuntimeError) -> APIError:
+    """The HTTP status and message of an engine error."""
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, RequestError):
         return APIError(400, str(exc))
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, GenerationError):
+        return APIError(500, str(exc))
+    if isinstance(exc, QueueFullError | RequestAbortedError):
         return APIError(503, str(exc))
-    if isinstance(exc, RuntimeError):
-        return APIError(503, f"the engine cannot take requests: {exc}")
-    return exc
+    return APIError(503, f"the engine cannot take requests: {exc}")

@@ -8,10 +8,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from astrai.inference import TaskDelta, TaskResult
-from astrai.server.errors import CLIENT_CLOSED, APIError, openai_error_body
+from astrai.server.errors import APIError, openai_error_body
 from astrai.server.generation import Generation, GenerationService, Usage, check_result
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -49,11 +48,6 @@ def _usage(usage: Usage) -> dict:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def _client_closed() -> JSONResponse:
-    body = openai_error_body(CLIENT_CLOSED, "the client closed the connection", None, None)
-    return JSONResponse(body, status_code=CLIENT_CLOSED)
 
 
 def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -102,11 +96,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     if body.stream:
-        chunks = _chat_chunks(generation, head, service.tokenizer, body)
-        return EventStreamResponse(chunks)
+        return EventStreamResponse(_chat_chunks(generation, head, service.tokenizer, body))
     outputs = await generation.collect(request)
-    if outputs is None:
-        return _client_closed()
     choices = [
         {
             "index": i,
@@ -145,9 +136,9 @@ async def _stream_chunks(
         yield chunk(entry)
     results = {}
     async with aclosing(generation.events()) as events:
-        async for choice, event in events:
+        async for event in events:
             if event.delta is not None:
-                entry = render_delta(choice, event.delta)
+                entry = render_delta(event.index, event.delta)
                 if entry is not None:
                     yield chunk(entry)
             if event.result is not None:
@@ -157,8 +148,8 @@ async def _stream_chunks(
                     yield sse_data(openai_error_body(exc.status, exc.message, None, None))
                     yield sse_data("[DONE]")
                     return
-                results[choice] = event.result
-                yield chunk(render_finish(choice, event.result))
+                results[event.index] = event.result
+                yield chunk(render_finish(event.index, event.result))
     if include_usage:
         usage = generation.usage([results[i] for i in range(generation.num_choices)])
         yield sse_data({**head, "object": obj, "choices": [], "usage": _usage(usage)})
@@ -229,11 +220,8 @@ async def completions(body: CompletionRequest, request: Request):
     head["model"] = service.model_name
     want_logprobs = body.logprobs is not None
     if body.stream:
-        chunks = _completion_chunks(generation, head, service.tokenizer, body)
-        return EventStreamResponse(chunks)
+        return EventStreamResponse(_completion_chunks(generation, head, service.tokenizer, body))
     outputs = await generation.collect(request)
-    if outputs is None:
-        return _client_closed()
     choices = []
     for i, out in enumerate(outputs):
         lp = completion_logprobs(service.tokenizer, out.logprobs)[0] if want_logprobs else None
