@@ -196,24 +196,10 @@ class IncrementalDetokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool = True) -> None:
         self._backend = backend
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._done = ""
-        self._pending: list[str] = []
 
     def add(self, token_id: int) -> str:
         """Feed the next id; returns the new text ("" while a character is incomplete)."""
-        piece = self._stream.step(self._backend, token_id)
-        if piece is None:
-            return ""
-        self._pending.append(piece)
-        return piece
-
-    @property
-    def text(self) -> str:
-        """Everything emitted so far; joined on read so that add() stays cheap on long outputs."""
-        if self._pending:
-            self._done += "".join(self._pending)
-            self._pending.clear()
-        return self._done
+        return self._stream.step(self._backend, token_id) or ""
 
 
 def _read_json(path: Path) -> dict:

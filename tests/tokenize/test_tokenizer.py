@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,7 @@ def sp_tok(request, tmp_path_factory):
 
 def _stream(tok, ids, skip_special_tokens=True) -> list[str]:
     detok = tok.detokenizer(skip_special_tokens=skip_special_tokens)
-    pieces = [detok.add(token_id) for token_id in ids]
-    assert detok.text == "".join(pieces)
-    return pieces
+    return [detok.add(token_id) for token_id in ids]
 
 
 # --- encode / decode ------------------------------------------------------------------------
@@ -349,3 +348,22 @@ def test_detokenizer_property_on_real_text(tok, data, skip_special_tokens):
 def test_detokenizer_property_sentencepiece(sp_tok, data, skip_special_tokens):
     ids = data.draw(st.lists(st.integers(0, sp_tok.vocab_size - 1), max_size=24))
     _assert_stream_equals_decode(sp_tok, ids, skip_special_tokens)
+
+
+def test_detokenizer_holds_no_copy_of_what_it_emitted(tok):
+    """Each running task streams through its own detokenizer; the task keeps the text, so a
+    detokenizer that kept it too would grow with every token of a long generation."""
+    ids = tok.encode(" ".join(TEXTS.values()), add_special_tokens=False)
+    detok = tok.detokenizer()
+    for token_id in ids:  # the first window's allocations are not growth
+        detok.add(token_id)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(100):
+            for token_id in ids:
+                detok.add(token_id)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 10_000, f"{grown} bytes kept after {100 * len(ids)} tokens"
