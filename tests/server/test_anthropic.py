@@ -130,3 +130,24 @@ def test_count_tokens(anthropic_client, server):
         model=server.model_name, system=SYSTEM, messages=MESSAGES
     )
     assert counted.input_tokens == len(server.engine.tokenizer.apply_chat_template(TEMPLATED))
+
+
+def test_stream_start_usage_equals_the_final_usage(anthropic_client, server):
+    """message_start goes out before any token; a prompt the prefix cache served in part must
+    still count the same input tokens there as in the final usage."""
+    question = "Explain paged attention, prefix caching and continuous batching in detail."
+    kwargs = dict(
+        model=server.model_name,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=4,
+        **GREEDY,
+    )
+    anthropic_client.messages.create(**kwargs)  # leaves the prompt's full pages cached
+    with anthropic_client.messages.stream(**kwargs) as stream:
+        start = next(event for event in stream if event.type == "message_start").message.usage
+        final = stream.get_final_message().usage
+    assert final.cache_read_input_tokens > 0
+    assert start.input_tokens == final.input_tokens
+    assert start.cache_read_input_tokens == final.cache_read_input_tokens
+    assert start.cache_creation_input_tokens == final.cache_creation_input_tokens
