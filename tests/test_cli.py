@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import httpx
 import pytest
 
 import astrai
-from astrai.cli import DEMO_MODEL_DIR, main
-from astrai.config import EngineConfig
+from astrai.cli import DEMO_MODEL_DIR, _parser, add_flags, from_flags, main
+from astrai.config import EngineConfig, parse_kv_cache_memory
 from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
@@ -200,24 +204,187 @@ def test_a_missing_model_directory_is_a_clear_error(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+# The settings classes whose fields are flags of each command, by the --help group they are in.
+COMMAND_SETTINGS = {
+    "serve": [("engine", EngineConfig)],
+    "bench": [("engine", EngineConfig)],
+    "generate": [("engine", EngineConfig), ("sampling", GenerationParams)],
+    "chat": [("engine", EngineConfig), ("sampling", GenerationParams)],
+}
+
+
 @pytest.mark.parametrize("command", ["serve", "generate", "chat", "bench"])
-def test_help_explains_every_engine_flag(command, capsys):
+def test_help_explains_every_flag_in_its_group(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag, so each help text is found whole
     with pytest.raises(SystemExit) as exited:
         main([command, "--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    for flag in (
-        "--model",
-        "--dtype",
-        "--device",
-        "--max-batch-size",
-        "--kv-cache-memory",
-        "--page-size",
-        "--max-num-batched-tokens",
-        "--max-seq-len",
-        "--no-prefix-cache",
-    ):
-        assert flag in text
-    if command in ("generate", "chat"):
-        for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stop"):
-            assert flag in text
+    groups = dict(re.findall(r"^(\w[\w ]*):\n((?:  .*\n)+)", text, flags=re.MULTILINE))
+    assert all(flag in groups["model"] for flag in ("--model", "--dtype", "--device"))
+    assert "--no-prefix-cache" in groups["engine"]
+    for title, cls in COMMAND_SETTINGS[command]:
+        for spec in dataclasses.fields(cls):
+            flag = spec.metadata.get("flag", "--" + spec.name.replace("_", "-"))
+            assert re.search(
+                rf"^  {flag}\b[^\n]*\n? *{re.escape(spec.metadata['help'])}", groups[title], re.M
+            )
+    assert ("sampling" in groups) == (command in ("generate", "chat"))
+
+
+def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
+    """Command-line words that set this field to a valid value other than its default."""
+    kind = typing.get_type_hints(cls)[spec.name]
+    flag = spec.metadata.get("flag", "--" + spec.name.replace("_", "-"))
+    default = spec.default
+    if kind is bool:
+        return [f"--no-{flag[2:]}" if default else flag], not default
+    if kind == tuple[str, ...]:
+        return [flag, "a", flag, "b"], ("a", "b")
+    if kind == tuple[int, ...]:
+        return [flag, "1", flag, "2"], (1, 2)
+    if kind in (float, float | None):
+        value = default / 2 if default else 0.5
+    elif kind in (int, int | None):
+        value = 1 if default is None else default + 1
+    else:
+        raise AssertionError(f"teach other_value the type {kind} of {cls.__name__}.{spec.name}")
+    return [flag, str(value)], value
+
+
+@pytest.mark.parametrize(
+    ("command", "cls", "spec"),
+    [
+        (command, cls, spec)
+        for command, settings in COMMAND_SETTINGS.items()
+        for _, cls in settings
+        for spec in dataclasses.fields(cls)
+    ],
+    ids=lambda value: getattr(value, "name", getattr(value, "__name__", value)),
+)
+def test_every_setting_is_a_flag_of_the_commands_that_use_it(command, cls, spec):
+    words, value = other_value(cls, spec)
+    prompt = ["Hello"] if command == "generate" else []
+    args = _parser().parse_args([command, *words, *prompt])
+    assert getattr(from_flags(cls, args), spec.name) == value
+    assert from_flags(cls, _parser().parse_args([command, *prompt])) == cls()
+
+
+def test_engine_flags_reach_the_engine(llama_dir, monkeypatch):
+    built = []
+    init = InferenceEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(InferenceEngine, "__init__", recording_init)
+    flags = ["--max-waiting", "3", "--no-prefix-cache", "--page-size", "8", "--check-invariants"]
+    flags += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "0.5", "--max-seq-len", "128"]
+    assert main(["generate", "--model", str(llama_dir), *flags, *GREEDY, "Hello"]) == 0
+    (engine,) = built
+    assert engine.config == EngineConfig(
+        max_waiting=3,
+        enable_prefix_cache=False,
+        page_size=8,
+        check_invariants=True,
+        max_num_batched_tokens=64,
+        kv_cache_memory=0.5,
+        max_seq_len=128,
+    )
+    assert engine.max_seq_len == 128
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--min-p", 1.0), ("--repetition-penalty", 5.0), ("--presence-penalty", 2.0)]
+    + [("--frequency-penalty", 2.0)],
+)
+def test_sampling_flags_change_the_output(llama_dir, engine, capsys, flag, value):
+    """Each flag's text equals the engine's with that setting, which differs from without it."""
+    sampled = {"max_tokens": 10, "temperature": 1.0, "seed": 0}
+    expected = engine.generate("Hello world", **sampled, **{flag[2:].replace("-", "_"): value})
+    assert expected != engine.generate("Hello world", **sampled)
+    argv = ["generate", "--model", str(llama_dir), *SMALL_ENGINE, "--max-tokens", "10"]
+    argv += ["--temperature", "1", "--seed", "0", flag, str(value)]
+    assert main([*argv, "Hello world"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_stop_token_ids_flag_stops_generation(llama_dir, engine, capsys):
+    greedy = engine.generate_results("Hello world", max_tokens=10, temperature=0)
+    stop_id = greedy.token_ids[3]
+    expected = engine.generate(
+        "Hello world", max_tokens=10, temperature=0, stop_token_ids=[stop_id]
+    )
+    assert len(expected) < len(greedy.text)
+    argv = ["generate", "--model", str(llama_dir), *SMALL_ENGINE, *GREEDY, "--stop-token-ids"]
+    assert main([*argv, str(stop_id), "Hello world"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
+        (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: expected a byte count"),
+        (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be in (0, 100]"),
+        (["--stop", ""], "stop must be non-empty strings"),
+        (["--max-waiting", "0"], "max_waiting must be a positive integer, got 0"),
+        (["--kv-cache-memory", "-1"], "kv_cache_memory must be a byte count"),
+        (["--prefix-cache=no"], "argument --prefix-cache/--no-prefix-cache: ignored explicit"),
+    ],
+)
+def test_a_bad_flag_value_is_a_usage_error(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", *flags, "Hello"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: astrai generate")
+    assert f"astrai generate: error: {message}" in err
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """A settings class the CLI has never seen: its flags come from the fields alone."""
+
+    mode: str = dataclasses.field(
+        default="fast", metadata={"help": "how", "choices": ("fast", "slow")}
+    )
+    limit: int | None = dataclasses.field(default=None, metadata={"help": "cap"})
+    tags: tuple[str, ...] = dataclasses.field(default=(), metadata={"help": "tag"})
+    verbose: bool = dataclasses.field(default=False, metadata={"help": "talk"})
+    budget: float = dataclasses.field(
+        default=0.5, metadata={"help": "budget", "parse": parse_kv_cache_memory}
+    )
+
+
+def knobs_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="knobs")
+    add_flags(parser, "knobs", Knobs)
+    return parser
+
+
+def test_a_new_settings_class_needs_no_cli_code():
+    parse = knobs_parser().parse_args
+    assert from_flags(Knobs, parse([])) == Knobs()
+    words = ["--mode", "slow", "--limit", "3", "--tags", "a", "--tags", "b", "--verbose"]
+    assert from_flags(Knobs, parse([*words, "--budget", "1e9"])) == Knobs(
+        "slow", 3, ("a", "b"), True, 1e9
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mode", "medium"], "argument --mode: invalid choice: 'medium'"),
+        (["--budget", "lots"], "argument --budget: expected a byte count"),
+        (["--limit", "3.5"], "argument --limit: invalid int value: '3.5'"),
+    ],
+)
+def test_a_new_settings_class_refuses_bad_values(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        knobs_parser().parse_args(flags)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
