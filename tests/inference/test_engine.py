@@ -384,3 +384,113 @@ def test_chat_request_uses_template(model, tokenizer):
         GenerationRequest(messages=({"role": "wizard", "content": "x"},))
     with pytest.raises(RequestError, match="at least one"):
         GenerationRequest(messages=())
+
+
+def test_engine_errors_are_exported_where_the_engine_is():
+    """Users catch what the engine raises by importing it from astrai.inference."""
+    import astrai.inference
+    from astrai.inference import task
+
+    for name in (
+        "RequestError",
+        "InvalidParamsError",
+        "PromptTooLongError",
+        "QueueFullError",
+        "EngineClosedError",
+        "GenerationError",
+        "RequestAbortedError",
+    ):
+        assert getattr(astrai.inference, name) is getattr(task, name)
+        assert name in astrai.inference.__all__
+
+
+def test_submit_all_queues_every_task_or_none(model, tokenizer):
+    import time
+
+    from astrai.inference import QueueFullError
+
+    refused = []
+    with make_engine(model, tokenizer, max_batch_size=1, max_waiting=3) as engine:
+        params = GenerationParams(max_tokens=engine.max_request_tokens - 3, ignore_eos=True)
+        # the one batch slot is busy and one task waits, so new tasks would stay queued
+        [running] = engine.submit([5, 6, 7], params, lambda task, event: None)
+        while engine.get_stats().running == 0:
+            time.sleep(0.01)
+        [waiting] = engine.submit([8, 9], params, lambda task, event: None)
+        for prompts, n, error, message in [
+            ([[10, 11], [12] * engine.max_seq_len], 1, PromptTooLongError, "shorten"),
+            ([[10, 11], []], 1, RequestError, "empty"),
+            ([[10, 11], [12, 13], [14]], 1, QueueFullError, "full"),
+            ([[10, 11], [12, 13]], 2, RequestError, "4 places.*holds 3"),
+        ]:
+            with pytest.raises(error, match=message):
+                engine.submit_all(
+                    prompts, replace(params, n=n), lambda task, event: refused.append(event)
+                )
+            assert engine.get_stats().waiting == 1
+        engine.abort(waiting)
+        engine.abort(running)
+        assert engine.generate(["a", "b"], max_tokens=2) is not None
+        assert engine.get_stats().pages_owned == 0
+    assert refused == []  # no task of a refused request ever ran or ended
+
+
+def test_merged_stream_gives_each_choice_its_deltas_then_one_result(model, tokenizer):
+    prompts = [tokenizer.encode("Hello"), tokenizer.encode("The quick brown")]
+    params = GenerationParams(max_tokens=6, n=2, temperature=0.0, ignore_eos=True)
+
+    async def collect(engine):
+        texts, results, after_result = ["", "", "", ""], {}, []
+        async for event in engine.submit_all_async(prompts, params):
+            if event.result is None:
+                after_result.append(event.index in results)
+                texts[event.index] += event.delta.text
+            else:
+                assert event.index not in results
+                results[event.index] = event.result
+        return texts, results, after_result
+
+    with make_engine(model, tokenizer) as engine:
+        texts, results, after_result = asyncio.run(collect(engine))
+        expected = engine.generate(["Hello", "The quick brown"], params)
+        assert engine.get_stats().pages_owned == 0
+    assert sorted(results) == [0, 1, 2, 3]
+    assert not any(after_result)
+    # index i is sample i % n of prompt i // n
+    assert texts == [text for group in expected for text in group]
+    assert [results[i].text for i in range(4)] == texts
+
+
+def test_result_status_becomes_the_engines_typed_error(model, tokenizer):
+    import threading
+    import time
+
+    from astrai.inference import GenerationError, RequestAbortedError, TaskResult
+
+    def result(reason, error=None):
+        return TaskResult("", [], reason, None, 1, 0, 0, error)
+
+    result("stop").raise_for_status()
+    result("length").raise_for_status()
+    with pytest.raises(GenerationError, match="generation failed: model step failed: boom"):
+        result("error", "model step failed: boom").raise_for_status()
+    with pytest.raises(RequestAbortedError, match="aborted: the engine shut down"):
+        result("abort", "the engine shut down").raise_for_status()
+    # a request in flight when the engine closes raises instead of returning cut-off text
+    with make_engine(model, tokenizer, max_seq_len=1024) as engine:
+        outcome = queue.SimpleQueue()
+
+        def generate():
+            try:
+                outcome.put(engine.generate("Hello", max_tokens=900, ignore_eos=True))
+            except Exception as exc:
+                outcome.put(exc)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        while engine.get_stats().running == 0:
+            time.sleep(0.01)
+    thread.join(timeout=60)
+    raised = outcome.get(timeout=1)
+    assert isinstance(raised, RequestAbortedError), raised
+    assert "the engine shut down" in str(raised)
