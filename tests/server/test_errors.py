@@ -297,3 +297,21 @@ def test_a_full_queue_gets_503_at_once(llama_dir):
     finally:
         stop_server(running)
         engine.close()
+
+
+def test_a_batch_is_queued_whole_or_refused_whole(server, openai_client):
+    long_prompt = "Paged attention stores keys and values. " * 40
+    admitted = server.engine.get_stats().prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.completions.create(
+            model=server.model_name, prompt=["Hi", long_prompt], max_tokens=20
+        )
+    assert caught.value.code == "context_length_exceeded"
+    # more samples than the waiting queue could ever hold: retrying would not help, so 400
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.completions.create(
+            model=server.model_name, prompt=["Hi"] * 9, n=128, max_tokens=2
+        )
+    assert "1152 places" in caught.value.message
+    wait_until_idle(server.engine)
+    assert server.engine.get_stats().prompt_tokens == admitted
