@@ -99,14 +99,21 @@ def test_decodes_run_before_older_prompt_chunks(make_task):
 
 
 def test_the_token_budget_is_never_exceeded(make_task):
+    cache = make_cache(80)
+    for i in range(10):
+        warm(cache, make_task(5, first=20 * i))
+    decodes = [make_task(5, max_tokens=3, first=20 * i) for i in range(10)]
+    plan = schedule([], decodes, cache, engine_config(max_batch_size=10, budget=6))
+    # ten prefix hits that leave one token each: more decodes than the budget, the oldest run
+    assert chunks_of(plan) == [(task, 4, 1) for task in decodes[:6]]
+
     rng = random.Random(0)
     tasks = [make_task(rng.randint(1, 30), max_tokens=rng.randint(1, 12)) for _ in range(24)]
     loop = Loop(make_cache(40), engine_config(max_batch_size=10, budget=6), tasks)
     used = []
     while loop.running or loop.waiting:
-        plan = loop.step()
-        used.append(sum(chunk.length for chunk in plan.chunks))
-    assert max(used) == 6  # the budget is used up, and never more: 10 decodes wait their turn
+        used.append(sum(chunk.length for chunk in loop.step().chunks))
+    assert max(used) == 6
     assert len(loop.finished) == len(tasks)
 
 
@@ -192,11 +199,13 @@ def test_max_batch_size_caps_the_batch(make_task):
 def test_no_task_starves_under_a_stream_of_arrivals(make_task):
     """The big head of the queue is not overtaken forever by small newcomers that fit, and
     every preempted task runs again."""
-    small = [make_task(4, max_tokens=6, first=i % 200) for i in range(100)]
-    big = make_task(40, max_tokens=4, first=300)
-    loop = Loop(make_cache(12), engine_config(max_batch_size=6, budget=16), small[:4] + [big])
-    preempted = set()
-    for newcomer in small[4:]:  # one arrives every step
+    # lifetimes of 3 to 11 steps, so the small ones never all end at once
+    small = [make_task(4, max_tokens=2 + i * 7 % 9, first=i % 200) for i in range(100)]
+    big = make_task(44, max_tokens=4, first=300)  # 12 pages in the end: the whole pool
+    loop = Loop(make_cache(12), engine_config(max_batch_size=6, budget=16), small[:6])
+    preempted = set(loop.step().preempted)
+    loop.waiting.append(big)  # the pool is busy when it arrives
+    for newcomer in small[6:]:  # one arrives every step
         loop.waiting.append(newcomer)
         preempted.update(loop.step().preempted)
     assert big.is_finished, "the big request never ran"
