@@ -188,6 +188,23 @@ def test_the_newest_task_is_preempted_when_a_decode_finds_no_page(make_task):
     assert cache.tasks.pages(tasks[2].id) == cache.tasks.pages(tasks[3].id) == []
 
 
+def test_when_no_chunk_can_run_the_newest_task_makes_room(make_task):
+    """Two prompts part way through, each waiting for a page the other holds: without a
+    preemption the engine would stall for good."""
+    cache = make_cache(4)
+    warm(cache, make_task(8, first=50))  # 2 of the 4 pages stay cached
+    older = make_task(12)
+    loop = Loop(cache, engine_config(budget=4), [older])
+    loop.step()
+    newer = make_task(12, first=50)  # its prefix hit takes the cached pages the older counted on
+    loop.waiting.append(newer)
+    assert chunks_of(loop.step()) == [(older, 4, 4)]  # the last free page; the budget is spent
+    assert cache.stats().owned == 4 and newer.num_computed == 8
+    plan = loop.step()
+    assert plan.preempted == [newer]
+    assert chunks_of(plan) == [(older, 8, 4)]
+
+
 def test_max_batch_size_caps_the_batch(make_task):
     tasks = [make_task(4, max_tokens=2, first=10 * i) for i in range(3)]
     loop = Loop(make_cache(16), engine_config(max_batch_size=2), tasks)
