@@ -15,8 +15,13 @@ import typing
 from pathlib import Path
 
 from astrai.config import ConfigError, EngineConfig
-from astrai.inference import GenerationParams
-from astrai.inference.task import InvalidParamsError
+from astrai.inference import (
+    GenerationParams,
+    GenerationRequest,
+    InferenceEngine,
+    InvalidParamsError,
+    RequestError,
+)
 
 log = logging.getLogger("astrai")
 
@@ -33,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidParamsError) as exc:
         args.parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from astrai.inference.task import RequestError
     from astrai.model import CheckpointError
     from astrai.tokenize import TokenizerError
 
@@ -229,7 +233,6 @@ def _model_dir(args: argparse.Namespace) -> Path:
 def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
     import torch
 
-    from astrai.inference import InferenceEngine
     from astrai.model import AutoModel
     from astrai.tokenize import AutoTokenizer
 
@@ -276,8 +279,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
-    from astrai.inference import GenerationRequest
-
     with _load_engine(args, config, _model_dir(args)) as engine:
         prompt = args.prompt
         if args.chat:
@@ -290,9 +291,6 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
 
 
 def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
-    from astrai.inference import GenerationRequest
-    from astrai.inference.task import RequestError
-
     interactive = sys.stdin.isatty()
     with _load_engine(args, config, _model_dir(args)) as engine:
         history: list[dict[str, str]] = []
