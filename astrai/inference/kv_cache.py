@@ -239,6 +239,7 @@ class PagedCache:
         """Give a new task the cached pages of its longest known prefix; return tokens covered.
 
         The last token is never covered, so the page that receives new KV is the task's own.
+        The hit counts toward the hit rate only through count_hit, once the task is admitted.
         """
         if not self.enable_prefix_cache:
             return 0
