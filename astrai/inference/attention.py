@@ -15,11 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.inference.kv_cache import PagedCache
-
-try:
-    from astrai.inference import _paged_attention
-except ImportError:  # installed without a C compiler: decodes gather their pages for SDPA
-    _paged_attention = None
+from astrai.kernels.paged_attention import PagedDecode
 
 
 class CacheView:
@@ -62,10 +58,11 @@ class CacheView:
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
         self.paged_decode: PagedDecode | None = None
         self.decode_groups: list[DecodeGroup] = []
-        if decodes and PagedDecode.supports(cache):
+        if decodes and PagedDecode.supports(cache.k_cache):
             index = torch.tensor(decodes, device=device)
             self.paged_decode = PagedDecode(
-                cache,
+                cache.k_cache,
+                cache.v_cache,
                 rows=first_rows[index],
                 block_tables=block_table[index],
                 context_lens=starts[index] + 1,
@@ -97,29 +94,30 @@ class CacheView:
             mask = key_pos[None, :] <= query_pos[:, None]  # [n, start + n]
             self.chunks.append((rows, block_table[i, : len(tables[i])], mask))
 
-    def decode_calls(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
-    ) -> list[Callable[[], None]] | None:
-        """For a step of decodes alone on the C kernel: each layer's attention as a call with
-        its arguments resolved, doing what __call__(layer, q, k, v) does but writing into out.
-        None for any other step. For a caller whose q, k, v and out stay where they are for
-        every layer (the kernel layers): some 40 us of Python a layer saved."""
-        if self.paged_decode is None or self.chunks:
-            return None
-        return [
-            self.paged_decode.kernel_call(layer, q, out, k, v)
-            for layer in range(self.k_cache.shape[0])
-        ]
+    def bind(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> Callable[[], object]:
+        """The layer's attention as a call that writes into out [num_tokens, heads, hd].
+
+        For a step of decodes alone on the C kernel it is the kernel call with its arguments
+        resolved (the kernel stores the decodes' K/V as it attends); a replayed step binds every
+        layer this way once, for buffers that stay put.
+        """
+        if self.paged_decode is not None and not self.chunks:
+            return self.paged_decode.kernel_call(layer_idx, q, out, k, v)
+        return partial(self._attend, layer_idx, q, k, v, out)
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Write k, v [num_tokens, kvh, hd] to the cache; attend q [num_tokens, heads, hd]."""
         out = q.new_empty(q.shape)
-        if self.paged_decode is not None and not self.chunks:
-            # Decodes alone: the kernel stores their K/V as it attends, in one call.
-            self.paged_decode.kernel_call(layer_idx, q, out, k, v)()
-            return out
+        self.bind(layer_idx, q, k, v, out)()
+        return out
+
+    def _attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
         k_layer, v_layer = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [pages, ps, kvh, hd]
         kv_heads, head_dim = k_layer.shape[-2:]
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
@@ -127,7 +125,7 @@ class CacheView:
         if self.paged_decode is not None:
             self.paged_decode.kernel_call(layer_idx, q, out)()
         for group in self.decode_groups:
-            out = group.attend(k_layer, v_layer, q, out)
+            group.attend(k_layer, v_layer, q, out)
         for rows, pages, mask in self.chunks:
             if pages is None:
                 k_seq, v_seq = k[rows], v[rows]  # [n, kvh, hd]
@@ -143,7 +141,6 @@ class CacheView:
                 enable_gqa=True,
             )
             out[rows] = o_seq[0].transpose(0, 1)
-        return out
 
 
 # What one more decode group costs against one more gathered page per decode (an index_select,
@@ -209,8 +206,8 @@ class DecodeGroup:
 
     def attend(
         self, k_layer: torch.Tensor, v_layer: torch.Tensor, q: torch.Tensor, out: torch.Tensor
-    ) -> torch.Tensor:
-        """Write this group's attention outputs into out [num_tokens, heads, hd]; return it."""
+    ) -> None:
+        """Write this group's attention outputs into out [num_tokens, heads, hd]."""
         n = len(self.mask)
         kv_heads, head_dim = k_layer.shape[-2:]
         torch.index_select(k_layer, 0, self.pages, out=self.k)
@@ -223,99 +220,6 @@ class DecodeGroup:
         o = F.scaled_dot_product_attention(q.view(n, kv_heads, -1, head_dim), k, v, self.mask)
         o = o.reshape(n, -1, head_dim)
         if self.rows is None:
-            return o
-        return out.index_copy_(0, self.rows, o)
-
-
-class PagedDecode:
-    """All decodes of a step, attended by the C kernel that reads their pages in place.
-
-    For fp32 and bf16 on the CPU when the extension was built (bf16 computed in fp32 and
-    rounded once, at the output); it needs no gather buffers and no
-    grouping by context length, and each decode's result is independent of the batch. The
-    kernel's arguments are resolved to plain ints once per step, so a layer's call costs one
-    allocation and one C call.
-    """
-
-    def __init__(
-        self,
-        cache: PagedCache,
-        rows: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-    ):
-        """rows [n]: each decode's row in the batch; block_tables [n, max_pages] (padded with
-        page 0, contiguous) and context_lens [n]: the keys each sees, its own included."""
-        # The kernel reads these through raw pointers: keep the tensors alive with the view.
-        self.rows, self.block_tables, self.context_lens = rows, block_tables, context_lens
-        k_cache = cache.k_cache  # [n_layers, n_pages, page_size, kvh, hd]
-        self.k_cache_ptr, self.v_cache_ptr = k_cache.data_ptr(), cache.v_cache.data_ptr()
-        self.layer_bytes = k_cache.stride(0) * k_cache.element_size()
-        self.kv_heads, self.head_dim = k_cache.shape[-2:]
-        self.dtype, self.is_bf16 = k_cache.dtype, k_cache.dtype == torch.bfloat16
-        self.tables_and_sizes = (
-            rows.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            len(rows),
-            block_tables.shape[1],
-            k_cache.shape[2],
-        )
-
-    @staticmethod
-    def supports(cache: PagedCache) -> bool:
-        k = cache.k_cache
-        return (
-            _paged_attention is not None
-            and k.device.type == "cpu"
-            and k.dtype in (torch.float32, torch.bfloat16)
-            and k.shape[-1] % 8 == 0  # the kernel scores 8 values of head_dim at a time
-        )
-
-    def kernel_call(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-    ) -> Callable[[], None]:
-        """The kernel call that writes the decodes' attention outputs into out [num_tokens,
-        heads, hd], its arguments resolved to plain ints; it holds q, k, v and out (or their
-        heads-contiguous copies), so the memory it points at lives as long as it does.
-
-        With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
-        the cache; without, the caller has stored them.
-        """
-        if q.dtype != self.dtype:  # the kernel reads every tensor as the cache's dtype
-            raise ValueError(f"q is {q.dtype} but the KV cache holds {self.dtype}")
-        q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
-        layer_offset = layer_idx * self.layer_bytes
-        call = partial(
-            _paged_attention.decode,
-            out.data_ptr(),
-            q.data_ptr(),
-            q.stride(0),
-            0 if k is None else k.data_ptr(),
-            0 if k is None else k.stride(0),
-            0 if v is None else v.data_ptr(),
-            0 if v is None else v.stride(0),
-            self.k_cache_ptr + layer_offset,
-            self.v_cache_ptr + layer_offset,
-            *self.tables_and_sizes,
-            q.shape[1],
-            self.kv_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            self.is_bf16,
-        )
-        call.keep_alive = (q, k, v, out)  # heads_contiguous's copies must outlive the call
-        return call
-
-
-def heads_contiguous(t: torch.Tensor | None, head_dim: int) -> torch.Tensor | None:
-    """t [rows, heads, head_dim] with each row's heads in one run of floats, as the kernel
-    walks them; rows may lie any distance apart."""
-    if t is None or (t.stride(2) == 1 and t.stride(1) == head_dim):
-        return t
-    return t.contiguous()
+            out.copy_(o)
+        else:
+            out.index_copy_(0, self.rows, o)

@@ -13,6 +13,7 @@ from astrai.inference.attention import CacheView
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import Task, TokenLogprob
+from astrai.kernels import SKINNY_MAX_ROWS, Arena, Linear, StepGraph, tune_linears
 
 
 @dataclass
@@ -62,6 +63,65 @@ def release_openmp_workers() -> None:
     pause(OMP_PAUSE_HARD)
 
 
+@dataclass
+class RecordedStep:
+    """A recorded forward of the layers for one batch size: its inputs, graph and outputs."""
+
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h, cos, signed_sin
+    graph: StepGraph
+    outputs: tuple[torch.Tensor, torch.Tensor]  # last feed-forward output, residual stream
+
+
+class RecordedLayers:
+    """The model's layers recorded once per batch size of up to SKINNY_MAX_ROWS rows on the
+    CPU, and replayed: a few-row step is then its kernel calls and little else.
+
+    A batch size whose forward cannot be recorded (an op outside the kernels, as Qwen3's q/k
+    norm) runs the layers eagerly from then on. Graphs hold the weights' pointers, so weights
+    that moved (.to(), load_state_dict) drop them.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.steps: dict[int, RecordedStep | None] = {}
+        self.arena = Arena(SKINNY_MAX_ROWS)
+        self.weights = list(model.parameters())
+        self.pointers = [w.data_ptr() for w in self.weights]
+
+    def run(
+        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, view: CacheView
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What model.run_layers returns; views of the graph's buffers, valid until next run."""
+        rows = h.shape[0]
+        if rows > SKINNY_MAX_ROWS:
+            return self.model.run_layers(h, cos, signed_sin, view)
+        pointers = [w.data_ptr() for w in self.model.parameters()]
+        if pointers != self.pointers:
+            self.steps.clear()
+            self.arena = Arena(SKINNY_MAX_ROWS)
+            self.pointers = pointers
+        if rows not in self.steps:
+            return self._record(h, cos, signed_sin, view)
+        step = self.steps[rows]
+        if step is None:
+            return self.model.run_layers(h, cos, signed_sin, view)
+        for static, new in zip(step.inputs, (h, cos, signed_sin), strict=True):
+            static.copy_(new)
+        step.graph.replay(view)
+        return step.outputs
+
+    def _record(
+        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, view: CacheView
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this step's layers while recording them: the result is this step's either way."""
+        inputs = (h.clone(), cos.clone(), signed_sin.clone())
+        graph = StepGraph(self.arena)
+        with graph.record(self.model.layers):
+            outputs = self.model.run_layers(*inputs, graph.attention(view))
+        self.steps[h.shape[0]] = RecordedStep(inputs, graph, outputs) if graph.valid else None
+        return outputs
+
+
 class ModelExecutor:
     """Owns the model's forward pass; knows tensors, not scheduling policy."""
 
@@ -72,8 +132,11 @@ class ModelExecutor:
         self.cache = cache
         self.pipeline = pipeline or SamplingPipeline()
         self.device = next(model.parameters()).device
+        self.recorded: RecordedLayers | None = None
         if self.device.type == "cpu":
             release_openmp_workers()
+            tune_linears([m.weight for m in model.modules() if isinstance(m, Linear)])
+            self.recorded = RecordedLayers(model)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
@@ -84,12 +147,15 @@ class ModelExecutor:
         sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
 
         view = CacheView(self.cache, [(c.task.id, c.start, c.length) for c in chunks])
-        logits = self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            view.positions,
-            view,
-            torch.from_numpy(ends[sampling]).to(self.device),
+        model = self.model
+        h, cos, signed_sin = model.embed(
+            torch.tensor(token_ids, dtype=torch.long, device=self.device), view.positions
         )
+        if self.recorded is not None:
+            h, residual = self.recorded.run(h, cos, signed_sin, view)
+        else:
+            h, residual = model.run_layers(h, cos, signed_sin, view)
+        logits = model.logits(h, residual, torch.from_numpy(ends[sampling]).to(self.device))
         tasks = [chunks[i].task for i in sampling]
         if not tasks:
             return []

@@ -18,9 +18,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from astrai.config import ModelConfig
-from astrai.model.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
-from astrai.model.kernel_layers import kernel_layers
-from astrai.model.linear import Linear, linear
+from astrai.kernels import Linear, add_rms_norm, apply_rope, linear, rms_norm, silu_and_mul
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -31,11 +29,8 @@ class AttentionBackend(Protocol):
     q is [num_tokens, n_heads, head_dim]; k and v are [num_tokens, n_kv_heads, head_dim], with
     rope and q/k norm already applied. Returns [num_tokens, n_heads, head_dim], computed with
     scale 1/sqrt(head_dim). layer_idx says which layer's cache to use. q, k and v are valid for
-    the call only (the fp32 CPU path reuses their memory for the next layer): a backend that
-    keeps K/V copies them.
-
-    A backend may also offer decode_calls(q, k, v, out): every layer's attention resolved at
-    once for buffers that stay put, or None (see CacheView); the kernel layers use it.
+    the call only (a replayed step reuses their memory for the next layer): a backend that keeps
+    K/V copies them.
     """
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -232,13 +227,6 @@ class Transformer(nn.Module):
         self.output = (
             None if config.tie_weight else Linear(config.dim, config.vocab_size, bias=False)
         )
-        # Bumped by every load_state_dict, whose assign=True swaps in new parameter objects, so
-        # kernel_layers re-reads the weights' pointers.
-        self.weights_version = 0
-        self.register_load_state_dict_post_hook(Transformer._loaded_weights)
-
-    def _loaded_weights(self, incompatible_keys) -> None:
-        self.weights_version += 1
 
     def forward(
         self,
@@ -253,17 +241,29 @@ class Transformer(nn.Module):
         logits_indices (prefill needs just each sequence's last row), or on all rows if None.
         Returns float32 [len(logits_indices) or num_tokens, vocab_size].
         """
-        h = self.tok_embeddings(input_ids)  # [num_tokens, dim]
+        h, cos, signed_sin = self.embed(input_ids, positions)
+        h, residual = self.run_layers(h, cos, signed_sin, attention)
+        return self.logits(h, residual, logits_indices)
+
+    def embed(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(embeddings [num_tokens, dim], cos, signed_sin [num_tokens, 1, head_dim]): what the
+        layers read, rope's angles built once for all of them."""
+        h = self.tok_embeddings(input_ids)
         cos, sin = (t.to(h.dtype)[:, None, :] for t in self.rope(positions))
-        # [num_tokens, 1, head_dim] for apply_rope, built once for every layer
-        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        plan = kernel_layers(self, h)
-        if plan is not None:
-            h, residual = plan.run(h, cos, signed_sin, attention)
-        else:
-            residual = None
-            for layer in self.layers:
-                h, residual = layer(h, residual, cos, signed_sin, attention)
+        return h, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def run_layers(
+        self, h: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend
+    ) -> tuple[Tensor, Tensor]:
+        """(last feed-forward output, residual stream before it): the decoder layers, the part
+        of a step the executor records and replays."""
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, signed_sin, attention)
+        return h, residual
+
+    def logits(self, h: Tensor, residual: Tensor, logits_indices: Tensor | None) -> Tensor:
+        """float32 logits of the rows in logits_indices (all rows if None): final norm, head."""
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]  # [num_logits, dim]
         h, _ = self.norm.add_and_norm(h, residual)

@@ -12,7 +12,7 @@
  * as PyTorch's bf16 GEMMs do, and the result is rounded to bf16 once: on a CPU without
  * AVX-512 PyTorch has no fast bf16 GEMM, and this is the one way to stream bf16 weights there.
  *
- * Like _paged_attention, it links libgomp by soname and so shares torch's OpenMP runtime.
+ * Like the other kernels, it links libgomp by soname and so shares torch's OpenMP runtime.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -1,0 +1,33 @@
+"""astrai's native code and the one way to reach it.
+
+csrc/ holds the C sources (built at install, optional: without a compiler every op takes its
+PyTorch path). Each op here is a typed entry point with one rule for when its kernel may run,
+registered as a torch.library custom op so torch.compile and fake tensors see it. No other
+package touches a data pointer.
+"""
+
+from astrai.kernels.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from astrai.kernels.graph import Arena, StepGraph
+from astrai.kernels.linear_ops import (
+    SKINNY_MAX_ROWS,
+    Linear,
+    LinearPath,
+    linear,
+    tune_linears,
+)
+from astrai.kernels.paged_attention import PagedDecode
+
+__all__ = [
+    "SKINNY_MAX_ROWS",
+    "Arena",
+    "Linear",
+    "LinearPath",
+    "PagedDecode",
+    "StepGraph",
+    "add_rms_norm",
+    "apply_rope",
+    "linear",
+    "rms_norm",
+    "silu_and_mul",
+    "tune_linears",
+]

@@ -1,0 +1,166 @@
+"""The model's small ops -- RMSNorm with the residual add, SiLU-and-mul, rope -- one call each.
+
+For fp32 and bf16 on the CPU they run on C kernels: at batch 1 the 35 or so PyTorch ops
+between a layer's linears cost a third of a decode step in dispatch and allocation alone. A
+bf16 kernel computes in fp32 and rounds wherever the PyTorch formula rounds. Everything else
+(other dtypes and devices, gradients, an install without a C compiler) takes the PyTorch
+formulas, which are transformers' own op for op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from astrai.kernels import native
+from astrai.kernels.graph import launch, new_output
+
+
+def _rows_kernel_takes(x: Tensor, weight: Tensor) -> bool:
+    """The norm kernels' rule: contiguous rows of dim values read 8 at a time."""
+    return (
+        native.fused_ops is not None
+        and x.shape[-1] % 8 == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and native.cpu_kernel_may_take(x, weight)
+    )
+
+
+def _rms_norm_into(
+    out: Tensor,
+    total: Tensor | None,
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor,
+    eps: float,
+) -> None:
+    launch(
+        native.fused_ops.rms_norm,
+        out.data_ptr(), 0 if total is None else total.data_ptr(), x.data_ptr(),
+        0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
+        x.numel() // x.shape[-1], x.shape[-1], x.dtype == torch.bfloat16,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("astrai::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    out = new_output(x.shape, x.dtype)
+    _rms_norm_into(out, None, x, None, weight, eps)
+    return out
+
+
+@_rms_norm_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("astrai::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    out, total = new_output(x.shape, x.dtype), new_output(x.shape, x.dtype)
+    _rms_norm_into(out, total, x, residual, weight, eps)
+    return out, total
+
+
+@_add_rms_norm_op.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim in fp32, cast back to x's dtype before the weight, as
+    transformers computes it."""
+    if _rows_kernel_takes(x, weight):
+        return torch.ops.astrai.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # One op instead of six, the same result bit for bit in fp32 (tested); in bf16 it would
+        # round once where transformers rounds twice.
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual): a pre-norm layer's residual add and next norm."""
+    if (
+        _rows_kernel_takes(x, weight)
+        and residual.is_contiguous()
+        and residual.shape == x.shape
+        and residual.dtype == x.dtype
+    ):
+        return torch.ops.astrai.add_rms_norm(x, residual, weight, eps)
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+@torch.library.custom_op("astrai::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(gate_up: Tensor) -> Tensor:
+    dim = gate_up.shape[-1] // 2
+    out = new_output((*gate_up.shape[:-1], dim), gate_up.dtype)
+    launch(
+        native.fused_ops.silu_mul,
+        out.data_ptr(), gate_up.data_ptr(), out.numel() // dim, dim, out.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
+
+
+@_silu_and_mul_op.register_fake
+def _(gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up, where gate_up [..., 2 * dim] holds gate then up (SwiGLU)."""
+    dim = gate_up.shape[-1] // 2
+    if (
+        native.fused_ops is not None
+        and dim % 8 == 0
+        and gate_up.is_contiguous()
+        and native.cpu_kernel_may_take(gate_up)
+    ):
+        return torch.ops.astrai.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("astrai::rope", mutates_args=())
+def _rope_op(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    num_tokens, heads, head_dim = x.shape
+    out = new_output(x.shape, x.dtype)
+    launch(
+        native.fused_ops.rope,
+        out.data_ptr(), x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), num_tokens, heads,
+        head_dim, x.stride(0), x.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
+
+
+@_rope_op.register_fake
+def _(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotate x [num_tokens, heads, head_dim] in transformers' rotate_half layout.
+
+    The two halves of head_dim are the (real, imaginary) parts. cos is [num_tokens, 1, head_dim]
+    (the half-width cos twice), signed_sin is (-sin, sin), both already cast to x's dtype as
+    transformers does. x * cos + swap_halves(x) * signed_sin is transformers'
+    x * cos + rotate_half(x) * sin term for term (adding -a is subtracting a, exactly), so the
+    kernel and the four PyTorch ops both round exactly as transformers does.
+    """
+    head_dim = x.shape[-1]
+    if (
+        native.fused_ops is not None
+        and x.stride(2) == 1
+        and x.stride(1) == head_dim
+        and cos.is_contiguous()
+        and signed_sin.is_contiguous()
+        and native.cpu_kernel_may_take(x, cos, signed_sin)
+    ):
+        return torch.ops.astrai.rope(x, cos, signed_sin)
+    return x * cos + x.roll(head_dim // 2, dims=-1) * signed_sin

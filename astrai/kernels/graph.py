@@ -1,0 +1,151 @@
+"""A step of kernel calls recorded once and replayed: the CPU counterpart of a CUDA graph.
+
+A few-row step (a decode) spends much of its time in Python around the kernels: module calls,
+eligibility checks, a fresh tensor for every output. Recording runs the model's own forward
+once with every kernel call appended to a list (its arguments resolved to plain pointers) and
+every output taken from an arena; replaying calls the list. The model's code is written once;
+the graph is a property of how the executor runs it.
+
+A recording holds only if every op that computes in it is a kernel call: a dispatch mode
+watches the forward, and any other op (a PyTorch fallback, a torch.cat) voids it. Attention
+is the one part that changes from step to step (other pages, other lengths): it is a slot the
+replay binds to that step's backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+_recording = threading.local()  # .graph: the StepGraph recording on this thread, if any
+
+
+def launch(fn: Callable[..., object], *args, **kwargs) -> None:
+    """fn(*args, **kwargs) now, and again at every replay of the graph recording this thread.
+
+    The caller passes tensors that outlive the graph (arena buffers, weights, the graph's
+    inputs) or plain pointers to them.
+    """
+    fn(*args, **kwargs)
+    graph = getattr(_recording, "graph", None)
+    if graph is not None:
+        graph.calls.append(partial(fn, *args, **kwargs))
+
+
+def new_output(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """An uninitialised kernel output: from the recording graph's arena, or a new tensor."""
+    graph = getattr(_recording, "graph", None)
+    if graph is None:
+        return torch.empty(shape, dtype=dtype)
+    return graph.arena.take(shape, dtype)
+
+
+class Arena:
+    """Kernel outputs of recorded steps, shared by every batch size up to max_rows.
+
+    Layer i takes its buffers from set i % 2 and reads only its own and layer i - 1's, so two
+    sets serve any depth: the same memory, warm in the cache, for every layer. Within a set,
+    the n-th buffer a layer asks for of a given row shape is always the same one, so layers
+    that ask for one more (the first layer norms without a residual add) do not shift the rest.
+    Buffers are never replaced: recorded calls hold their addresses.
+    """
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        # per set: (row shape, dtype) -> buffers [max_rows, *row shape]
+        self.sets: tuple[dict, dict] = ({}, {})
+        self.parity = 0
+        self.taken: dict[tuple, int] = {}
+
+    def start_layer(self) -> None:
+        self.parity ^= 1
+        self.taken = {}
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        rows, *row_shape = shape
+        assert rows <= self.max_rows, f"{rows} rows in an arena for {self.max_rows}"
+        key = (tuple(row_shape), dtype)
+        index = self.taken.get(key, 0)
+        self.taken[key] = index + 1
+        buffers = self.sets[self.parity].setdefault(key, [])
+        if index == len(buffers):
+            buffers.append(torch.empty(self.max_rows, *row_shape, dtype=dtype))
+        return buffers[index][:rows]
+
+
+class _KernelsOnly(TorchDispatchMode):
+    """Notes every op that computes outside a kernel call: views and allocations are free,
+    astrai's custom ops are kernel calls (what they do inside is not seen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stray: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.namespace == "astrai" or func in _ALLOCATIONS):
+            self.stray.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+
+
+class StepGraph:
+    """One recorded step: kernel calls with bound arguments, and attention slots."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.calls: list[Callable[[], object] | None] = []
+        # (index in calls, layer, q, k, v, out): rebound to each replay's attention backend
+        self.slots: list[tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []
+        self.stray: list[str] = []
+
+    @property
+    def valid(self) -> bool:
+        """Whether the recording caught the whole step (no op ran outside a kernel call)."""
+        return not self.stray
+
+    @contextmanager
+    def record(self, layers: Sequence[nn.Module]) -> Iterator[None]:
+        """Record the kernel calls run inside; each of layers starts a new arena set."""
+        hooks = [
+            layer.register_forward_pre_hook(lambda *_: self.arena.start_layer()) for layer in layers
+        ]
+        mode = _KernelsOnly()
+        _recording.graph = self
+        try:
+            with mode:
+                yield
+        finally:
+            _recording.graph = None
+            for hook in hooks:
+                hook.remove()
+            self.stray = mode.stray
+
+    def attention(self, backend) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+        """The attention backend to record through: attends with backend now and leaves a slot
+        that each replay binds to its own backend, for the same q/k/v/out buffers."""
+
+        def attend(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = self.arena.take(q.shape, q.dtype)
+            with _disable_current_modes():
+                backend.bind(layer_idx, q, k, v, out)()
+            self.slots.append((len(self.calls), layer_idx, q, k, v, out))
+            self.calls.append(None)
+            return out
+
+        return attend
+
+    def replay(self, backend) -> None:
+        """Run the recorded calls, attention bound to backend (which offers bind())."""
+        calls = list(self.calls)
+        for index, layer_idx, q, k, v, out in self.slots:
+            calls[index] = backend.bind(layer_idx, q, k, v, out)
+        for call in calls:
+            call()

@@ -1,0 +1,184 @@
+"""y = x W^T + b on the CPU, by whichever of three paths this machine runs fastest.
+
+- kernel: the skinny C kernel, for up to SKINNY_MAX_ROWS rows. A decode step multiplies a few
+  rows by every weight, so it is bound by streaming the weights, which BLAS does badly at
+  small M; the kernel reads each weight once across all threads, and bf16 weights as bf16.
+- gemm: PyTorch's GEMM in the tensors' own dtype (oneDNN/MKL).
+- upcast: for bf16, an fp32 GEMM on fp32 copies, which computes what a bf16 GEMM does (exact
+  products, fp32 sums, one rounding) at fp32's rate where bf16 GEMMs are emulated.
+
+Which wins depends on the machine, the dtype and the rows -- an AMX Xeon's bf16 GEMM is fast for
+a prefill and slow for a one-row decode, an AVX2 EPYC has no fast bf16 GEMM at all -- so
+tune_linears() times the model's own weights once per process and dtype, and a lookup by rows
+follows. ASTRAI_LINEAR_PATH=kernel|gemm|upcast forces one path wherever it can run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from astrai.kernels import native
+from astrai.kernels.graph import launch, new_output
+
+SKINNY_MAX_ROWS = 64
+# Rows at which paths are timed; a product of r rows takes the path timed at the first bucket
+# >= r, one beyond the kernel's limit standing for prefill-sized products.
+ROW_BUCKETS = (1, 4, 16, SKINNY_MAX_ROWS, 256)
+
+
+class LinearPath(StrEnum):
+    KERNEL = "kernel"
+    GEMM = "gemm"
+    UPCAST = "upcast"
+
+
+def _untuned(dtype: torch.dtype) -> list[LinearPath]:
+    """Before any timing: the kernel for few rows, and for bf16 the upcast GEMM, which is
+    never far behind a native bf16 GEMM and far ahead of an emulated one."""
+    large = LinearPath.UPCAST if dtype == torch.bfloat16 else LinearPath.GEMM
+    return [LinearPath.KERNEL] * (len(ROW_BUCKETS) - 1) + [large]
+
+
+# dtype -> the path of each row bucket, set by tune_linears()
+_paths: dict[torch.dtype, list[LinearPath]] = {}
+_tuned_for: set[tuple] = set()
+
+
+def forced_path() -> LinearPath | None:
+    value = os.environ.get("ASTRAI_LINEAR_PATH")
+    if not value:
+        return None
+    try:
+        return LinearPath(value)
+    except ValueError:
+        choices = ", ".join(p.value for p in LinearPath)
+        raise ValueError(f"ASTRAI_LINEAR_PATH={value!r}: use one of {choices}") from None
+
+
+def kernel_takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """The skinny kernel's rule: few rows, rows read 8 floats or 16 bf16 at a time, W and the
+    bias contiguous (x is made contiguous)."""
+    return (
+        native.skinny_linear is not None
+        and x.numel() <= SKINNY_MAX_ROWS * weight.shape[1]
+        and weight.shape[1] % (8 if x.dtype == torch.float32 else 16) == 0
+        and weight.is_contiguous()
+        and (bias is None or bias.is_contiguous())
+    )
+
+
+def choose_path(x: Tensor, weight: Tensor, bias: Tensor | None) -> LinearPath:
+    """The path for this product: forced, else tuned (or the untuned default), where it runs."""
+    rows = x.numel() // weight.shape[1]
+    path = forced_path()
+    if path is None:
+        paths = _paths.get(x.dtype) or _untuned(x.dtype)
+        path = next((p for b, p in zip(ROW_BUCKETS, paths, strict=True) if rows <= b), paths[-1])
+    if path is LinearPath.KERNEL and not kernel_takes(x, weight, bias):
+        path = LinearPath.GEMM
+    if path is LinearPath.UPCAST and x.dtype != torch.bfloat16:
+        path = LinearPath.GEMM
+    return path
+
+
+def _upcast_linear(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    bias = None if bias is None else bias.float()
+    out.copy_(F.linear(x.float(), weight.float(), bias))
+
+
+def _run(path: LinearPath, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """out [rows, out_features] = x [rows, in_features] W^T + b along path."""
+    if path is LinearPath.KERNEL:
+        launch(
+            native.skinny_linear.linear,
+            out.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            x.shape[0], x.shape[1], weight.shape[0], x.dtype == torch.bfloat16,
+        )  # fmt: skip
+    elif path is LinearPath.GEMM and bias is None:
+        launch(torch.mm, x, weight.t(), out=out)
+    elif path is LinearPath.GEMM:
+        launch(torch.addmm, bias, x, weight.t(), out=out)
+    else:
+        launch(_upcast_linear, out, x, weight, bias)
+
+
+@torch.library.custom_op("astrai::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    rows_shape = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1]).contiguous()
+    out = new_output((x.shape[0], weight.shape[0]), x.dtype)
+    _run(choose_path(x, weight, bias), out, x, weight, bias)
+    return out.view(*rows_shape, weight.shape[0])
+
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias), by the measured fastest path for fp32 and bf16 on the CPU."""
+    if native.cpu_kernel_may_take(x, weight, bias):
+        return torch.ops.astrai.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose forward is linear()."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+# Weights timed per row bucket: enough layers that they do not sit in the caches, few enough
+# that timing stays well under a second.
+TIMED_BYTES = 64 << 20
+
+
+def _time_path(path: LinearPath, weights: Sequence[Tensor], rows: int) -> float:
+    """Best of three passes of rows x every weight along path, in seconds."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
+    outs = [torch.empty(rows, w.shape[0], dtype=w.dtype) for w in weights]
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for w, out in zip(weights, outs, strict=True):
+            _run(path, out, inputs[w.shape[1]], w, None)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
+    """Time the paths on these weights (one model's linears, in order) once per process and
+    dtype, keep the fastest per row bucket, and return them {bucket: path}."""
+    dtype = weights[0].dtype
+    key = (dtype, tuple(tuple(w.shape) for w in weights))
+    if dtype in native.KERNEL_DTYPES and key not in _tuned_for and forced_path() is None:
+        timed, size = [], 0
+        for w in weights:
+            if size >= TIMED_BYTES:
+                break
+            timed.append(w)
+            size += w.numel() * w.element_size()
+        paths = []
+        for bucket in ROW_BUCKETS:
+            candidates = [LinearPath.GEMM]
+            if dtype == torch.bfloat16:
+                candidates.append(LinearPath.UPCAST)
+            sample = torch.empty(bucket, timed[0].shape[1], dtype=dtype)
+            if all(kernel_takes(sample, w, None) for w in timed):
+                candidates.append(LinearPath.KERNEL)
+            # a prefill-sized product is compute-bound: one layer's weights time it
+            subset = timed if bucket <= SKINNY_MAX_ROWS else timed[:4]
+            paths.append(min(candidates, key=lambda p: _time_path(p, subset, bucket)))
+        _paths[dtype] = paths
+        _tuned_for.add(key)
+    return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))

@@ -1,0 +1,108 @@
+"""The paged decode attention kernel, bound to one step's decodes.
+
+PagedDecode resolves a step's page tables and context lengths to plain pointers once, and hands
+out each layer's kernel call for given q/k/v/out buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from astrai.kernels import native
+
+
+class PagedDecode:
+    """All decodes of a step, attended by the C kernel that reads their pages in place.
+
+    For fp32 and bf16 on the CPU when the extension was built (bf16 computed in fp32 and
+    rounded once, at the output); it needs no gather buffers and no grouping by context length,
+    and each decode's result is independent of the batch. The kernel's arguments are resolved to
+    plain ints once per step, so a layer's call is one C call.
+    """
+
+    def __init__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ):
+        """rows [n]: each decode's row in the batch; block_tables [n, max_pages] (padded with
+        page 0, contiguous) and context_lens [n]: the keys each sees, its own included."""
+        # The kernel reads these through raw pointers: keep the tensors alive with the view.
+        self.rows, self.block_tables, self.context_lens = rows, block_tables, context_lens
+        # k_cache, v_cache: [n_layers, n_pages, page_size, kvh, hd]
+        self.k_cache_ptr, self.v_cache_ptr = k_cache.data_ptr(), v_cache.data_ptr()
+        self.layer_bytes = k_cache.stride(0) * k_cache.element_size()
+        self.kv_heads, self.head_dim = k_cache.shape[-2:]
+        self.dtype, self.is_bf16 = k_cache.dtype, k_cache.dtype == torch.bfloat16
+        self.tables_and_sizes = (
+            rows.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            len(rows),
+            block_tables.shape[1],
+            k_cache.shape[2],
+        )
+
+    @staticmethod
+    def supports(k_cache: torch.Tensor) -> bool:
+        """The kernel's rule: a CPU cache of fp32 or bf16 whose head_dim it reads 8 at a time."""
+        return (
+            native.paged_attention is not None
+            and k_cache.device.type == "cpu"
+            and k_cache.dtype in native.KERNEL_DTYPES
+            and k_cache.shape[-1] % 8 == 0
+        )
+
+    def kernel_call(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> Callable[[], None]:
+        """The kernel call that writes the decodes' attention outputs into out [num_tokens,
+        heads, hd], its arguments resolved to plain ints; it holds q, k, v and out (or their
+        heads-contiguous copies), so the memory it points at lives as long as it does.
+
+        With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
+        the cache; without, the caller has stored them.
+        """
+        if q.dtype != self.dtype:  # the kernel reads every tensor as the cache's dtype
+            raise ValueError(f"q is {q.dtype} but the KV cache holds {self.dtype}")
+        q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
+        layer_offset = layer_idx * self.layer_bytes
+        call = partial(
+            native.paged_attention.decode,
+            out.data_ptr(),
+            q.data_ptr(),
+            q.stride(0),
+            0 if k is None else k.data_ptr(),
+            0 if k is None else k.stride(0),
+            0 if v is None else v.data_ptr(),
+            0 if v is None else v.stride(0),
+            self.k_cache_ptr + layer_offset,
+            self.v_cache_ptr + layer_offset,
+            *self.tables_and_sizes,
+            q.shape[1],
+            self.kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.is_bf16,
+        )
+        call.keep_alive = (q, k, v, out)  # heads_contiguous's copies must outlive the call
+        return call
+
+
+def heads_contiguous(t: torch.Tensor | None, head_dim: int) -> torch.Tensor | None:
+    """t [rows, heads, head_dim] with each row's heads in one run of floats, as the kernel
+    walks them; rows may lie any distance apart."""
+    if t is None or (t.stride(2) == 1 and t.stride(1) == head_dim):
+        return t
+    return t.contiguous()
