@@ -7,6 +7,15 @@ from pathlib import Path
 import pytest
 from tiny_models import write_hf_model, write_tokenizer
 
+from astrai.kernels import linear_ops
+
+
+@pytest.fixture(autouse=True)
+def untuned_linears(monkeypatch):
+    """Each test starts on the linear paths used before any timing; an engine it builds
+    applies its own (timed once a process), and they end with the test."""
+    monkeypatch.setattr(linear_ops, "_paths", {})
+
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import shutil
-from types import ModuleType
 
 import pytest
+
+from astrai.kernels import native
 
 requires_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
 )
 
 
-def kernel_or_fallback(request, monkeypatch, module: ModuleType, extension: str) -> str:
+def kernel_or_fallback(request, monkeypatch, extension: str) -> str:
     """For a fixture with params ["c-kernel", <fallback>]: skip the kernel case where the
-    extension was not built, and in the fallback case hide it as a compiler-less install does.
-    Returns the param."""
-    if request.param == "c-kernel" and getattr(module, extension) is None:
+    extension (an attribute of astrai.kernels.native) was not built, and in the fallback case
+    hide it as a compiler-less install does. Returns the param."""
+    if request.param == "c-kernel" and getattr(native, extension) is None:
         pytest.skip(f"the C extension {extension} was not built")
     if request.param != "c-kernel":
-        monkeypatch.setattr(module, extension, None)
+        monkeypatch.setattr(native, extension, None)
     return request.param
 
 

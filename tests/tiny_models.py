@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from astrai.config import ModelConfig
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Paged attention stores keys and values in fixed-size pages of the KV cache.",
@@ -118,3 +120,10 @@ def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overri
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory)
     return directory
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A native config small enough for a forward in milliseconds, every kernel still taken."""
+    settings = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)
+    settings.update(dim_ffn=64, **overrides)
+    return ModelConfig(**settings)

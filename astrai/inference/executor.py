@@ -134,9 +134,9 @@ class ModelExecutor:
         self.device = next(model.parameters()).device
         self.recorded: RecordedLayers | None = None
         if self.device.type == "cpu":
-            release_openmp_workers()
             tune_linears([m.weight for m in model.modules() if isinstance(m, Linear)])
             self.recorded = RecordedLayers(model)
+            release_openmp_workers()  # after the timing, which ran on this thread's pool
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:

@@ -46,9 +46,10 @@ def _untuned(dtype: torch.dtype) -> list[LinearPath]:
     return [LinearPath.KERNEL] * (len(ROW_BUCKETS) - 1) + [large]
 
 
-# dtype -> the path of each row bucket, set by tune_linears()
+# dtype -> the path of each row bucket in use, set by tune_linears()
 _paths: dict[torch.dtype, list[LinearPath]] = {}
-_tuned_for: set[tuple] = set()
+# (dtype, weight shapes) -> the paths their timing chose, so each model is timed once a process
+_timed: dict[tuple, list[LinearPath]] = {}
 
 
 def forced_path() -> LinearPath | None:
@@ -157,11 +158,11 @@ def _time_path(path: LinearPath, weights: Sequence[Tensor], rows: int) -> float:
 
 @torch.inference_mode()
 def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
-    """Time the paths on these weights (one model's linears, in order) once per process and
-    dtype, keep the fastest per row bucket, and return them {bucket: path}."""
+    """Time the paths on these weights (one model's linears, in order; once per process), use
+    the fastest per row bucket for their dtype from now on, and return them {bucket: path}."""
     dtype = weights[0].dtype
     key = (dtype, tuple(tuple(w.shape) for w in weights))
-    if dtype in native.KERNEL_DTYPES and key not in _tuned_for and forced_path() is None:
+    if dtype in native.KERNEL_DTYPES and key not in _timed and forced_path() is None:
         timed, size = [], 0
         for w in weights:
             if size >= TIMED_BYTES:
@@ -179,6 +180,7 @@ def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
             # a prefill-sized product is compute-bound: one layer's weights time it
             subset = timed if bucket <= SKINNY_MAX_ROWS else timed[:4]
             paths.append(min(candidates, key=lambda p: _time_path(p, subset, bucket)))
-        _paths[dtype] = paths
-        _tuned_for.add(key)
+        _timed[key] = paths
+    if key in _timed:
+        _paths[dtype] = _timed[key]
     return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))

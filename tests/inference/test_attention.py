@@ -8,9 +8,9 @@ import pytest
 import torch
 from kernel_switch import kernel_or_fallback, requires_compiler
 
-from astrai.inference import attention as attention_module
-from astrai.inference.attention import CacheView, DecodeGroup, PagedDecode
+from astrai.inference.attention import CacheView, DecodeGroup
 from astrai.inference.kv_cache import PagedCache
+from astrai.kernels import PagedDecode, native
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -67,12 +67,12 @@ def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
 @pytest.fixture(params=["c-kernel", "sdpa"])
 def decode_attention(request, monkeypatch):
     """Run a test with each decode-attention backend: the C kernel, then gather + SDPA."""
-    return kernel_or_fallback(request, monkeypatch, attention_module, "_paged_attention")
+    return kernel_or_fallback(request, monkeypatch, "paged_attention")
 
 
 @requires_compiler
 def test_decode_kernel_is_built_where_a_compiler_is():
-    assert attention_module._paged_attention is not None, "pip install should have built it"
+    assert native.paged_attention is not None, "pip install should have built it"
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_view_refuses_positions_without_pages():
 
 def test_decode_kernel_refuses_queries_of_another_dtype():
     """The kernel reads q as the cache's dtype: a mismatch is refused, never misread."""
-    if attention_module._paged_attention is None:
+    if native.paged_attention is None:
         pytest.skip("the C extension _paged_attention was not built")
     cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
     assert cache.allocate(0, 3)

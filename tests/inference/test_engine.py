@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
-from astrai.inference import attention as attention_module
 from astrai.inference import scheduler as scheduler_module
 from astrai.inference.task import PromptTooLongError, RequestError
-from astrai.model import AutoModel, fused_ops
-from astrai.model import linear as linear_module
+from astrai.kernels import native
+from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
 
@@ -148,9 +147,9 @@ def test_greedy_batch_equals_transformers_on_pytorch_ops_alone(
 ):
     """The path of an install without a C compiler: SDPA decode attention, F.linear and the
     PyTorch formulas of the small ops."""
-    monkeypatch.setattr(attention_module, "_paged_attention", None)
-    monkeypatch.setattr(linear_module, "_skinny_linear", None)
-    monkeypatch.setattr(fused_ops, "_fused_ops", None)
+    monkeypatch.setattr(native, "paged_attention", None)
+    monkeypatch.setattr(native, "skinny_linear", None)
+    monkeypatch.setattr(native, "fused_ops", None)
     prompts, max_tokens, expected = reference
     params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
     with make_engine(model, tokenizer, max_num_batched_tokens=48) as engine:

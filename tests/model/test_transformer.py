@@ -6,11 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_switch import CountingKernels
-from tiny_models import LLAMA3_ROPE, write_hf_model
+from tiny_models import LLAMA3_ROPE, tiny_config, write_hf_model
 
-from astrai.config import ModelConfig
-from astrai.model import AutoModel, Transformer, fused_ops
-from astrai.model.linear import Linear
+from astrai.kernels import Linear, native
+from astrai.model import AutoModel, Transformer
 
 VARIANTS = {
     "llama": ("llama", {}),
@@ -158,12 +157,6 @@ def test_incremental_decode_with_a_cache_matches_dense(model_pair):
     assert (torch.cat(steps) - dense).abs().max().item() < 1e-5
 
 
-def tiny_config(**overrides) -> ModelConfig:
-    settings = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)
-    settings.update(dim_ffn=64, **overrides)
-    return ModelConfig(**settings)
-
-
 def test_rope_frequencies_stay_fp32_when_the_model_is_cast():
     model = Transformer(tiny_config(rope_scaling=LLAMA3_ROPE))
     fp32_freqs = model.rope.inv_freq.clone()
@@ -197,11 +190,11 @@ def test_forward_captures_as_one_graph():
         )
 
 
-@pytest.mark.skipif(fused_ops._fused_ops is None, reason="the C fused-ops kernels were not built")
+@pytest.mark.skipif(native.fused_ops is None, reason="the C fused-ops kernels were not built")
 def test_fp32_cpu_forward_takes_every_fused_kernel(monkeypatch):
     """RMSNorm (with and without the residual add), SwiGLU and rope reach their C kernels."""
     calls: list[str] = []
-    monkeypatch.setattr(fused_ops, "_fused_ops", CountingKernels(fused_ops._fused_ops, calls))
+    monkeypatch.setattr(native, "fused_ops", CountingKernels(native.fused_ops, calls))
     model = Transformer(tiny_config()).eval()
     with torch.no_grad():
         model.forward(torch.tensor([3, 4, 5]), torch.tensor([0, 1, 2]), RaggedAttention([3]))

@@ -7,18 +7,17 @@ import torch
 import torch.nn.functional as F
 from kernel_switch import CountingKernels, kernel_or_fallback, requires_compiler
 
-from astrai.model import fused_ops
-from astrai.model.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from astrai.kernels import add_rms_norm, apply_rope, native, rms_norm, silu_and_mul
 
 
 @pytest.fixture(params=["c-kernel", "pytorch"])
 def backend(request, monkeypatch):
     """Run a test on the C kernels, then on the PyTorch formulas alone; in the first case the
     test fails unless a kernel ran."""
-    name = kernel_or_fallback(request, monkeypatch, fused_ops, "_fused_ops")
+    name = kernel_or_fallback(request, monkeypatch, "fused_ops")
     calls: list[str] = []
     if name == "c-kernel":
-        monkeypatch.setattr(fused_ops, "_fused_ops", CountingKernels(fused_ops._fused_ops, calls))
+        monkeypatch.setattr(native, "fused_ops", CountingKernels(native.fused_ops, calls))
     yield name
     assert bool(calls) == (name == "c-kernel"), f"kernels called: {calls}"
 
@@ -30,7 +29,7 @@ def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
 
 @requires_compiler
 def test_kernels_are_built_where_a_compiler_is():
-    assert fused_ops._fused_ops is not None, "pip install should have built them"
+    assert native.fused_ops is not None, "pip install should have built them"
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 5, 32), (300, 24)])
@@ -143,8 +142,8 @@ def test_bf16_silu_and_mul_rounds_as_f_silu(rows, backend):
 @pytest.mark.parametrize("case", ["float16", "needs gradients", "not a multiple of 8"])
 def test_inputs_the_kernels_cannot_take_use_the_pytorch_formulas(case, monkeypatch):
     calls = []
-    if fused_ops._fused_ops is not None:
-        monkeypatch.setattr(fused_ops, "_fused_ops", CountingKernels(fused_ops._fused_ops, calls))
+    if native.fused_ops is not None:
+        monkeypatch.setattr(native, "fused_ops", CountingKernels(native.fused_ops, calls))
     dim = 12 if case == "not a multiple of 8" else 16
     x, residual, weight = torch.randn(3, dim), torch.randn(3, dim), torch.randn(dim)
     if case == "float16":

@@ -5,17 +5,35 @@ import torch
 import torch.nn.functional as F
 from kernel_switch import requires_compiler
 
-from astrai.model import linear as linear_module
-from astrai.model.linear import SKINNY_MAX_ROWS, SLOW_BF16_MATMUL, Linear, linear, runs_skinny
+from astrai.kernels import SKINNY_MAX_ROWS, Linear, LinearPath, linear, native, tune_linears
+from astrai.kernels import linear_ops as linear_module
+from astrai.kernels.linear_ops import choose_path
 
 needs_kernel = pytest.mark.skipif(
-    linear_module._skinny_linear is None, reason="the C skinny-linear kernel was not built"
+    native.skinny_linear is None, reason="the C skinny-linear kernel was not built"
 )
+
+
+def runs_skinny(x, weight, bias=None) -> bool:
+    """Whether linear(x, weight, bias) takes the skinny kernel."""
+    return (
+        native.cpu_kernel_may_take(x, weight, bias)
+        and choose_path(x.reshape(-1, x.shape[-1]), weight, bias) is LinearPath.KERNEL
+    )
+
+
+@pytest.fixture(params=list(LinearPath))
+def forced_path(request, monkeypatch) -> LinearPath:
+    """Run a test on each path, forced as a user forces it."""
+    if request.param is LinearPath.KERNEL and native.skinny_linear is None:
+        pytest.skip("the C skinny-linear kernel was not built")
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", request.param.value)
+    return request.param
 
 
 @requires_compiler
 def test_kernel_is_built_where_a_compiler_is():
-    assert linear_module._skinny_linear is not None, "pip install should have built it"
+    assert native.skinny_linear is not None, "pip install should have built it"
 
 
 @needs_kernel
@@ -36,8 +54,6 @@ def test_skinny_kernel_matches_f_linear(rows, in_features, out_features, with_bi
 def test_skinny_rows_do_not_depend_on_the_batch_or_the_threads(dtype):
     """Each output is one dot product summed in a fixed order, however the threads split W's
     rows (into uneven parts here) and whatever other rows of x share the call."""
-    if dtype not in linear_module.KERNEL_DTYPES:
-        pytest.skip("PyTorch has fast bf16 GEMMs here: bf16 linears stay on PyTorch")
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(9, 32, generator=generator).to(dtype)
     weight = torch.randn(37, 32, generator=generator).to(dtype)
@@ -102,22 +118,78 @@ def bf16_product(x, weight, bias=None):
     return F.linear(x.float(), weight.float(), bias).bfloat16()
 
 
-@pytest.mark.skipif(not SLOW_BF16_MATMUL, reason="PyTorch has fast bf16 GEMMs on this CPU")
 @pytest.mark.parametrize("rows", [1, 2, 7, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_products_sum_in_fp32_where_bf16_gemms_are_slow(rows, with_bias):
-    """Few rows on the kernel reading bf16 weights, more as an fp32 GEMM on upcast copies."""
+def test_bf16_products_sum_in_fp32_on_every_path(forced_path, rows, with_bias):
+    """Each path computes what a bf16 GEMM does; the kernel takes what it can, up to its rows."""
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 48, generator=generator).bfloat16()
     weight = torch.randn(13, 48, generator=generator).bfloat16()
     bias = torch.randn(13, generator=generator).bfloat16() if with_bias else None
-    assert runs_skinny(x, weight, bias) == (
-        linear_module._skinny_linear is not None and rows <= SKINNY_MAX_ROWS
-    )
+    takes_kernel = forced_path is LinearPath.KERNEL and rows <= SKINNY_MAX_ROWS
+    assert runs_skinny(x, weight, bias) == takes_kernel
     out = linear(x, weight, bias)
     assert out.dtype == torch.bfloat16
     # fp32 sums in another order can round to the neighbouring bf16
     torch.testing.assert_close(out, bf16_product(x, weight, bias), rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp32_and_bf16_products_match_f_linear_on_every_path(forced_path, dtype):
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 32, generator=generator).to(dtype)
+    weight = torch.randn(24, 32, generator=generator).to(dtype)
+    bias = torch.randn(24, generator=generator).to(dtype)
+    out = linear(x, weight, bias)
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(
+        out.float(),
+        F.linear(x.float(), weight.float(), bias.float()),
+        **({"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {}),
+    )
+
+
+def test_a_forced_path_that_does_not_exist_is_refused(monkeypatch):
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "fastest")
+    with pytest.raises(ValueError, match="ASTRAI_LINEAR_PATH='fastest': use one of kernel, gemm"):
+        linear(torch.randn(1, 16), torch.randn(4, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tuning_times_the_candidates_and_keeps_the_fastest(monkeypatch, dtype):
+    """Every row bucket gets the path its timing found fastest, among those that can run."""
+    monkeypatch.setattr(linear_module, "_timed", {})
+    timed: list[tuple[LinearPath, int]] = []
+    fastest = {1: LinearPath.GEMM, 4: LinearPath.KERNEL, 16: LinearPath.UPCAST}
+
+    def fake_time(path, weights, rows):
+        timed.append((path, rows))
+        return 0.0 if fastest.get(rows, LinearPath.GEMM) is path else 1.0
+
+    monkeypatch.setattr(linear_module, "_time_path", fake_time)
+    weights = [torch.randn(32, 32).to(dtype), torch.randn(64, 32).to(dtype)]
+    chosen = tune_linears(weights)
+    candidates = {LinearPath.GEMM}
+    if dtype == torch.bfloat16:
+        candidates.add(LinearPath.UPCAST)
+    if native.skinny_linear is not None:
+        candidates.add(LinearPath.KERNEL)
+    kernel_rows = {r for r in linear_module.ROW_BUCKETS if r <= SKINNY_MAX_ROWS}
+    for rows in linear_module.ROW_BUCKETS:
+        assert {p for p, r in timed if r == rows} == (
+            candidates if rows in kernel_rows else candidates - {LinearPath.KERNEL}
+        )
+        want = fastest.get(rows, LinearPath.GEMM)
+        assert chosen[rows] is (want if want in candidates else chosen[rows])
+    x1, x4 = torch.randn(1, 32).to(dtype), torch.randn(4, 32).to(dtype)
+    assert choose_path(x1, weights[0], None) is LinearPath.GEMM
+    if native.skinny_linear is not None:
+        assert choose_path(x4, weights[0], None) is LinearPath.KERNEL
+    # timed once per process: a second engine on the same model takes the same paths
+    timed.clear()
+    linear_module._paths.clear()
+    assert tune_linears(weights) == chosen
+    assert timed == []
 
 
 def test_linear_module_keeps_nn_linear_parameters_and_trains():

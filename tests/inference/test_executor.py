@@ -1,0 +1,172 @@
+"""Recorded layers: replayed steps against the model's own forward, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_config
+
+from astrai.inference.attention import CacheView
+from astrai.inference.executor import RecordedLayers
+from astrai.inference.kv_cache import PagedCache
+from astrai.kernels import SKINNY_MAX_ROWS, StepGraph, native
+from astrai.model import Transformer
+
+needs_kernels = pytest.mark.skipif(
+    native.fused_ops is None or native.skinny_linear is None or native.paged_attention is None,
+    reason="the C kernels were not built",
+)
+
+CONFIGS = {
+    "llama": {},
+    "qwen2-bias-tied": {"attention_bias": True, "tie_weight": True},
+    "mistral-one-kv-head": {"n_kv_heads": 1},
+}
+
+
+def random_model(seed: int, dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(**overrides)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.5)
+    return model.to(dtype)
+
+
+class Steps:
+    """A KV cache and a run of steps over it: each step's seqs are (task, start, new tokens)."""
+
+    def __init__(self, model: Transformer, prompts: list[int], recorded: RecordedLayers | None):
+        config = model.config
+        dtype = model.tok_embeddings.weight.dtype
+        self.model, self.recorded = model, recorded
+        self.cache = PagedCache(
+            config.n_layers, config.n_kv_heads, config.head_dim, 64, page_size=4, dtype=dtype
+        )
+        for task_id, length in enumerate(prompts):
+            assert self.cache.allocate(task_id, length + 8)
+
+    @torch.inference_mode()
+    def logits(self, seqs: list[tuple[int, int, int]]) -> torch.Tensor:
+        view = CacheView(self.cache, seqs)
+        ids = (view.positions * 5 + 3) % self.model.config.vocab_size
+        h, cos, signed_sin = self.model.embed(ids, view.positions)
+        if self.recorded is None:
+            h, residual = self.model.run_layers(h, cos, signed_sin, view)
+        else:
+            h, residual = self.recorded.run(h, cos, signed_sin, view)
+        return self.model.logits(h, residual, None)
+
+
+def prompt_then_decodes(prompts: list[int], n_decodes: int) -> list[list[tuple[int, int, int]]]:
+    steps = [[(task, 0, n) for task, n in enumerate(prompts)]]
+    steps += [[(task, n + i, 1) for task, n in enumerate(prompts)] for i in range(n_decodes)]
+    return steps
+
+
+def assert_replay_matches(model, prompts, steps, recorded=None):
+    recorded = recorded or RecordedLayers(model)
+    replayed, eager = Steps(model, prompts, recorded), Steps(model, prompts, None)
+    for seqs in steps:
+        assert torch.equal(replayed.logits(seqs), eager.logits(seqs)), seqs
+    return recorded
+
+
+@pytest.fixture
+def replays(monkeypatch) -> list[int]:
+    """The rows of every StepGraph replay."""
+    rows: list[int] = []
+    replay = StepGraph.replay
+
+    def counted(graph, backend):
+        rows.append(len(backend.positions))
+        return replay(graph, backend)
+
+    monkeypatch.setattr(StepGraph, "replay", counted)
+    return rows
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_replayed_steps_give_the_modules_logits_bit_for_bit(config, dtype, replays):
+    model = random_model(0, dtype, **CONFIGS[config])
+    recorded = assert_replay_matches(model, [3, 5, 1], prompt_then_decodes([3, 5, 1], 4))
+    # the prompt step (9 rows) and the first decode step (3) recorded, later decodes replayed
+    assert sorted(recorded.steps) == [3, 9]
+    assert all(step is not None for step in recorded.steps.values())
+    assert replays == [3, 3, 3]
+
+
+@needs_kernels
+def test_decode_steps_attend_by_kernel_calls_bound_once_a_step(monkeypatch):
+    """A step of decodes alone calls the paged attention kernel directly, never the view's
+    gather-and-SDPA path, which only the prompt step (with its chunks) takes."""
+    attended = []
+    attend = CacheView._attend
+
+    def counted(view, layer_idx, *args):
+        attended.append(layer_idx)
+        return attend(view, layer_idx, *args)
+
+    monkeypatch.setattr(CacheView, "_attend", counted)
+    model = random_model(1)
+    assert_replay_matches(model, [4, 2], prompt_then_decodes([4, 2], 3))
+    n_layers = model.config.n_layers
+    # the prompt step: recorded once, computed once for the eager reference
+    assert attended == list(range(n_layers)) * 2
+
+
+def decodes(prompts: list[int], live_per_step: list[list[int]]) -> list[list[tuple]]:
+    """Decode steps of the live tasks, each at the position after its own last token."""
+    next_pos = dict(enumerate(prompts))
+    steps = []
+    for live in live_per_step:
+        steps.append([(task, next_pos[task], 1) for task in live])
+        for task in live:
+            next_pos[task] += 1
+    return steps
+
+
+@needs_kernels
+def test_batch_sizes_come_and_go(replays):
+    model = random_model(2)
+    prompts = [2, 3, 4, 5, 6, 7, 8]
+    steps = prompt_then_decodes(prompts, 0)
+    steps += decodes(prompts, [[0], [0, 1], [0], list(range(7)), [0, 1]])
+    assert_replay_matches(model, prompts, steps)
+    assert replays == [1, 2]  # the second 1-row and 2-row steps
+
+
+@needs_kernels
+@pytest.mark.parametrize("change", ["load_state_dict", "assign", "to", "data"])
+def test_weights_that_change_are_read_again(change, replays):
+    model, other = random_model(3), random_model(4)
+    steps = prompt_then_decodes([2], 3)
+    recorded = assert_replay_matches(model, [2], steps)
+    with torch.no_grad():
+        if change == "to":
+            model.to(torch.float64).to(torch.float32)  # new storage, same values
+        elif change == "data":
+            model.layers[1].feed_forward.w13.weight.data = torch.randn(128, 32)
+        else:
+            model.load_state_dict(other.state_dict(), assign=change == "assign")
+    assert_replay_matches(model, [2], steps, recorded)
+    # a copy into the same storage keeps the graphs; new storage records them again
+    assert len(replays) == (6 if change == "load_state_dict" else 4)
+
+
+@pytest.mark.parametrize("case", ["fp16", "q/k norm", "no kernels", "too many rows"])
+def test_steps_that_cannot_be_recorded_run_the_modules(monkeypatch, case, replays):
+    model = random_model(5, use_qk_norm=case == "q/k norm")
+    if case == "fp16":
+        model = model.half()
+    if case == "no kernels":
+        monkeypatch.setattr(native, "fused_ops", None)
+    prompts = [SKINNY_MAX_ROWS + 1] if case == "too many rows" else [3]
+    recorded = assert_replay_matches(model, prompts, [[(0, 0, prompts[0])], [(0, prompts[0], 1)]])
+    if case == "too many rows":
+        assert SKINNY_MAX_ROWS + 1 not in recorded.steps
+    else:
+        assert recorded.steps == {3: None, 1: None}
+    assert replays == []
