@@ -2,7 +2,7 @@
 
 Between the linears, a decode layer runs rope, the residual add with RMSNorm, and SwiGLU on
 one token. Each is a few microseconds of eager dispatch; a compiled region adds its own
-guard and call overhead; astrai runs each as one C call (astrai/model/_fused_ops.c). Prints
+guard and call overhead; astrai runs each as one C call (astrai/kernels/csrc/fused_ops.c). Prints
 microseconds per call for the three, same run.
 
     python benchmarks/compile_small_ops.py
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from workload import SMOLLM2_135M
 
-from astrai.model import fused_ops
+from astrai import kernels as fused_ops
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -189,7 +189,7 @@ def test_view_refuses_positions_without_pages():
 def test_decode_kernel_refuses_queries_of_another_dtype():
     """The kernel reads q as the cache's dtype: a mismatch is refused, never misread."""
     if native.paged_attention is None:
-        pytest.skip("the C extension _paged_attention was not built")
+        pytest.skip("the C extension paged_attention was not built")
     cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
     assert cache.allocate(0, 3)
     q, k, v = (torch.randn(1, h, 8).bfloat16() for h in (4, 2, 2))
