@@ -51,9 +51,7 @@ def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-@_rms_norm_op.register_fake
-def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return torch.empty_like(x)
+_rms_norm_op.register_fake(lambda x, weight, eps: torch.empty_like(x))
 
 
 @torch.library.custom_op("astrai::add_rms_norm", mutates_args=())
@@ -65,9 +63,7 @@ def _add_rms_norm_op(
     return out, total
 
 
-@_add_rms_norm_op.register_fake
-def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(x)
+_add_rms_norm_op.register_fake(lambda x, *_: (torch.empty_like(x), torch.empty_like(x)))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -108,9 +104,7 @@ def _silu_and_mul_op(gate_up: Tensor) -> Tensor:
     return out
 
 
-@_silu_and_mul_op.register_fake
-def _(gate_up: Tensor) -> Tensor:
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+_silu_and_mul_op.register_fake(lambda gate_up: gate_up[..., : gate_up.shape[-1] // 2].clone())
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
@@ -139,9 +133,7 @@ def _rope_op(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return out
 
 
-@_rope_op.register_fake
-def _(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+_rope_op.register_fake(lambda x, *_: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

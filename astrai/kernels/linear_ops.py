@@ -119,9 +119,7 @@ def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return out.view(*rows_shape, weight.shape[0])
 
 
-@_linear_op.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+_linear_op.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

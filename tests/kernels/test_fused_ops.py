@@ -162,3 +162,17 @@ def test_inputs_the_kernels_cannot_take_use_the_pytorch_formulas(case, monkeypat
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up)
     assert calls == []
+
+
+def test_every_kernel_op_has_a_fake_implementation_for_tracing():
+    """torch.compile and fake tensors see astrai's ops with the shapes they return."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, weight, norm = torch.empty(3, 32), torch.empty(16, 32), torch.empty(32)
+        qk, cos = torch.empty(3, 6, 8), torch.empty(3, 1, 8)
+        assert torch.ops.astrai.linear(x, weight, None).shape == (3, 16)
+        assert torch.ops.astrai.rms_norm(x, norm, 1e-5).shape == (3, 32)
+        assert [t.shape for t in torch.ops.astrai.add_rms_norm(x, x, norm, 1e-5)] == [(3, 32)] * 2
+        assert torch.ops.astrai.silu_and_mul(x).shape == (3, 16)
+        assert torch.ops.astrai.rope(qk, cos, cos).shape == (3, 6, 8)
