@@ -13,7 +13,14 @@ from astrai.inference.attention import CacheView
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import Task, TokenLogprob
-from astrai.kernels import SKINNY_MAX_ROWS, Arena, Linear, StepGraph, tune_linears
+from astrai.kernels import (
+    SKINNY_MAX_ROWS,
+    Arena,
+    Linear,
+    StepGraph,
+    data_addresses,
+    tune_linears,
+)
 
 
 @dataclass
@@ -85,8 +92,10 @@ class RecordedLayers:
         self.model = model
         self.steps: dict[int, RecordedStep | None] = {}
         self.arena = Arena(SKINNY_MAX_ROWS)
-        self.weights = list(model.parameters())
-        self.pointers = [w.data_ptr() for w in self.weights]
+        # Each module's parameter dict, which load_state_dict(assign=True) updates in place:
+        # reading the weights' addresses through them takes some 20 us a step.
+        self.parameters = [m._parameters for m in model.modules() if m._parameters]
+        self.addresses = data_addresses(self._weights())
 
     def run(
         self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, view: CacheView
@@ -95,11 +104,11 @@ class RecordedLayers:
         rows = h.shape[0]
         if rows > SKINNY_MAX_ROWS:
             return self.model.run_layers(h, cos, signed_sin, view)
-        pointers = [w.data_ptr() for w in self.model.parameters()]
-        if pointers != self.pointers:
+        addresses = data_addresses(self._weights())
+        if addresses != self.addresses:
             self.steps.clear()
             self.arena = Arena(SKINNY_MAX_ROWS)
-            self.pointers = pointers
+            self.addresses = addresses
         if rows not in self.steps:
             return self._record(h, cos, signed_sin, view)
         step = self.steps[rows]
@@ -109,6 +118,9 @@ class RecordedLayers:
             static.copy_(new)
         step.graph.replay(view)
         return step.outputs
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [w for params in self.parameters for w in params.values() if w is not None]
 
     def _record(
         self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, view: CacheView

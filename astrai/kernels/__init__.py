@@ -7,7 +7,7 @@ package touches a data pointer.
 """
 
 from astrai.kernels.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
-from astrai.kernels.graph import Arena, StepGraph
+from astrai.kernels.graph import Arena, StepGraph, data_addresses
 from astrai.kernels.linear_ops import (
     SKINNY_MAX_ROWS,
     Linear,
@@ -25,6 +25,7 @@ __all__ = [
     "PagedDecode",
     "StepGraph",
     "add_rms_norm",
+    "data_addresses",
     "apply_rope",
     "linear",
     "rms_norm",

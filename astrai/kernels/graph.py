@@ -38,6 +38,12 @@ def launch(fn: Callable[..., object], *args, **kwargs) -> None:
         graph.calls.append(partial(fn, *args, **kwargs))
 
 
+def data_addresses(tensors: Sequence[Tensor]) -> list[int]:
+    """Where each tensor's data lies: recorded calls hold these addresses, so a tensor that
+    moved (.to(), .data = ..., new parameters) voids them."""
+    return [t.data_ptr() for t in tensors]
+
+
 def new_output(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     """An uninitialised kernel output: from the recording graph's arena, or a new tensor."""
     graph = getattr(_recording, "graph", None)
