@@ -41,13 +41,9 @@ class PagedDecode:
         self.kv_heads, self.head_dim = k_cache.shape[-2:]
         self.dtype, self.is_bf16 = k_cache.dtype, k_cache.dtype == torch.bfloat16
         self.tables_and_sizes = (
-            rows.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            len(rows),
-            block_tables.shape[1],
-            k_cache.shape[2],
-        )
+            rows.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), len(rows),
+            block_tables.shape[1], k_cache.shape[2],
+        )  # fmt: skip
 
     @staticmethod
     def supports(k_cache: torch.Tensor) -> bool:
@@ -60,12 +56,7 @@ class PagedDecode:
         )
 
     def kernel_call(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
+        self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, k=None, v=None
     ) -> Callable[[], None]:
         """The kernel call that writes the decodes' attention outputs into out [num_tokens,
         heads, hd], its arguments resolved to plain ints; it holds q, k, v and out (or their
@@ -80,22 +71,13 @@ class PagedDecode:
         layer_offset = layer_idx * self.layer_bytes
         call = partial(
             native.paged_attention.decode,
-            out.data_ptr(),
-            q.data_ptr(),
-            q.stride(0),
-            0 if k is None else k.data_ptr(),
-            0 if k is None else k.stride(0),
-            0 if v is None else v.data_ptr(),
-            0 if v is None else v.stride(0),
-            self.k_cache_ptr + layer_offset,
-            self.v_cache_ptr + layer_offset,
-            *self.tables_and_sizes,
-            q.shape[1],
-            self.kv_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
+            out.data_ptr(), q.data_ptr(), q.stride(0),
+            0 if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
+            0 if v is None else v.data_ptr(), 0 if v is None else v.stride(0),
+            self.k_cache_ptr + layer_offset, self.v_cache_ptr + layer_offset,
+            *self.tables_and_sizes, q.shape[1], self.kv_heads, self.head_dim, self.head_dim**-0.5,
             self.is_bf16,
-        )
+        )  # fmt: skip
         call.keep_alive = (q, k, v, out)  # heads_contiguous's copies must outlive the call
         return call
 
