@@ -93,7 +93,7 @@ class RecordedLayers:
         self.steps: dict[int, RecordedStep | None] = {}
         self.arena = Arena(SKINNY_MAX_ROWS)
         # Each module's parameter dict, which load_state_dict(assign=True) updates in place:
-        # reading the weights' addresses through them takes some 20 us a step.
+        # reading the weights' addresses through them costs little enough for every step.
         self.parameters = [m._parameters for m in model.modules() if m._parameters]
         self.addresses = data_addresses(self._weights())
 

@@ -1,16 +1,14 @@
 /* y = x W^T + b for a few rows of x, fp32 or bf16 on the CPU: the linears of a decode step.
  *
- * With a handful of rows a linear is bound by reading W from memory, and BLAS GEMMs do that
- * badly at small M: measured on a 2-core AMD EPYC, MKL's GEMV streamed a SmolLM2-135M layer's
- * weights at 14 GB/s from one thread and an 8-row GEMM at 9 GB/s, against 20+ GB/s that two
- * threads can read (benchmarks/README.md). Here the threads split W's rows between them, and
+ * With a handful of rows a linear is bound by reading W from memory, and BLAS GEMMs often do
+ * that below the machine's read rate at small M (benchmarks/README.md has the figures; which
+ * path wins is timed at start, astrai/kernels/linear_ops.py). Here the threads split W's rows, and
  * each block of ROW_BLOCK rows is read from memory once and then serves every row of x from
  * the L1 cache. Every output is one dot product summed in the same order whatever the number of
  * rows, so a sequence's logits do not depend on what else is in the batch.
  *
  * bf16 tensors are read as bf16 (half the bytes of fp32) and multiplied and summed in fp32,
- * as PyTorch's bf16 GEMMs do, and the result is rounded to bf16 once: on a CPU without
- * AVX-512 PyTorch has no fast bf16 GEMM, and this is the one way to stream bf16 weights there.
+ * as PyTorch's bf16 GEMMs do, and the result is rounded to bf16 once.
  *
  * Like the other kernels, it links libgomp by soname and so shares torch's OpenMP runtime.
  */
