@@ -250,6 +250,12 @@ def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def setting(default: Any, help: str, **cli: Any) -> Any:
+    """A dataclass field with its command-line help (and metavar, choices, "flag" where the flag
+    is spelled otherwise than the field, "parse" where its text needs a parser) in metadata."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 def parse_kv_cache_memory(text: str) -> float:
     """Read kv_cache_memory from text such as "8000000" or "0.25"; the range is checked later."""
     try:
@@ -271,44 +277,26 @@ class EngineConfig:
     flags from these fields.
     """
 
-    max_batch_size: int = field(default=32, metadata={"help": "most requests generated at once"})
-    kv_cache_memory: float = field(
-        default=0.25,
-        metadata={
-            "help": "KV cache budget: bytes if above 1, else a fraction of free device memory",
-            "metavar": "BYTES_OR_FRACTION",
-            "parse": parse_kv_cache_memory,
-        },
+    max_batch_size: int = setting(32, "most requests generated at once")
+    kv_cache_memory: float = setting(
+        0.25,
+        "KV cache budget: bytes if above 1, else a fraction of free device memory",
+        metavar="BYTES_OR_FRACTION",
+        parse=parse_kv_cache_memory,
     )
-    page_size: int = field(default=16, metadata={"help": "tokens per KV cache page"})
-    max_num_batched_tokens: int = field(
-        default=2048,
-        metadata={
-            "help": "token budget of one forward pass; longer prompts are prefilled in chunks"
-        },
+    page_size: int = setting(16, "tokens per KV cache page")
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one forward pass; longer prompts are prefilled in chunks"
     )
-    max_seq_len: int | None = field(
-        default=None,
-        metadata={
-            "help": "longest prompt plus output in tokens (default: the model's context length)"
-        },
+    max_seq_len: int | None = setting(
+        None, "longest prompt plus output in tokens (default: the model's context length)"
     )
-    enable_prefix_cache: bool = field(
-        default=True,
-        metadata={
-            "help": "reuse the KV cache of shared prompt prefixes",
-            "flag": "--prefix-cache",
-        },
+    enable_prefix_cache: bool = setting(
+        True, "reuse the KV cache of shared prompt prefixes", flag="--prefix-cache"
     )
-    max_waiting: int = field(
-        default=1024,
-        metadata={"help": "most requests queued before new ones are refused"},
-    )
-    check_invariants: bool = field(
-        default=False,
-        metadata={
-            "help": "raise, not only log, when the KV page accounting check at idle finds an error"
-        },
+    max_waiting: int = setting(1024, "most requests queued before new ones are refused")
+    check_invariants: bool = setting(
+        False, "raise, not only log, when the KV page accounting check at idle finds an error"
     )
 
     def __post_init__(self) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from astrai.config import setting
+
 
 class RequestError(ValueError):
     """A request the engine refuses; the message says what was wrong and what to do."""
@@ -72,58 +74,37 @@ class GenerationParams:
     returns none, 0 returns the chosen token's logprob, k > 0 adds the top-k alternatives.
     """
 
-    max_tokens: int = field(default=128, metadata={"help": "most tokens to generate"})
-    temperature: float = field(
-        default=1.0, metadata={"help": "softmax temperature; 0 is greedy", "metavar": "T"}
+    max_tokens: int = setting(128, "most tokens to generate")
+    temperature: float = setting(1.0, "softmax temperature; 0 is greedy", metavar="T")
+    top_p: float = setting(
+        1.0,
+        "nucleus sampling: keep the smallest set of tokens whose probability reaches this; "
+        "1 is off",
+        metavar="P",
     )
-    top_p: float = field(
-        default=1.0,
-        metadata={
-            "help": "nucleus sampling: keep the smallest set of tokens whose probability "
-            "reaches this; 1 is off",
-            "metavar": "P",
-        },
+    top_k: int = setting(0, "keep only the k most likely tokens; 0 is off")
+    min_p: float = setting(
+        0.0, "drop tokens less likely than this times the most likely one; 0 is off", metavar="P"
     )
-    top_k: int = field(default=0, metadata={"help": "keep only the k most likely tokens; 0 is off"})
-    min_p: float = field(
-        default=0.0,
-        metadata={
-            "help": "drop tokens less likely than this times the most likely one; 0 is off",
-            "metavar": "P",
-        },
+    repetition_penalty: float = setting(
+        1.0, "above 1 makes tokens already in the prompt or output less likely; 1 is off"
     )
-    repetition_penalty: float = field(
-        default=1.0,
-        metadata={
-            "help": "above 1 makes tokens already in the prompt or output less likely; 1 is off"
-        },
+    presence_penalty: float = setting(
+        0.0, "subtract this from the logits of tokens already generated; 0 is off"
     )
-    presence_penalty: float = field(
-        default=0.0,
-        metadata={"help": "subtract this from the logits of tokens already generated; 0 is off"},
+    frequency_penalty: float = setting(
+        0.0, "subtract this times its count so far from each generated token's logit; 0 is off"
     )
-    frequency_penalty: float = field(
-        default=0.0,
-        metadata={
-            "help": "subtract this times its count so far from each generated token's logit; "
-            "0 is off"
-        },
+    seed: int | None = setting(None, "seed for reproducible sampling")
+    stop: tuple[str, ...] = setting((), "stop when this text appears (not printed); repeatable")
+    stop_token_ids: tuple[int, ...] = setting(
+        (), "stop when this token id is generated; repeatable"
     )
-    seed: int | None = field(default=None, metadata={"help": "seed for reproducible sampling"})
-    stop: tuple[str, ...] = field(
-        default=(), metadata={"help": "stop when this text appears (not printed); repeatable"}
+    ignore_eos: bool = setting(False, "keep generating past end-of-sequence tokens")
+    logprobs: int | None = setting(
+        None, "log probabilities to return: 0 for the chosen token, k for top k"
     )
-    stop_token_ids: tuple[int, ...] = field(
-        default=(), metadata={"help": "stop when this token id is generated; repeatable"}
-    )
-    ignore_eos: bool = field(
-        default=False, metadata={"help": "keep generating past end-of-sequence tokens"}
-    )
-    logprobs: int | None = field(
-        default=None,
-        metadata={"help": "log probabilities to return: 0 for the chosen token, k for top k"},
-    )
-    n: int = field(default=1, metadata={"help": "samples to generate per prompt"})
+    n: int = setting(1, "samples to generate per prompt")
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "module.h"
 #include "vec8.h"
 
 /* Below this many values an op runs on the calling thread: waking the pool costs more. */
@@ -189,11 +190,4 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef definition = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "_fused_ops",
-    .m_size = -1,
-    .m_methods = methods,
-};
-
-PyMODINIT_FUNC PyInit__fused_ops(void) { return PyModule_Create(&definition); }
+ASTRAI_MODULE(_fused_ops, methods)

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "module.h"
 #include "vec8.h"
 
 /* Every tensor is fp32, or every one bf16; sizes and strides count values, not bytes. */
@@ -273,11 +274,4 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef definition = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "_paged_attention",
-    .m_size = -1,
-    .m_methods = methods,
-};
-
-PyMODINIT_FUNC PyInit__paged_attention(void) { return PyModule_Create(&definition); }
+ASTRAI_MODULE(_paged_attention, methods)

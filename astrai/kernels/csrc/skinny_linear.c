@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "module.h"
 #include "vec8.h"
 
 /* W rows and x rows whose dot products run together: ROW_BLOCK * X_BLOCK independent FMA
@@ -155,11 +156,4 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef definition = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "_skinny_linear",
-    .m_size = -1,
-    .m_methods = methods,
-};
-
-PyMODINIT_FUNC PyInit__skinny_linear(void) { return PyModule_Create(&definition); }
+ASTRAI_MODULE(_skinny_linear, methods)
