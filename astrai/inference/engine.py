@@ -123,6 +123,11 @@ class _MergedStream:
             for task in self.tasks:
                 self._engine.abort(task)
 
+    def close(self) -> None:
+        """Abort the request and end the iteration now."""
+        self.abort()
+        self._open = 0
+
     def __del__(self) -> None:
         self.abort()
 
@@ -141,10 +146,6 @@ class SyncRequestStream(_MergedStream):
         if not self._open:
             raise StopIteration
         return self._event(*self._events.get())
-
-    def close(self) -> None:
-        self.abort()
-        self._open = 0
 
 
 class RequestStream(_MergedStream):
@@ -178,8 +179,7 @@ class RequestStream(_MergedStream):
         return self._event(*item)
 
     async def aclose(self) -> None:
-        self.abort()
-        self._open = 0
+        self.close()
 
 
 class InferenceEngine:
@@ -207,21 +207,14 @@ class InferenceEngine:
             )
         weight = next(model.parameters())
         page_size = self.config.page_size
+        kv_shape = (model_config.n_layers, model_config.n_kv_heads, model_config.head_dim)
         budget_pages = PagedCache.pages_for_budget(
-            self.config.kv_cache_memory,
-            model_config.n_layers,
-            model_config.n_kv_heads,
-            model_config.head_dim,
-            page_size,
-            weight.dtype,
-            weight.device,
+            self.config.kv_cache_memory, *kv_shape, page_size, weight.dtype, weight.device
         )
         # More pages than a full batch of full-length sequences can never be used at once.
         usable_pages = self.config.max_batch_size * -(-self.max_seq_len // page_size)
         self.cache = PagedCache(
-            model_config.n_layers,
-            model_config.n_kv_heads,
-            model_config.head_dim,
+            *kv_shape,
             min(budget_pages, usable_pages),
             page_size,
             dtype=weight.dtype,
@@ -277,16 +270,6 @@ class InferenceEngine:
             raise RequestError(f"a prompt must be a str or a GenerationRequest, got {prompt!r}")
         return self.tokenizer.encode(prompt)
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse at once a request that could never run, instead of truncating it."""
-        if prompt_tokens + max_tokens > self.max_seq_len:
-            raise PromptTooLongError(
-                prompt_tokens, max_tokens, self.max_seq_len, "the maximum sequence length"
-            )
-        pool_tokens = self.cache.n_pages * self.cache.page_size
-        if prompt_tokens + max_tokens > pool_tokens:
-            raise PromptTooLongError(prompt_tokens, max_tokens, pool_tokens, "the KV cache pool")
-
     def submit_all(
         self, prompts: Sequence[Sequence[int]], params: GenerationParams, callback: TaskCallback
     ) -> list[list[Task]]:
@@ -314,13 +297,19 @@ class InferenceEngine:
         return tasks
 
     def _checked(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
+        """The prompt as a list; a request that could never run is refused now, not truncated."""
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise RequestError("the prompt is empty; give at least one token")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must lie in [0, {vocab})")
-        self.check_fits(len(prompt_ids), params.max_tokens)
+        n, new = len(prompt_ids), params.max_tokens
+        if n + new > self.max_seq_len:
+            raise PromptTooLongError(n, new, self.max_seq_len, "the maximum sequence length")
+        pool_tokens = self.cache.n_pages * self.cache.page_size
+        if n + new > pool_tokens:
+            raise PromptTooLongError(n, new, pool_tokens, "the KV cache pool")
         return prompt_ids
 
     def _sample_tasks(
@@ -363,10 +352,15 @@ class InferenceEngine:
         single = isinstance(prompts, str | GenerationRequest)
         if stream is None:
             stream = single and isinstance(prompts, GenerationRequest) and prompts.stream
-        if stream:
-            return self._stream(prompts, params, single, param_overrides)
-        results = self.generate_results(prompts, params, **param_overrides)
-        return _map_results(results, lambda r: r.text)
+        if not stream:
+            results = self.generate_results(prompts, params, **param_overrides)
+            return _map_results(results, lambda r: r.text)
+        items = [prompts] if single else list(prompts)
+        params = self._params(items, params, param_overrides)
+        if params.n != 1:
+            raise RequestError("stream=True supports n=1 only; use submit_async for n > 1")
+        stream = SyncRequestStream(self, [self.encode(item) for item in items], params)
+        return self._stream_text(stream, single)
 
     def generate_results(
         self,
@@ -390,14 +384,6 @@ class InferenceEngine:
         shaped = [results[i] if n == 1 else results[i : i + n] for i in range(0, len(results), n)]
         return shaped[0] if single else shaped
 
-    def _stream(self, prompts, params, single: bool, overrides: dict) -> Iterator:
-        items = [prompts] if single else list(prompts)
-        params = self._params(items, params, overrides)
-        if params.n != 1:
-            raise RequestError("stream=True supports n=1 only; use submit_async for n > 1")
-        stream = SyncRequestStream(self, [self.encode(item) for item in items], params)
-        return self._stream_text(stream, single)
-
     @staticmethod
     def _stream_text(stream: SyncRequestStream, single: bool) -> Iterator:
         with closing(stream):
@@ -406,6 +392,15 @@ class InferenceEngine:
                     event.result.raise_for_status()
                 elif event.delta.text:
                     yield event.delta.text if single else (event.index, event.delta.text)
+
+    def _params(
+        self, items: Sequence[Prompt], params: GenerationParams | None, overrides: dict
+    ) -> GenerationParams:
+        """The params given, else the first chat request's, else the defaults; then overrides."""
+        if params is None:
+            requests = [p for p in items if isinstance(p, GenerationRequest)]
+            params = requests[0].params if requests else GenerationParams()
+        return replace(params, **overrides) if overrides else params
 
     # -- asyncio API ------------------------------------------------------------------------
 
@@ -438,8 +433,6 @@ class InferenceEngine:
                 elif event.delta.text:
                     yield event.delta.text
 
-    # -- stats ------------------------------------------------------------------------------
-
     def get_stats(self) -> EngineStats:
         cache = self.cache.stats()
         stats = self.scheduler.stats
@@ -455,16 +448,6 @@ class InferenceEngine:
             generation_tokens=stats.generation_tokens,
             preemptions=stats.preemptions,
         )
-
-    # -- helpers ----------------------------------------------------------------------------
-
-    def _params(
-        self, items: Sequence[Prompt], params: GenerationParams | None, overrides: dict
-    ) -> GenerationParams:
-        if params is None:
-            requests = [p for p in items if isinstance(p, GenerationRequest)]
-            params = requests[0].params if requests else GenerationParams()
-        return replace(params, **overrides) if overrides else params
 
 
 def _map_results(results, fn):
