@@ -52,15 +52,17 @@ class RequestAbortedError(RuntimeError):
     """An accepted request ended before it finished: it was aborted or the engine shut down."""
 
 
-def _check_range(name: str, value: Any, low: float, high: float, *, integer: bool = False) -> None:
+def _check_range(
+    name: str, value: Any, low: float, high: float, *, integer: bool = False, open_low: bool = False
+) -> None:
+    bounds = f"{'(' if open_low else '['}{low}, {high}]"
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
         raise InvalidParamsError(
-            f"{name} must be {'an integer' if integer else 'a number'} in [{low}, {high}], "
-            f"got {value!r}"
+            f"{name} must be {'an integer' if integer else 'a number'} in {bounds}, got {value!r}"
         )
-    if not low <= value <= high:
-        raise InvalidParamsError(f"{name} must be in [{low}, {high}], got {value!r}")
+    if value > high or value < low or (open_low and value == low):
+        raise InvalidParamsError(f"{name} must be in {bounds}, got {value!r}")
 
 
 MAX_LOGPROBS = 20
@@ -109,17 +111,10 @@ class GenerationParams:
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
         _check_range("temperature", self.temperature, 0.0, 100.0)
-        top_p_is_number = isinstance(self.top_p, int | float) and not isinstance(self.top_p, bool)
-        if not top_p_is_number or not 0.0 < self.top_p <= 1.0:
-            raise InvalidParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_range("top_p", self.top_p, 0, 1, open_low=True)
         _check_range("top_k", self.top_k, 0, 1 << 30, integer=True)
         _check_range("min_p", self.min_p, 0.0, 1.0)
-        if not isinstance(self.repetition_penalty, int | float) or not (
-            0.0 < self.repetition_penalty <= 100.0
-        ):
-            raise InvalidParamsError(
-                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}"
-            )
+        _check_range("repetition_penalty", self.repetition_penalty, 0, 100, open_low=True)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
@@ -264,12 +259,12 @@ class Task:
         """Add a sampled token, check the stop conditions and return the text it releases."""
         self.output_ids.append(token_id)
         if token_id in self._stop_ids:
-            self._finish_with("stop", token_id)
+            self.end(TaskStatus.FINISHED, "stop", stop_reason=token_id)
         else:
             self._text += self._detokenizer.add(token_id)
             stopped = self._cut_at_stop_string()
             if not stopped and len(self.output_ids) >= self.params.max_tokens:
-                self._finish_with("length", None)
+                self.end(TaskStatus.FINISHED, "length")
         end = len(self._text) if self.is_finished else len(self._text) - self._held_back()
         piece = self._text[self._emitted : end]
         self._emitted = max(self._emitted, end)
@@ -284,7 +279,7 @@ class Task:
             return False
         index, stop = min(hits)
         self._text = self._text[: self._emitted + index]
-        self._finish_with("stop", stop)
+        self.end(TaskStatus.FINISHED, "stop", stop_reason=stop)
         return True
 
     def _held_back(self) -> int:
@@ -295,16 +290,18 @@ class Task:
                     return k
         return 0
 
-    def _finish_with(self, reason: str, stop_reason: str | int | None) -> None:
-        self.status = TaskStatus.FINISHED
-        self.finish_reason = reason
-        self.stop_reason = stop_reason
-
-    def end(self, status: TaskStatus, reason: str, error: str | None = None) -> None:
-        """End a task that did not finish by itself (abort, error)."""
+    def end(
+        self,
+        status: TaskStatus,
+        reason: str,
+        error: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        """Mark the task finished (reason "stop" or "length"), aborted or failed."""
         self.status = status
         self.finish_reason = reason
         self.error = error
+        self.stop_reason = stop_reason
 
     def result(self) -> TaskResult:
         return TaskResult(
