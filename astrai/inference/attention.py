@@ -1,9 +1,4 @@
-"""The attention backend the model sees for one forward pass over the paged KV cache.
-
-CacheView writes each layer's new K/V into the cache's pages and attends every sequence of a
-ragged batch over its own pages: decodes on the C kernel that reads the pages in place (or
-SDPA over gathered pages), prompt chunks on SDPA.
-"""
+"""CacheView, the attention backend the model sees for one forward pass over the paged KV cache."""
 
 from __future__ import annotations
 
@@ -19,11 +14,12 @@ from astrai.kernels.paged_attention import PagedDecode
 
 
 class CacheView:
-    """The model's attention backend for one forward pass over a ragged batch.
+    """The model's attention backend for one forward pass over a ragged batch of seqs, each
+    (task_id, start, n): n new tokens at positions start .. start + n - 1.
 
-    view() resolves every index once -- write slots, the decodes' page tables, each prompt
-    chunk's pages and causal mask -- so each layer's call is tensor work only: write the layer's
-    new K/V, attend the decodes (one C kernel call that reads their pages in place for fp32 and
+    The constructor resolves every index once -- write slots, the decodes' page tables, each
+    prompt chunk's pages and causal mask -- so a layer's call is tensor work only: write its new
+    K/V, attend the decodes (one C kernel call that reads their pages in place for fp32 and
     bf16 on the CPU, else one SDPA call per group of gathered pages), then one SDPA call per
     prompt chunk.
     """
@@ -68,16 +64,17 @@ class CacheView:
                 context_lens=starts[index] + 1,
             )
         elif decodes:
-            self.decode_groups = [
-                DecodeGroup.build(
-                    cache,
-                    rows=[offsets[i] for i in group],
-                    tables=[tables[i] for i in group],
-                    positions=[seqs[i][1] for i in group],
-                    all_rows=len(group) == num_tokens,
+            for group in group_by_context([len(tables[i]) for i in decodes], decodes):
+                index = torch.tensor(group, device=device)
+                n_pages = max(len(tables[i]) for i in group)
+                self.decode_groups.append(
+                    DecodeGroup.build(
+                        cache,
+                        rows=None if len(group) == num_tokens else first_rows[index],
+                        tables=block_table[index, :n_pages],
+                        positions=starts[index],
+                    )
                 )
-                for group in group_by_context([len(tables[i]) for i in decodes], decodes)
-            ]
 
         # (rows, pages, causal mask offset by start); a chunk from position 0 sees only its own
         # new K/V, so it needs neither pages nor an explicit mask.
@@ -97,12 +94,9 @@ class CacheView:
     def bind(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     ) -> Callable[[], object]:
-        """The layer's attention as a call that writes into out [num_tokens, heads, hd].
-
-        For a step of decodes alone on the C kernel it is the kernel call with its arguments
-        resolved (the kernel stores the decodes' K/V as it attends); a replayed step binds every
-        layer this way once, for buffers that stay put.
-        """
+        """The layer's attention as a call that writes into out [num_tokens, heads, hd]; for
+        decodes alone on the C kernel, the kernel call itself (it stores their K/V as it attends),
+        which a replayed step binds once per layer."""
         if self.paged_decode is not None and not self.chunks:
             return self.paged_decode.kernel_call(layer_idx, q, out, k, v)
         return partial(self._attend, layer_idx, q, k, v, out)
@@ -184,22 +178,18 @@ class DecodeGroup:
     def build(
         cls,
         cache: PagedCache,
-        rows: Sequence[int],
-        tables: Sequence[list[int]],
-        positions: Sequence[int],
-        all_rows: bool,
+        rows: torch.Tensor | None,
+        tables: torch.Tensor,
+        positions: torch.Tensor,
     ) -> DecodeGroup:
-        device = cache.k_cache.device
-        n_pages = max(len(table) for table in tables)
-        padded = [page for table in tables for page in table + [0] * (n_pages - len(table))]
-        key_pos = torch.arange(n_pages * cache.page_size, device=device)
-        query_pos = torch.tensor(positions, device=device)
+        """tables [n, n_pages] padded with page 0; positions [n]: each decode's query position."""
+        key_pos = torch.arange(tables.shape[1] * cache.page_size, device=tables.device)
         # Allocating megabytes per layer costs more than the copy into them.
-        k = cache.k_cache.new_empty((len(padded), *cache.k_cache.shape[2:]))
+        k = cache.k_cache.new_empty((tables.numel(), *cache.k_cache.shape[2:]))
         return cls(
-            rows=None if all_rows else torch.tensor(rows, device=device),
-            pages=torch.tensor(padded, device=device),
-            mask=(key_pos <= query_pos[:, None])[:, None, None, :],
+            rows=rows,
+            pages=tables.flatten(),
+            mask=(key_pos <= positions[:, None])[:, None, None, :],
             k=k,
             v=torch.empty_like(k),
         )

@@ -1,8 +1,4 @@
-"""The paged decode attention kernel, bound to one step's decodes.
-
-PagedDecode resolves a step's page tables and context lengths to plain pointers once, and hands
-out each layer's kernel call for given q/k/v/out buffers.
-"""
+"""The paged decode attention kernel, bound to one step's decodes."""
 
 from __future__ import annotations
 
@@ -17,10 +13,10 @@ from astrai.kernels import native
 class PagedDecode:
     """All decodes of a step, attended by the C kernel that reads their pages in place.
 
-    For fp32 and bf16 on the CPU when the extension was built (bf16 computed in fp32 and
-    rounded once, at the output); it needs no gather buffers and no grouping by context length,
-    and each decode's result is independent of the batch. The kernel's arguments are resolved to
-    plain ints once per step, so a layer's call is one C call.
+    For fp32 and bf16 on the CPU (bf16 computed in fp32 and rounded once, at the output); it
+    needs no gather buffers and no grouping by context length, and each decode's result is
+    independent of the batch. The page tables and context lengths are resolved to plain ints
+    once per step, so a layer's call is one C call.
     """
 
     def __init__(
@@ -58,9 +54,7 @@ class PagedDecode:
     def kernel_call(
         self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, k=None, v=None
     ) -> Callable[[], None]:
-        """The kernel call that writes the decodes' attention outputs into out [num_tokens,
-        heads, hd], its arguments resolved to plain ints; it holds q, k, v and out (or their
-        heads-contiguous copies), so the memory it points at lives as long as it does.
+        """The call that writes the decodes' attention outputs into out [num_tokens, heads, hd].
 
         With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
         the cache; without, the caller has stored them.
