@@ -109,8 +109,13 @@ class RecordedLayers:
             self.steps.clear()
             self.arena = Arena(SKINNY_MAX_ROWS)
             self.addresses = addresses
-        if rows not in self.steps:
-            return self._record(h, cos, signed_sin, view)
+        if rows not in self.steps:  # record while running: the result is this step's either way
+            inputs = (h.clone(), cos.clone(), signed_sin.clone())
+            graph = StepGraph(self.arena)
+            with graph.record(self.model.layers):
+                outputs = self.model.run_layers(*inputs, graph.attention(view))
+            self.steps[rows] = RecordedStep(inputs, graph, outputs) if graph.valid else None
+            return outputs
         step = self.steps[rows]
         if step is None:
             return self.model.run_layers(h, cos, signed_sin, view)
@@ -121,17 +126,6 @@ class RecordedLayers:
 
     def _weights(self) -> list[torch.Tensor]:
         return [w for params in self.parameters for w in params.values() if w is not None]
-
-    def _record(
-        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, view: CacheView
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run this step's layers while recording them: the result is this step's either way."""
-        inputs = (h.clone(), cos.clone(), signed_sin.clone())
-        graph = StepGraph(self.arena)
-        with graph.record(self.model.layers):
-            outputs = self.model.run_layers(*inputs, graph.attention(view))
-        self.steps[h.shape[0]] = RecordedStep(inputs, graph, outputs) if graph.valid else None
-        return outputs
 
 
 class ModelExecutor:

@@ -259,11 +259,8 @@ class PagedCache:
         return entry.num_cached
 
     def count_hit(self, lookup_tokens: int, hit_tokens: int) -> None:
-        """Add an admitted task's prefix match to the hit rate.
-
-        Not match_prefix's job: a task that does not fit yet has its match undone and redone
-        at every admission attempt, and would count its hit each time.
-        """
+        """Add an admitted task's prefix match to the hit rate: match_prefix cannot, since a task
+        that does not fit yet has its match undone and redone at every admission attempt."""
         self.lookup_tokens += lookup_tokens
         self.hit_tokens += hit_tokens
 

@@ -76,7 +76,6 @@ class SamplingBatch:
     penalties.
     """
 
-    size: int
     greedy: Tensor  # [B] bool
     all_greedy: bool
     any_greedy: bool
@@ -139,7 +138,6 @@ class SamplingBatch:
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         uniforms = [seeded_uniform(params[i].seed, len(output_ids[i])) for i in seeded]
         return cls(
-            size=len(params),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
@@ -317,7 +315,7 @@ def _draw(probs: Tensor, batch: SamplingBatch) -> Tensor:
     cdf = probs.cumsum(dim=-1)  # [B, V]
     total = cdf[:, -1:]
     uniform = torch.rand(total.shape, device=probs.device)
-    if batch.seeded_rows is not None and batch.seeded_uniforms is not None:
+    if batch.seeded_rows is not None:
         uniform[batch.seeded_rows, 0] = batch.seeded_uniforms
     # Below the total, so the search always lands on a token of non-zero probability.
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -356,18 +354,15 @@ def sample(
     processed logits. Logprobs, when asked for, are of the raw logits. The logits are not
     modified.
     """
-    assert logits.dim() == 2 and logits.shape[0] == batch.size, "one row of logits per request"
+    assert logits.dim() == 2 and logits.shape[0] == len(batch.greedy), "a row of logits per request"
     logits = logits.float()
-    if pipeline is None:
-        pipeline = _DEFAULT_PIPELINE
-    processed = pipeline(logits, batch)
+    processed = (pipeline or _DEFAULT_PIPELINE)(logits, batch)
     if batch.all_greedy:
         token_ids = processed.argmax(dim=-1)
     else:
-        drawn = _draw(processed.softmax(dim=-1), batch)
-        token_ids = drawn
+        token_ids = _draw(processed.softmax(dim=-1), batch)
         if batch.any_greedy:
-            token_ids = torch.where(batch.greedy, processed.argmax(dim=-1), drawn)
+            token_ids = torch.where(batch.greedy, processed.argmax(dim=-1), token_ids)
     logprobs = top_logprobs = None
     if any(k is not None for k in batch.logprobs):
         logprobs, top_logprobs = _logprobs(logits, token_ids, batch.logprobs)

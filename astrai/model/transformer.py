@@ -45,9 +45,8 @@ class DenseCausalAttention:
     """
 
     def __init__(self, attention_mask: Tensor):
-        batch, seq_len = attention_mask.shape
-        self.batch = batch
-        self.seq_len = seq_len
+        self.shape = attention_mask.shape  # [B, T]
+        seq_len = self.shape[1]
         valid = attention_mask.bool()
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=valid.device).tril()
         diagonal = torch.eye(seq_len, dtype=torch.bool, device=valid.device)
@@ -55,11 +54,9 @@ class DenseCausalAttention:
         self.mask = (causal & (valid[:, None, :] | diagonal))[:, None]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        batch, seq_len = self.batch, self.seq_len
+        batch, seq_len = self.shape
         # [B * T, heads, head_dim] -> [B, heads, T, head_dim]
-        q = q.view(batch, seq_len, *q.shape[1:]).transpose(1, 2)
-        k = k.view(batch, seq_len, *k.shape[1:]).transpose(1, 2)
-        v = v.view(batch, seq_len, *v.shape[1:]).transpose(1, 2)
+        q, k, v = (t.view(batch, seq_len, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(batch * seq_len, out.shape[1], out.shape[3])
 
@@ -142,7 +139,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qk_size = q_size + kv_size  # qkv's columns before v's
         self.wqkv = Linear(config.dim, q_size + 2 * kv_size, bias=config.attention_bias)
         self.wo = Linear(q_size, config.dim, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
@@ -152,11 +149,10 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend
     ) -> Tensor:
         num_tokens = x.shape[0]
-        q_size, kv_size = self.split_sizes[:2]
         qkv = self.wqkv(x)
         # q and k heads side by side, [num_tokens, n_heads + n_kv_heads, head_dim]: one rope call
-        qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.n_kv_heads, self.head_dim)
+        qk = qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
@@ -199,11 +195,7 @@ class TransformerBlock(nn.Module):
         signed_sin: Tensor,
         attention: AttentionBackend,
     ) -> tuple[Tensor, Tensor]:
-        """(feed-forward output, residual stream before it); their sum is the layer's output.
-
-        x is the previous layer's feed-forward output and residual the stream before it, or
-        the embeddings and None for the first layer.
-        """
+        """x and residual: the previous layer's two outputs, or the embeddings and None."""
         if residual is None:
             x, residual = self.attention_norm(x), x
         else:
