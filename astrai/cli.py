@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = [from_flags(cls, args) for cls in args.settings]
     except (ConfigError, InvalidParamsError) as exc:
         args.parser.error(str(exc))
+    for params in settings:
+        if isinstance(params, GenerationParams) and (params.logprobs is not None or params.n > 1):
+            args.parser.error(
+                "--logprobs and --n ask for what only the server's API returns; generate and "
+                "chat print one text (use `astrai serve`)"
+            )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from astrai.model import CheckpointError
     from astrai.tokenize import TokenizerError
@@ -136,6 +142,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="DEVICE",
         help="cpu, cuda or cuda:N; auto picks CUDA when present",
+    )
+    group.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEXT",
+        help="a Jinja chat template (a file or its text) to use instead of the model's",
     )
     add_flags(parser, "engine", EngineConfig)
 
@@ -243,7 +254,7 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
     model = AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=args.chat_template)
     return InferenceEngine(model, tokenizer, config)
 
 

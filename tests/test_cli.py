@@ -73,6 +73,41 @@ def test_generate_with_chat_template_and_stop(llama_dir, engine):
     assert run.stdout == expected[: expected.index(stop)] + "\n"
 
 
+QA_TEMPLATE = "{% for m in messages %}Q: {{ m['content'] }}\nA:{% endfor %}"
+
+
+@pytest.mark.parametrize("given_as", ["file", "text"])
+def test_chat_template_flag_replaces_the_models_template(llama_dir, tmp_path, given_as):
+    template = QA_TEMPLATE
+    if given_as == "file":
+        template = tmp_path / "qa.jinja"
+        template.write_text(QA_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir, chat_template=template)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == "Q: Hi\nA:"
+    config = EngineConfig(max_seq_len=256, kv_cache_memory=8_000_000, max_batch_size=8)
+    with InferenceEngine(AutoModel.from_pretrained(llama_dir), tokenizer, config) as qa_engine:
+        expected = greedy_chat(qa_engine, [{"role": "user", "content": "Hello"}])
+    args = ["--model", str(llama_dir), *SMALL_ENGINE, *GREEDY, "--chat"]
+    run = astrai_cli("generate", *args, "--chat-template", str(template), "Hello")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected + "\n"
+
+
+def test_a_chat_template_that_is_neither_file_nor_template_is_refused(llama_dir):
+    run = astrai_cli("generate", "--model", str(llama_dir), "--chat-template", "nope.jinja", "Hi")
+    assert run.returncode != 0
+    assert "'nope.jinja' is neither a file nor Jinja template text" in run.stderr
+
+
+@pytest.mark.parametrize("flags", [["--logprobs", "2"], ["--n", "2"]])
+def test_settings_generate_cannot_print_are_usage_errors(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *flags, "Hello"])
+    assert exit_info.value.code == 2
+    assert "only the server's API returns" in capsys.readouterr().err
+
+
 def test_chat_keeps_history_until_end_of_input(llama_dir, engine):
     args = ["--model", str(llama_dir), *SMALL_ENGINE, *GREEDY]
     run = astrai_cli("chat", *args, stdin="Hello\n\nHow are you?\n")

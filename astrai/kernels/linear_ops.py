@@ -30,7 +30,7 @@ from astrai.kernels.graph import launch, new_output
 SKINNY_MAX_ROWS = 64
 # Rows at which paths are timed; a product of r rows takes the path timed at the first bucket
 # >= r, one beyond the kernel's limit standing for prefill-sized products.
-ROW_BUCKETS = (1, 4, 16, SKINNY_MAX_ROWS, 256)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, SKINNY_MAX_ROWS, 256)
 
 
 class LinearPath(StrEnum):
@@ -136,22 +136,20 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-# Weights timed per row bucket: enough layers that they do not sit in the caches, few enough
-# that timing stays well under a second.
-TIMED_BYTES = 64 << 20
-
-
-def _time_path(path: LinearPath, weights: Sequence[Tensor], rows: int) -> float:
-    """Best of three passes of rows x every weight along path, in seconds."""
+def _time_path(path: LinearPath, weights: Sequence[Tensor], rows: int, limit: float) -> float:
+    """Seconds for one pass of rows x every weight along path; inf once it passes limit."""
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
     outs = [torch.empty(rows, w.shape[0], dtype=w.dtype) for w in weights]
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for w, out in zip(weights, outs, strict=True):
-            _run(path, out, inputs[w.shape[1]], w, None)
-        best = min(best, time.perf_counter() - start)
-    return best
+    start = time.perf_counter()
+    for w, out in zip(weights, outs, strict=True):
+        _run(path, out, inputs[w.shape[1]], w, None)
+        if time.perf_counter() - start > limit:
+            return float("inf")
+    return time.perf_counter() - start
+
+
+# The kernel's rows do not depend on the batch; another path must beat it by this much.
+KERNEL_PREFERENCE = 1.1
 
 
 @torch.inference_mode()
@@ -161,23 +159,25 @@ def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
     dtype = weights[0].dtype
     key = (dtype, tuple(tuple(w.shape) for w in weights))
     if dtype in native.KERNEL_DTYPES and key not in _timed and forced_path() is None:
-        timed, size = [], 0
-        for w in weights:
-            if size >= TIMED_BYTES:
-                break
-            timed.append(w)
-            size += w.numel() * w.element_size()
         paths = []
         for bucket in ROW_BUCKETS:
-            candidates = [LinearPath.GEMM]
-            if dtype == torch.bfloat16:
-                candidates.append(LinearPath.UPCAST)
-            sample = torch.empty(bucket, timed[0].shape[1], dtype=dtype)
-            if all(kernel_takes(sample, w, None) for w in timed):
-                candidates.append(LinearPath.KERNEL)
-            # a prefill-sized product is compute-bound: one layer's weights time it
-            subset = timed if bucket <= SKINNY_MAX_ROWS else timed[:4]
-            paths.append(min(candidates, key=lambda p: _time_path(p, subset, bucket)))
+            sample = torch.empty(bucket, weights[0].shape[1], dtype=dtype)
+            if all(kernel_takes(sample, w, None) for w in weights):
+                # A few-row product streams the weights: all of them, as a step reads them (a
+                # subset would sit in a large L3 and flatter the GEMM).
+                candidates, timed = [LinearPath.KERNEL, LinearPath.GEMM], weights
+            else:
+                # A prefill-sized product is compute-bound: a layer's weights time it.
+                candidates, timed = [LinearPath.GEMM], weights[:4]
+                if dtype == torch.bfloat16:
+                    candidates.append(LinearPath.UPCAST)
+            best = {path: float("inf") for path in candidates}
+            for _ in range(2):  # alternated, so a slow moment does not pick for one path
+                for path in candidates:
+                    limit = min(best.values()) * KERNEL_PREFERENCE
+                    best[path] = min(best[path], _time_path(path, timed, bucket, limit))
+            best[LinearPath.KERNEL] = best.get(LinearPath.KERNEL, float("inf")) / KERNEL_PREFERENCE
+            paths.append(min(best, key=best.get))
         _timed[key] = paths
     if key in _timed:
         _paths[dtype] = _timed[key]

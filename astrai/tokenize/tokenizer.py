@@ -40,8 +40,13 @@ class AutoTokenizer:
     """Loads the tokenizer of a Hugging Face model directory."""
 
     @staticmethod
-    def from_pretrained(path: str | os.PathLike) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json, generation_config.json and chat templates."""
+    def from_pretrained(
+        path: str | os.PathLike, chat_template: str | os.PathLike | None = None
+    ) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json, generation_config.json and chat templates.
+
+        chat_template, a Jinja file or the template's text, replaces the model's default one.
+        """
         directory = Path(path)
         if not directory.is_dir():
             raise TokenizerError(f"{directory} is not a directory; pass a model directory")
@@ -68,10 +73,13 @@ class AutoTokenizer:
         }
         eos_token_ids = _token_ids(config.get("eos_token_id"), "tokenizer_config.json")
         eos_token_ids += _token_ids(generation.get("eos_token_id"), "generation_config.json")
+        chat_templates = _chat_templates(directory, config)
+        if chat_template is not None:
+            chat_templates["default"] = _template_text(chat_template)
         return Tokenizer(
             backend,
             special_tokens=special_tokens,
-            chat_templates=_chat_templates(directory, config),
+            chat_templates=chat_templates,
             eos_token_ids=eos_token_ids,
         )
 
@@ -235,6 +243,18 @@ def _token_ids(value: Any, source: str) -> list[int]:
             f"{source} eos_token_id must be an integer or a list of integers, got {value!r}"
         )
     return values
+
+
+def _template_text(template: str | os.PathLike) -> str:
+    """The text of a chat template given as a file or as the template itself."""
+    if isinstance(template, str) and ("{{" in template or "{%" in template):
+        return template
+    if Path(template).is_file():
+        return Path(template).read_text(encoding="utf-8")
+    raise TokenizerError(
+        f"chat template {str(template)!r} is neither a file nor Jinja template text; pass the "
+        "path of a .jinja file or the template itself"
+    )
 
 
 def _chat_templates(directory: Path, config: dict) -> dict[str, str]:

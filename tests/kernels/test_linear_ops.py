@@ -155,41 +155,60 @@ def test_a_forced_path_that_does_not_exist_is_refused(monkeypatch):
         linear(torch.randn(1, 16), torch.randn(4, 16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_tuning_times_the_candidates_and_keeps_the_fastest(monkeypatch, dtype):
-    """Every row bucket gets the path its timing found fastest, among those that can run."""
-    monkeypatch.setattr(linear_module, "_timed", {})
-    timed: list[tuple[LinearPath, int]] = []
-    fastest = {1: LinearPath.GEMM, 4: LinearPath.KERNEL, 16: LinearPath.UPCAST}
+KERNEL, GEMM, UPCAST = LinearPath.KERNEL, LinearPath.GEMM, LinearPath.UPCAST
+# rows -> path -> seconds a pass takes, for a fake clock (1.0 where not given)
+SECONDS = {
+    1: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast
+    4: {KERNEL: 1.05, GEMM: 1.0},  # the GEMM 5 % faster: not enough to leave the kernel
+    16: {KERNEL: 0.5, GEMM: 1.0},
+    256: {GEMM: 1.0, UPCAST: 0.5},
+}
 
-    def fake_time(path, weights, rows):
-        timed.append((path, rows))
-        return 0.0 if fastest.get(rows, LinearPath.GEMM) is path else 1.0
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tuning_keeps_the_fastest_path_of_each_row_bucket(monkeypatch, dtype):
+    """Up to the kernel's rows, the kernel against the GEMM on every weight, the kernel kept
+    unless the GEMM is 10 % faster; beyond, the GEMMs (bf16: also upcast) on a layer's."""
+    monkeypatch.setattr(linear_module, "_timed", {})
+    timed: list[tuple[LinearPath, int, int]] = []
+
+    def fake_time(path, weights, rows, limit):
+        timed.append((path, rows, len(weights)))
+        return SECONDS.get(rows, {}).get(path, 1.0)
 
     monkeypatch.setattr(linear_module, "_time_path", fake_time)
-    weights = [torch.randn(32, 32).to(dtype), torch.randn(64, 32).to(dtype)]
+    weights = [torch.randn(32, 32).to(dtype) for _ in range(6)]
     chosen = tune_linears(weights)
-    candidates = {LinearPath.GEMM}
-    if dtype == torch.bfloat16:
-        candidates.add(LinearPath.UPCAST)
-    if native.skinny_linear is not None:
-        candidates.add(LinearPath.KERNEL)
-    kernel_rows = {r for r in linear_module.ROW_BUCKETS if r <= SKINNY_MAX_ROWS}
+    large = {GEMM, UPCAST} if dtype == torch.bfloat16 else {GEMM}
     for rows in linear_module.ROW_BUCKETS:
-        assert {p for p, r in timed if r == rows} == (
-            candidates if rows in kernel_rows else candidates - {LinearPath.KERNEL}
+        paths = {(p, n) for p, r, n in timed if r == rows}
+        assert paths == (
+            {(KERNEL, 6), (GEMM, 6)} if rows <= SKINNY_MAX_ROWS else {(p, 4) for p in large}
         )
-        want = fastest.get(rows, LinearPath.GEMM)
-        assert chosen[rows] is (want if want in candidates else chosen[rows])
-    x1, x4 = torch.randn(1, 32).to(dtype), torch.randn(4, 32).to(dtype)
-    assert choose_path(x1, weights[0], None) is LinearPath.GEMM
-    if native.skinny_linear is not None:
-        assert choose_path(x4, weights[0], None) is LinearPath.KERNEL
+    want = {1: GEMM, 256: UPCAST if dtype == torch.bfloat16 else GEMM}
+    assert chosen == {rows: want.get(rows, KERNEL) for rows in linear_module.ROW_BUCKETS}
+    assert choose_path(torch.randn(1, 32).to(dtype), weights[0], None) is GEMM
+    assert choose_path(torch.randn(3, 32).to(dtype), weights[0], None) is KERNEL
     # timed once per process: a second engine on the same model takes the same paths
     timed.clear()
     linear_module._paths.clear()
     assert tune_linears(weights) == chosen
     assert timed == []
+
+
+def test_without_the_kernel_tuning_times_the_gemms_alone(monkeypatch):
+    monkeypatch.setattr(linear_module, "_timed", {})
+    monkeypatch.setattr(native, "skinny_linear", None)
+    monkeypatch.setattr(linear_module, "_time_path", lambda path, w, rows, limit: 1.0)
+    chosen = tune_linears([torch.randn(32, 32).bfloat16()])
+    assert set(chosen.values()) == {GEMM}
+
+
+def test_a_pass_slower_than_the_best_so_far_stops_early():
+    weights = [torch.randn(64, 64) for _ in range(8)]
+    assert linear_module._time_path(GEMM, weights, 4, limit=0.0) == float("inf")
+    assert linear_module._time_path(GEMM, weights, 4, limit=10.0) < 10.0
 
 
 def test_linear_module_keeps_nn_linear_parameters_and_trains():
