@@ -87,16 +87,31 @@ class Arena:
 
 class _KernelsOnly(TorchDispatchMode):
     """Notes every op that computes outside a kernel call: views and allocations are free,
-    astrai's custom ops are kernel calls (what they do inside is not seen)."""
+    astrai's custom ops are kernel calls (what they do inside is not seen). An op that may
+    alias its input (contiguous, reshape) counts as a view only if it did."""
 
     def __init__(self):
         super().__init__()
         self.stray: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func.namespace == "astrai" or func in _ALLOCATIONS):
+        out = func(*args, **(kwargs or {}))
+        if (
+            func.namespace != "astrai"
+            and func not in _ALLOCATIONS
+            and not _aliased(func, args, out)
+        ):
             self.stray.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _aliased(func, args, out) -> bool:
+    """Whether a view op returned views of its first argument's memory."""
+    if not func.is_view:
+        return False
+    base = args[0].untyped_storage().data_ptr()
+    outs = out if isinstance(out, tuple | list) else (out,)
+    return all(t.untyped_storage().data_ptr() == base for t in outs)
 
 
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}

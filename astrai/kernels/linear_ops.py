@@ -113,7 +113,7 @@ def _run(path: LinearPath, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor 
 @torch.library.custom_op("astrai::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     rows_shape = x.shape[:-1]
-    x = x.reshape(-1, x.shape[-1]).contiguous()
+    x = x.view(-1, x.shape[-1])
     out = new_output((x.shape[0], weight.shape[0]), x.dtype)
     _run(choose_path(x, weight, bias), out, x, weight, bias)
     return out.view(*rows_shape, weight.shape[0])
@@ -125,7 +125,9 @@ _linear_op.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weig
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), by the measured fastest path for fp32 and bf16 on the CPU."""
     if native.cpu_kernel_may_take(x, weight, bias):
-        return torch.ops.astrai.linear(x, weight, bias)
+        # Copied out here, where a recording sees the copy (and refuses to replay it), not
+        # inside the op, where a replay would read memory freed after the recording.
+        return torch.ops.astrai.linear(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
 

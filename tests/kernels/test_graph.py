@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from astrai.kernels import Arena, StepGraph, add_rms_norm, native, rms_norm, silu_and_mul
+from astrai.kernels import Arena, StepGraph, add_rms_norm, linear, native, rms_norm, silu_and_mul
 
 needs_kernels = pytest.mark.skipif(native.fused_ops is None, reason="no fused-ops kernels")
 
@@ -97,3 +97,18 @@ def test_arena_keeps_each_row_shape_in_its_place_when_a_layer_takes_one_more():
     assert third[2].data_ptr() == first[1].data_ptr()
     assert third[1].data_ptr() not in (first[0].data_ptr(), first[1].data_ptr())
     assert arena.take((8, 16), torch.float32).shape == (8, 16)
+
+
+@pytest.mark.skipif(native.skinny_linear is None, reason="no skinny-linear kernel")
+@torch.inference_mode()
+def test_a_copy_of_a_strided_input_voids_the_recording():
+    """A replay would read the copy's memory after the recording freed it: the copy must be
+    seen, outside the kernel op."""
+    weight, x = torch.randn(8, 32), torch.randn(2, 64)
+    strided, contiguous = StepGraph(Arena(max_rows=4)), StepGraph(Arena(max_rows=4))
+    with strided.record([]):
+        linear(x[:, ::2], weight)
+    rows = x[:, :32].contiguous()
+    with contiguous.record([]):
+        linear(rows, weight)
+    assert strided.stray == ["aten.contiguous.default"] and contiguous.valid
