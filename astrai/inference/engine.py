@@ -221,6 +221,17 @@ class InferenceEngine:
             device=weight.device,
             enable_prefix_cache=self.config.enable_prefix_cache,
         )
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info(
+            "weights %.0f MB %s on %s; KV cache %.0f MB: %d pages of %d tokens (%d tokens)",
+            weight_bytes / 1e6,
+            weight.dtype,
+            weight.device,
+            2 * self.cache.k_cache.nbytes / 1e6,
+            self.cache.n_pages,
+            page_size,
+            self.cache.n_pages * page_size,
+        )
         self.manager = TaskManager(self.config.max_waiting)
         self.scheduler = InferenceScheduler(
             ModelExecutor(model, self.cache), self.cache, self.manager, self.config

@@ -9,12 +9,14 @@ tensors. The model never sees it: it attends through a CacheView (astrai.inferen
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -177,6 +179,16 @@ def free_memory(device: torch.device | str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros that costs nothing until used on the CPU: calloc hands a large block out as
+    the OS's untouched zero pages, where torch.zeros writes every byte (seconds for a pool of
+    gigabytes that a short answer never touches)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class PagedCache:
     """The KV pool of fixed-size pages, shared by tasks through page tables and the prefix cache."""
 
@@ -196,8 +208,8 @@ class PagedCache:
         shape = (n_layers, n_pages, page_size, n_kv_heads, head_dim)
         # Zeros, not empty: attention reads padding slots under a mask, and NaN garbage in them
         # would still poison the softmax.
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = zeros(shape, dtype, device)
+        self.v_cache = zeros(shape, dtype, device)
         self.n_pages = n_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -310,3 +312,19 @@ PagedCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_paged_cache_state_machine = PagedCacheMachine.TestCase
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_large_pool_takes_no_memory_until_its_pages_are_written():
+    """The pool is sized for a full batch of full-length sequences, capped by the memory
+    budget, and a short answer touches a few pages: allocating must not write them all."""
+    before = resident_bytes()
+    cache = PagedCache(8, 4, 64, n_pages=8192, page_size=16)  # 2 x 1 GiB
+    assert cache.k_cache.nbytes == 1 << 30
+    assert resident_bytes() - before < 64 << 20
+    assert not cache.k_cache[:, ::997].any() and not cache.v_cache[:, ::997].any()
