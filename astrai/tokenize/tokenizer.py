@@ -37,16 +37,23 @@ SPECIAL_TOKEN_NAMES = (
 
 
 class AutoTokenizer:
-    """Loads the tokenizer of a Hugging Face model directory."""
+    """Loads the tokenizer of a Hugging Face model directory or a GGUF file."""
 
     @staticmethod
     def from_pretrained(
         path: str | os.PathLike, chat_template: str | os.PathLike | None = None
     ) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json, generation_config.json and chat templates.
+        """Read tokenizer.json, tokenizer_config.json, generation_config.json and chat templates,
+        or the metadata of a .gguf file.
 
         chat_template, a Jinja file or the template's text, replaces the model's default one.
         """
+        if Path(path).suffix == ".gguf":
+            # Imported here: the gguf package (and numpy) load only for GGUF files.
+            from astrai.tokenize.gguf_tokenizer import load_gguf_tokenizer
+
+            template = None if chat_template is None else _template_text(chat_template)
+            return load_gguf_tokenizer(path, chat_template=template)
         directory = Path(path)
         if not directory.is_dir():
             raise TokenizerError(f"{directory} is not a directory; pass a model directory")

