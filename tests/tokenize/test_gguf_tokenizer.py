@@ -27,7 +27,7 @@ TEXTS = [
     "def fib(n: int) -> int:\n    if n < 2:\n        return n\n\treturn fib(n - 1) + fib(n - 2)\n",
     "我们今天去公园散步，天气非常好。你好世界！日本語のテキスト",
     "Emoji: 😀 🚀 🎉 👍🏽 ❤️ 👨‍👩‍👧 café naïve Ωμέγα",
-    "runs of spaces:     here  and\n\n\n\nnewlines\r\n\r\n  \t  tabs   \n   ",
+    "runs of spaces:     here  and\n\n\n\nnewlines\r\n\r\n  \t  tabs   \n   end!\n\n",
     "numbers 12345, 3.14159 and 1,000,000 (x=42; y=-7) in 2024",
     "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|><|endoftext|>",
 ]
@@ -129,6 +129,38 @@ def test_chat_template_override():
     tok = AutoTokenizer.from_pretrained(GGUF_DIR / GGUF_NAME, chat_template=template)
     messages = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(messages, tokenize=False) == "[user] hi\n"
+
+
+@pytest.fixture(scope="module")
+def smollm2_vocabulary() -> dict:
+    fields = gguf.GGUFReader(GGUF_DIR / GGUF_NAME).fields
+    keys = ("tokens", "token_type", "merges")
+    return {key: fields[f"tokenizer.ggml.{key}"].contents() for key in keys}
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_other_pre_tokenizers_split_as_transformers(tmp_path, smollm2_vocabulary, pre):
+    """SmolLM2's vocabulary under another pre-tokenizer's name: the split regexes must be the
+    ones transformers uses for that name (Llama 3's and Qwen2's tokenizer.json)."""
+    writer = gguf.GGUFWriter(tmp_path / "renamed.gguf", "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(smollm2_vocabulary["tokens"])
+    writer.add_token_types(smollm2_vocabulary["token_type"])
+    writer.add_token_merges(smollm2_vocabulary["merges"])
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "renamed.gguf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="renamed.gguf")
+    text = "".join(TEXTS + SPACE_BEFORE_DIGIT_TEXTS)
+    assert tok.encode(text) == hf_tok(text)["input_ids"]
+    # SmolLM2's vocabulary has no multi-digit tokens to tell \p{N} from \p{N}{1,3}: compare the
+    # pieces the text is split into before BPE as well.
+    split = tok._backend.pre_tokenizer.pre_tokenize_str
+    assert split(text) == hf_tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
 
 
 def _write_gguf(path: Path, model: str, pre: str | None = "gpt2", eot: int | None = None) -> Path:
