@@ -74,7 +74,8 @@ class AutoModel:
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
     ) -> Transformer:
-        """Build the Transformer of a native or Hugging Face directory and load its weights.
+        """Build the Transformer of a native or Hugging Face directory, or of a .gguf file,
+        and load its weights.
 
         Every tensor's shape is checked against the config; missing, unexpected and
         mis-shaped tensors are all reported by name in one CheckpointError.
@@ -82,6 +83,11 @@ class AutoModel:
         directory = Path(path)
         dtype = resolve_dtype(dtype)
         device = torch.device(device)
+        if directory.suffix == ".gguf" and directory.is_file():
+            # Imported here: the GGUF reader builds on this module's checkpoint layout.
+            from astrai.model.weights.gguf import load_gguf
+
+            return load_gguf(directory, dtype, device)
         config = ModelConfig.from_pretrained(directory)
         raw_config = json.loads((directory / "config.json").read_text())
         native = raw_config.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE

@@ -1,0 +1,1 @@
+"""Readers of model weight formats beyond a safetensors directory."""

