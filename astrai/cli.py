@@ -125,10 +125,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model",
-        type=Path,
-        metavar="DIR",
-        help="model directory (Hugging Face Llama-family or native astrai); "
-        "default: the small demo model shipped with astrai",
+        metavar="DIR|FILE|ID",
+        help="a model directory (Hugging Face Llama-family or native astrai), a .gguf file, or "
+        "a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (from the local cache, "
+        "downloaded unless HF_HUB_OFFLINE=1); default: the small demo model shipped with astrai",
+    )
+    group.add_argument(
+        "--revision",
+        metavar="REV",
+        help="branch, tag or commit of a Hugging Face id (default: main)",
+    )
+    group.add_argument(
+        "--gguf-file",
+        metavar="NAME",
+        help="the .gguf file to load from the --model directory or Hugging Face repo",
     )
     group.add_argument(
         "--dtype",
@@ -175,7 +185,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--model-name",
-        help="model name clients must send (default: the model directory's name)",
+        help="model name clients must send (default: the hub id, or the model directory's or "
+        "file's name)",
     )
     _add_engine_flags(serve)
     serve.set_defaults(command=_serve, parser=serve, settings=(EngineConfig,))
@@ -234,11 +245,18 @@ def _parser() -> argparse.ArgumentParser:
 # -- loading ----------------------------------------------------------------------------------
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    if args.model is not None:
-        return args.model
-    log.info("no --model given; using the demo model at %s", DEMO_MODEL_DIR)
-    return DEMO_MODEL_DIR
+def _model_path(args: argparse.Namespace) -> Path:
+    """The local directory or .gguf file that --model (with --revision, --gguf-file) names."""
+    from astrai.model.weights.hub import resolve_model
+
+    name = args.model
+    if name is None:
+        log.info("no --model given; using the demo model at %s", DEMO_MODEL_DIR)
+        name = DEMO_MODEL_DIR
+    path = resolve_model(name, revision=args.revision, gguf_file=args.gguf_file)
+    if path != Path(name):
+        log.info("model %s is %s", name, path)
+    return path
 
 
 def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
@@ -266,8 +284,10 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     from astrai.server import create_app
 
-    model_dir = _model_dir(args)
-    name = args.model_name or model_dir.resolve().name
+    model_dir = _model_path(args)
+    # A hub id names the model better than its snapshot directory (a commit hash).
+    local = args.model is None or Path(args.model).exists()
+    name = args.model_name or (model_dir.resolve().name if local else args.model)
     engine = _load_engine(args, config, model_dir)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM (stops accepting, gives requests a few
     # seconds, then cancels them), then raises the signal again. Let SIGTERM unwind like
@@ -290,7 +310,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
-    with _load_engine(args, config, _model_dir(args)) as engine:
+    with _load_engine(args, config, _model_path(args)) as engine:
         prompt = args.prompt
         if args.chat:
             prompt = GenerationRequest(({"role": "user", "content": prompt},), params)
@@ -303,7 +323,7 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
 
 def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
     interactive = sys.stdin.isatty()
-    with _load_engine(args, config, _model_dir(args)) as engine:
+    with _load_engine(args, config, _model_path(args)) as engine:
         history: list[dict[str, str]] = []
         while True:
             try:
@@ -336,7 +356,7 @@ def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationPara
 
 
 def _bench(args: argparse.Namespace, config: EngineConfig) -> int:
-    with _load_engine(args, config, _model_dir(args)) as engine:
+    with _load_engine(args, config, _model_path(args)) as engine:
         rng = random.Random(args.seed)
         vocab = engine.model.config.vocab_size
         prompts = [

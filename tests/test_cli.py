@@ -423,3 +423,114 @@ def test_a_new_settings_class_refuses_bad_values(flags, message, capsys):
         knobs_parser().parse_args(flags)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# -- Hugging Face ids, from a cache made here (nothing is downloaded) -------------------------
+
+HUB_MAIN, HUB_OTHER = "a" * 40, "b" * 40
+
+
+def add_snapshot(cache: Path, repo_id: str, commit: str, files: Path, ref: str | None) -> Path:
+    """Put the files of `files` into cache as huggingface_hub lays out repo_id at commit."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for file in files.iterdir():
+        blob = repo / "blobs" / f"{commit}-{file.name}"
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory, llama_dir) -> Path:
+    """HF_HOME with org/name at two commits (main: llama_dir; HUB_OTHER: another seed) and
+    org/ggufs holding two .gguf files."""
+    from tiny_models import write_hf_model
+
+    home = tmp_path_factory.mktemp("hf_home")
+    add_snapshot(home / "hub", "org/name", HUB_MAIN, llama_dir, "main")
+    other = write_hf_model(tmp_path_factory.mktemp("llama_seed1"), "llama", seed=1)
+    add_snapshot(home / "hub", "org/name", HUB_OTHER, other, None)
+    ggufs = tmp_path_factory.mktemp("ggufs")
+    (ggufs / "m.Q4_1.gguf").write_bytes(b"GGUF")
+    (ggufs / "m.Q8_0.gguf").write_bytes(b"GGUF")
+    add_snapshot(home / "hub", "org/ggufs", HUB_MAIN, ggufs, "main")
+    return home
+
+
+def astrai_cli_offline(hf_home: Path, *args: str):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ASTRAI_API_KEY": ""}
+    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HUGGINGFACE_HUB_CACHE", None)
+    run = [sys.executable, "-m", "astrai", *args]
+    return subprocess.run(run, capture_output=True, text=True, timeout=120, env=env, cwd=REPO_ROOT)
+
+
+def test_generate_from_a_hub_id_offline_equals_the_directory(hf_home, llama_dir):
+    from_dir = astrai_cli("generate", "--model", str(llama_dir), *SMALL_ENGINE, *GREEDY, "Hello")
+    assert from_dir.returncode == 0, from_dir.stderr
+    run = astrai_cli_offline(
+        hf_home, "generate", "--model", "org/name", *SMALL_ENGINE, *GREEDY, "Hello"
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == from_dir.stdout
+    assert (
+        f"model org/name is {hf_home / 'hub' / 'models--org--name' / 'snapshots' / HUB_MAIN}"
+        in run.stderr
+    )
+
+
+def test_revision_flag_picks_another_snapshot(hf_home):
+    snapshot = hf_home / "hub" / "models--org--name" / "snapshots" / HUB_OTHER
+    from_dir = astrai_cli("generate", "--model", str(snapshot), *SMALL_ENGINE, *GREEDY, "Hello")
+    assert from_dir.returncode == 0, from_dir.stderr
+    args = ["--model", "org/name", "--revision", HUB_OTHER, *SMALL_ENGINE, *GREEDY, "Hello"]
+    run = astrai_cli_offline(hf_home, "generate", *args)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == from_dir.stdout
+    main = astrai_cli_offline(
+        hf_home, "generate", "--model", "org/name", *SMALL_ENGINE, *GREEDY, "Hello"
+    )
+    assert main.stdout != run.stdout
+
+
+def test_a_missing_hub_id_offline_is_a_clear_error(hf_home):
+    run = astrai_cli_offline(hf_home, "generate", "--model", "org/absent", "Hello")
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr
+    assert (
+        "astrai: error: model org/absent (revision main) is not in the Hugging Face cache"
+        in run.stderr
+    )
+    assert str(hf_home / "hub" / "models--org--absent") in run.stderr
+    assert "huggingface-cli download org/absent" in run.stderr
+    assert "unset HF_HUB_OFFLINE" in run.stderr
+
+
+def test_gguf_file_flag_picks_a_file_of_the_repo(hf_home, monkeypatch):
+    import importlib
+
+    import huggingface_hub.constants
+
+    from astrai.cli import _model_path
+
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    importlib.reload(huggingface_hub.constants)  # it reads the environment once, at import
+    try:
+        args = _parser().parse_args(
+            ["generate", "--model", "org/ggufs", "--gguf-file", "m.Q8_0.gguf", "Hi"]
+        )
+        snapshot = hf_home / "hub" / "models--org--ggufs" / "snapshots" / HUB_MAIN
+        assert _model_path(args) == snapshot / "m.Q8_0.gguf"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(huggingface_hub.constants)
