@@ -97,6 +97,8 @@ class _MergedStream:
     all or nothing (InferenceEngine.submit_all), because the queue must exist before the tasks.
     """
 
+    _open = 0  # until the request is submitted, so __del__ of a refused one is a no-op
+
     def __init__(
         self,
         engine: InferenceEngine,
@@ -105,7 +107,6 @@ class _MergedStream:
         put: Callable[[tuple[Task, TaskDelta | object]], None],
     ) -> None:
         self._engine = engine
-        self._open = 0  # set before submitting, so __del__ of a refused request is a no-op
         groups = engine.submit_all(prompts, params, lambda task, event: put((task, event)))
         self.tasks = [task for group in groups for task in group]
         self._index = {task.id: i for i, task in enumerate(self.tasks)}

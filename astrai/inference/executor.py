@@ -61,7 +61,7 @@ def release_openmp_workers() -> None:
     The model runs on the scheduler's thread, but the thread that built the engine usually ran
     torch ops before (loading the weights) and so owns an idle pool of OpenMP workers. With one
     more pool than the cores can hold, libgomp stops spinning at barriers and sleeps instead,
-    and every parallel op of a step pays a wake-up: a decode step took 2-3x as long.
+    and every parallel op of a step pays a wake-up (benchmarks/README.md has the cost).
     """
     try:
         pause = ctypes.CDLL(None).omp_pause_resource_all

@@ -44,6 +44,7 @@ def schedule(
     of the tasks it admits or preempts, so a test can drive it step by step.
     """
     plan = StepPlan(running=list(running))
+    hits: list[tuple[Task, int]] = []  # prefix hits, counted for tasks still admitted at the end
     for task in waiting:
         if len(plan.running) >= config.max_batch_size:
             break
@@ -59,7 +60,7 @@ def schedule(
             cache.free(task.id)
             break  # first come, first served: nobody overtakes the head of the queue
         if not forks:
-            cache.count_hit(task.num_tokens, covered)
+            hits.append((task, covered))
         task.status = TaskStatus.RUNNING
         task.num_computed = covered
         plan.running.append(task)
@@ -91,6 +92,9 @@ def schedule(
         chunk = _prompt_chunk(plan.running[0], budget, cache) if plan.running else None
         if chunk is not None:
             plan.chunks.append(chunk)
+    for task, covered in hits:
+        if task in plan.admitted:
+            cache.count_hit(task.num_tokens, covered)
     return plan
 
 

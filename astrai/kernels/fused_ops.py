@@ -1,7 +1,7 @@
 """The model's small ops -- RMSNorm with the residual add, SiLU-and-mul, rope -- one call each.
 
 For fp32 and bf16 on the CPU they run on C kernels: at batch 1 the 35 or so PyTorch ops
-between a layer's linears cost a third of a decode step in dispatch and allocation alone. A
+between a layer's linears cost much of a decode step in dispatch and allocation alone. A
 bf16 kernel computes in fp32 and rounds wherever the PyTorch formula rounds. Everything else
 (other dtypes and devices, gradients, an install without a C compiler) takes the PyTorch
 formulas, which are transformers' own op for op.

@@ -57,8 +57,8 @@ class Arena:
 
     Layer i takes its buffers from set i % 2 and reads only its own and layer i - 1's, so two
     sets serve any depth: the same memory, warm in the cache, for every layer. Within a set,
-    the n-th buffer a layer asks for of a given row shape is always the same one, so layers
-    that ask for one more (the first layer norms without a residual add) do not shift the rest.
+    the n-th buffer a layer asks for of a given row shape is always the same one, so a layer
+    that asks for one fewer (the first norms without a residual add) does not shift the rest.
     Buffers are never replaced: recorded calls hold their addresses.
     """
 
@@ -123,8 +123,8 @@ class StepGraph:
     def __init__(self, arena: Arena):
         self.arena = arena
         self.calls: list[Callable[[], object] | None] = []
-        # (index in calls, layer, q, k, v, out): rebound to each replay's attention backend
-        self.slots: list[tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []
+        # (layer, q, k, v, out) of each None in calls: bound to each replay's attention backend
+        self.slots: list[tuple[int, Tensor, Tensor, Tensor, Tensor]] = []
         self.stray: list[str] = []
 
     @property
@@ -135,9 +135,12 @@ class StepGraph:
     @contextmanager
     def record(self, layers: Sequence[nn.Module]) -> Iterator[None]:
         """Record the kernel calls run inside; each of layers starts a new arena set."""
-        hooks = [
-            layer.register_forward_pre_hook(lambda *_: self.arena.start_layer()) for layer in layers
-        ]
+
+        def start_layer(*_) -> None:
+            if getattr(_recording, "graph", None) is self:  # not another thread's forward
+                self.arena.start_layer()
+
+        hooks = [layer.register_forward_pre_hook(start_layer) for layer in layers]
         mode = _KernelsOnly()
         _recording.graph = self
         try:
@@ -157,16 +160,18 @@ class StepGraph:
             out = self.arena.take(q.shape, q.dtype)
             with _disable_current_modes():
                 backend.bind(layer_idx, q, k, v, out)()
-            self.slots.append((len(self.calls), layer_idx, q, k, v, out))
+            self.slots.append((layer_idx, q, k, v, out))
             self.calls.append(None)
             return out
 
         return attend
 
     def replay(self, backend) -> None:
-        """Run the recorded calls, attention bound to backend (which offers bind())."""
-        calls = list(self.calls)
-        for index, layer_idx, q, k, v, out in self.slots:
-            calls[index] = backend.bind(layer_idx, q, k, v, out)
-        for call in calls:
-            call()
+        """Run the recorded calls, attention bound to backend (which offers bind()) as each
+        slot is reached, so the binding sees this step's q/k/v."""
+        slots = iter(self.slots)
+        for call in self.calls:
+            if call is None:
+                backend.bind(*next(slots))()
+            else:
+                call()

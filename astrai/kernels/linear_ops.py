@@ -140,7 +140,10 @@ class Linear(nn.Linear):
 
 def _time_path(path: LinearPath, weights: Sequence[Tensor], rows: int, limit: float) -> float:
     """Seconds for one pass of rows x every weight along path; inf once it passes limit."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
+    generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
+    inputs = {
+        w.shape[1]: torch.randn(rows, w.shape[1], generator=generator).to(w.dtype) for w in weights
+    }
     outs = [torch.empty(rows, w.shape[0], dtype=w.dtype) for w in weights]
     start = time.perf_counter()
     for w, out in zip(weights, outs, strict=True):
@@ -150,6 +153,8 @@ def _time_path(path: LinearPath, weights: Sequence[Tensor], rows: int, limit: fl
     return time.perf_counter() - start
 
 
+# The most weight bytes a few-row timing pass reads: beyond the largest L3s (480 MB seen).
+STREAMED_BYTES = 1 << 30
 # The kernel's rows do not depend on the batch; another path must beat it by this much.
 KERNEL_PREFERENCE = 1.1
 
@@ -161,13 +166,20 @@ def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
     dtype = weights[0].dtype
     key = (dtype, tuple(tuple(w.shape) for w in weights))
     if dtype in native.KERNEL_DTYPES and key not in _timed and forced_path() is None:
+        streamed, size = [], 0
+        for w in weights:
+            if size >= STREAMED_BYTES:
+                break
+            streamed.append(w)
+            size += w.numel() * w.element_size()
         paths = []
         for bucket in ROW_BUCKETS:
             sample = torch.empty(bucket, weights[0].shape[1], dtype=dtype)
             if all(kernel_takes(sample, w, None) for w in weights):
-                # A few-row product streams the weights: all of them, as a step reads them (a
-                # subset would sit in a large L3 and flatter the GEMM).
-                candidates, timed = [LinearPath.KERNEL, LinearPath.GEMM], weights
+                # A few-row product streams the weights, so it is timed on as many as a step
+                # reads, up to more than a large L3 holds (a subset in the cache would flatter
+                # the GEMM), and no more, so a big model's start stays short.
+                candidates, timed = [LinearPath.KERNEL, LinearPath.GEMM], streamed
             else:
                 # A prefill-sized product is compute-bound: a layer's weights time it.
                 candidates, timed = [LinearPath.GEMM], weights[:4]

@@ -7,9 +7,9 @@ import torch
 from tiny_models import tiny_config
 
 from astrai.inference.attention import CacheView
-from astrai.inference.executor import RecordedLayers
+from astrai.inference.executor import ModelExecutor, RecordedLayers
 from astrai.inference.kv_cache import PagedCache
-from astrai.kernels import SKINNY_MAX_ROWS, StepGraph, native
+from astrai.kernels import SKINNY_MAX_ROWS, LinearPath, StepGraph, linear_ops, native
 from astrai.model import Transformer
 
 needs_kernels = pytest.mark.skipif(
@@ -170,3 +170,23 @@ def test_steps_that_cannot_be_recorded_run_the_modules(monkeypatch, case, replay
     else:
         assert recorded.steps == {3: None, 1: None}
     assert replays == []
+
+
+@needs_kernels
+def test_the_executor_times_the_linear_paths_of_its_model(monkeypatch):
+    """Building the executor (as an engine does) times the paths on the model's weights and
+    puts the fastest in use: here the GEMM for one row, the kernel up to 64."""
+    monkeypatch.setattr(linear_ops, "_timed", {})
+    gemm_wins_one_row = {(LinearPath.GEMM, 1): 0.5}
+    monkeypatch.setattr(
+        linear_ops,
+        "_time_path",
+        lambda path, weights, rows, limit: gemm_wins_one_row.get((path, rows), 1.0),
+    )
+    model = random_model(6)
+    config = model.config
+    cache = PagedCache(config.n_layers, config.n_kv_heads, config.head_dim, 8, page_size=4)
+    ModelExecutor(model, cache)
+    paths = linear_ops._paths[torch.float32]
+    assert paths[0] is LinearPath.GEMM
+    assert set(paths[1:-1]) == {LinearPath.KERNEL}

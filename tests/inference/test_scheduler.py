@@ -246,6 +246,23 @@ def test_a_prefix_hit_counts_once_when_its_task_is_admitted(make_task):
     assert (cache.stats().hit_tokens, cache.stats().lookup_tokens) == (8, 23 + 15)
 
 
+def test_a_hit_undone_in_its_step_is_not_counted(make_task):
+    """A task admitted on a prefix hit and preempted in the same step (the decodes needed its
+    pages) stays queued, and its hit is not counted: it never ran."""
+    cache = make_cache(4)
+    warm(cache, make_task(4, first=50))  # 1 page cached
+    decoding = [make_task(4, max_tokens=20, first=10 * i) for i in range(2)]
+    loop = Loop(cache, engine_config(), decoding)
+    loop.step()  # 2 full pages, 1 free: the next decodes need 2
+    lookups = cache.stats().lookup_tokens
+    hit = make_task(8, first=50)  # a 4-token hit and 1 page more: the free one
+    loop.waiting.append(hit)
+    plan = loop.step()
+    assert plan.admitted == [] and plan.preempted == [] and loop.waiting == [hit]
+    assert chunks_of(plan) == [(decoding[0], 4, 1), (decoding[1], 4, 1)]
+    assert (cache.stats().hit_tokens, cache.stats().lookup_tokens) == (0, lookups)
+
+
 @pytest.fixture(scope="module")
 def model(llama_dir):
     return AutoModel.from_pretrained(llama_dir)

@@ -197,6 +197,16 @@ def test_tuning_keeps_the_fastest_path_of_each_row_bucket(monkeypatch, dtype):
     assert timed == []
 
 
+def test_tuning_leaves_the_callers_random_state_alone(monkeypatch):
+    monkeypatch.setattr(linear_module, "_timed", {})
+    weight = torch.randn(16, 32).bfloat16()
+    torch.manual_seed(7)
+    tune_linears([weight])
+    after_tuning = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(torch.rand(3), after_tuning)
+
+
 def test_without_the_kernel_tuning_times_the_gemms_alone(monkeypatch):
     monkeypatch.setattr(linear_module, "_timed", {})
     monkeypatch.setattr(native, "skinny_linear", None)

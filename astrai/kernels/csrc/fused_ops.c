@@ -2,7 +2,7 @@
  *
  * At batch 1 a decode step's linears stream the weights at the machine's read rate, and what
  * is left of the step is some 35 PyTorch ops per layer on a few hundred floats each, every one
- * paying the dispatcher and an allocation: a third of the step (benchmarks/README.md). These
+ * paying the dispatcher and an allocation: much of the step (benchmarks/README.md). These
  * three kernels do the work of about 20 of those ops:
  *   rms_norm   (x + residual, then RMSNorm of the sum): add, pow, mean, add, rsqrt, mul, mul
  *   silu_mul   silu(gate) * up of the fused gate/up projection: chunk, silu, mul
