@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny_models import add_snapshot, write_hf_model
 
 import astrai
 from astrai.cli import DEMO_MODEL_DIR, _parser, add_flags, from_flags, main
@@ -430,27 +431,10 @@ def test_a_new_settings_class_refuses_bad_values(flags, message, capsys):
 HUB_MAIN, HUB_OTHER = "a" * 40, "b" * 40
 
 
-def add_snapshot(cache: Path, repo_id: str, commit: str, files: Path, ref: str | None) -> Path:
-    """Put the files of `files` into cache as huggingface_hub lays out repo_id at commit."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for file in files.iterdir():
-        blob = repo / "blobs" / f"{commit}-{file.name}"
-        blob.write_bytes(file.read_bytes())
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    if ref is not None:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
-
-
 @pytest.fixture(scope="module")
 def hf_home(tmp_path_factory, llama_dir) -> Path:
     """HF_HOME with org/name at two commits (main: llama_dir; HUB_OTHER: another seed) and
     org/ggufs holding two .gguf files."""
-    from tiny_models import write_hf_model
 
     home = tmp_path_factory.mktemp("hf_home")
     add_snapshot(home / "hub", "org/name", HUB_MAIN, llama_dir, "main")

