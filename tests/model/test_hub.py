@@ -116,3 +116,14 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     config.write_text("{}")
     with pytest.raises(CheckpointError, match="is a file but not a .gguf model"):
         resolve_model(config)
+
+
+def test_options_a_local_path_cannot_use_are_refused(llama_dir, tmp_path):
+    """--revision and --gguf-file must not be accepted and then ignored."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    for name in (llama_dir, gguf):
+        with pytest.raises(CheckpointError, match="--revision 'v2' applies to Hugging Face ids"):
+            resolve_model(name, revision="v2")
+    with pytest.raises(CheckpointError, match="is a file already; drop --gguf-file"):
+        resolve_model(gguf, gguf_file="other.gguf")

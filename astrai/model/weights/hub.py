@@ -33,13 +33,23 @@ def resolve_model(
     (`org/name`) as its snapshot in the Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1.
 
     With gguf_file, the path of that file inside the directory or snapshot. revision (a
-    branch, tag or commit) applies to hub ids only.
+    branch, tag or commit) applies to hub ids only: given with a local path it is refused.
     """
     path = Path(name)
+    if revision is not None and (path.is_dir() or path.is_file()):
+        raise ModelNotFoundError(
+            f"--revision {revision!r} applies to Hugging Face ids, but {str(name)!r} is a local "
+            "path; drop the revision or name the model by its hub id"
+        )
     if path.is_dir():
         return _gguf_in(path, gguf_file, str(name)) if gguf_file else path
     if path.is_file():
-        if path.suffix != ".gguf" or gguf_file:
+        if gguf_file:
+            raise ModelNotFoundError(
+                f"--gguf-file {gguf_file!r} picks a file inside a directory or hub repo, but "
+                f"{str(name)!r} is a file already; drop --gguf-file"
+            )
+        if path.suffix != ".gguf":
             raise ModelNotFoundError(
                 f"{str(name)!r} is a file but not a .gguf model; pass a model directory, a .gguf "
                 "file, or a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct"
