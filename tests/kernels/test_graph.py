@@ -39,14 +39,19 @@ def run(layers, x):
     return x, residual
 
 
+def record(layer_class, n_layers: int, x: torch.Tensor):
+    """(layers, graph, outputs): the layers' forward over x recorded into a new graph."""
+    layers = nn.ModuleList(layer_class() for _ in range(n_layers))
+    graph = StepGraph(Arena(max_rows=4))
+    with graph.record(layers):
+        outputs = run(layers, x)
+    return layers, graph, outputs
+
+
 @needs_kernels
 @torch.inference_mode()
 def test_an_op_outside_the_kernels_voids_the_recording():
-    layers = nn.ModuleList(LayerWithATenOp() for _ in range(3))
-    graph = StepGraph(Arena(max_rows=4))
-    x = torch.randn(2, 16)
-    with graph.record(layers):
-        run(layers, x)
+    _, graph, _ = record(LayerWithATenOp, 3, torch.randn(2, 16))
     assert not graph.valid, "x.repeat computes outside a kernel: the recording must not hold"
     assert graph.stray == ["aten.repeat.default"] * 3
 
@@ -54,12 +59,8 @@ def test_an_op_outside_the_kernels_voids_the_recording():
 @needs_kernels
 @torch.inference_mode()
 def test_a_recording_of_kernel_calls_alone_replays_them_on_new_inputs():
-    layers = nn.ModuleList(Layer() for _ in range(5))
-    graph = StepGraph(Arena(max_rows=4))
-    x = torch.randn(3, 16)
-    static = x.clone()
-    with graph.record(layers):
-        out, residual = run(layers, static)
+    static = torch.randn(3, 16)
+    layers, graph, (out, residual) = record(Layer, 5, static)
     assert graph.valid and len(graph.calls) == 5
     for _ in range(2):
         new = torch.randn(3, 16)
