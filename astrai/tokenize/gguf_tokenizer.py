@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
@@ -99,10 +98,13 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     """The file's tokenizer.* metadata as Python values."""
     if not path.is_file():
         raise TokenizerError(f"{path} does not exist; pass the path of a .gguf file")
+    # Imported here: the weights loader's reader is shared, so the file is parsed once.
+    from astrai.model.weights.gguf import CheckpointError, open_gguf
+
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct errors, ... on bad files
-        raise TokenizerError(f"{path} is not a readable GGUF file: {exc}") from exc
+        reader = open_gguf(path)
+    except CheckpointError as exc:
+        raise TokenizerError(str(exc)) from exc
     fields = reader.fields.items()
     metadata = {key: field.contents() for key, field in fields if key.startswith("tokenizer.")}
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):

@@ -8,6 +8,7 @@ put back in the order astrai's rotate-half RoPE expects.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -72,14 +73,38 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Transform
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """A memory-mapped reader of path, or a CheckpointError if it is not a whole GGUF file."""
+    """A memory-mapped reader of path, or a CheckpointError if it is not a whole GGUF file.
+
+    The model loader and the tokenizer both read the file: the last readers are kept, keyed by
+    the file's identity, so its metadata is parsed once.
+    """
+    stat = Path(path).stat()
+    return _reader(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
     try:
-        return GGUFReader(path)
+        return _PlainArrayReader(path)
     except (ValueError, OSError, KeyError, IndexError) as error:
         raise CheckpointError(
-            f"cannot read GGUF file {path}: {error}. The file is truncated, corrupt or not "
-            "GGUF; download it again"
+            f"cannot read GGUF file {path} ({str(error).rstrip('.')}): the file is truncated, "
+            "corrupt or not GGUF; download it again"
         ) from error
+
+
+class _PlainArrayReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its mapping. Slicing numpy's memmap subclass
+    costs microseconds each, and the reader slices several times per vocabulary token: parsing
+    a 49k-token vocabulary takes 1.5 s on a memmap, 0.5 s on the plain view."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._mapping
+
+    @data.setter
+    def data(self, mapping: np.memmap) -> None:
+        self._mapping = mapping.view(np.ndarray)
 
 
 def reader_architecture(reader: GGUFReader) -> str:
