@@ -211,10 +211,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        # Embedding's own init, N(0, 1), drawn with randn: the loaders build the model on the
-        # meta device, where Embedding's normal_ imports torch._dynamo, a second of start-up.
-        weight = torch.randn(config.vocab_size, config.dim)
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
