@@ -25,6 +25,10 @@ _MASK64 = (1 << 64) - 1
 # Below this temperature a row is greedy: the distribution is an argmax to float precision,
 # and dividing by a vanishing temperature could overflow the logits.
 MIN_TEMPERATURE = 1e-5
+# A penalised logit is kept within this: far past certainty for its token, yet small enough
+# that dividing by MIN_TEMPERATURE stays finite, so a tiny repetition_penalty cannot make an
+# inf and then the NaN that breaks the draw.
+MAX_LOGIT = 1e30
 
 
 def _splitmix64(x: int) -> int:
@@ -185,7 +189,8 @@ class PenaltyStrategy(BaseSamplingStrategy):
             seen = flat[index]
             penalty = batch.repetition_penalty[batch.prompt_and_output.rows]
             # Repeats of a token write the same value, so duplicates in index are harmless.
-            flat[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
+            penalised = torch.where(seen > 0, seen / penalty, seen * penalty)
+            flat[index] = penalised.clamp(-MAX_LOGIT, MAX_LOGIT)
         if batch.output is not None:
             assert batch.frequency_penalty is not None and batch.presence_penalty is not None
             index, counts = batch.output.flat_index(vocab_size).unique(return_counts=True)
@@ -229,8 +234,9 @@ def _nucleus_threshold(sorted_probs: Tensor, top_p: Tensor) -> tuple[Tensor, Ten
     sorted_probs [R, K] are a row's K largest probabilities, largest first, K <= V.
     """
     cumulative = sorted_probs.cumsum(dim=-1)
-    # A token is in the nucleus while the more likely ones before it fall short of top_p.
-    size = ((cumulative - sorted_probs) < top_p).sum(dim=-1, keepdim=True)
+    # A token is in the nucleus while the more likely ones before it fall short of top_p; the
+    # most likely token always is, even for a top_p that float32 rounds to 0.
+    size = ((cumulative - sorted_probs) < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
     return sorted_probs.gather(1, size - 1), cumulative[:, -1] >= top_p[:, 0]
 
 

@@ -169,15 +169,37 @@ class InferenceScheduler:
         self._apply(plan)
         if not plan.chunks:
             return False
-        try:
-            sampled = self.executor.execute(plan.chunks)
-        except Exception as exc:  # a failing step must not take the loop (and other requests) down
-            log.exception("model step failed")
-            for chunk in plan.chunks:
-                self._end(chunk.task, TaskStatus.FAILED, "error", f"model step failed: {exc}")
-            return True
-        self._post_process(plan.chunks, sampled)
+        self._post_process(*self._execute(plan.chunks))
         return True
+
+    def _execute(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], list[SampledToken]]:
+        """Run the chunks as one step: the chunks that ran and their sampled tokens.
+
+        A failing step must not take the loop, or the requests sharing the step, down: it is
+        run again one chunk at a time, so only the requests that fail alone end, with an error.
+        Rerunning is safe because nothing is committed before post-processing: a chunk writes
+        the same K/V to the same slots again.
+        """
+        try:
+            return chunks, self.executor.execute(chunks)
+        except Exception as exc:
+            if len(chunks) > 1:
+                log.warning(
+                    "a step of %d requests failed (%s); running each alone", len(chunks), exc
+                )
+            else:
+                log.exception("model step failed for task %d", chunks[0].task.id)
+                self._end(chunks[0].task, TaskStatus.FAILED, "error", f"model step failed: {exc}")
+                return [], []
+        ran: list[ScheduledChunk] = []
+        sampled: list[SampledToken] = []
+        for chunk in chunks:
+            chunk_ran, chunk_sampled = self._execute([chunk])
+            ran += chunk_ran
+            sampled += chunk_sampled
+        return ran, sampled
 
     def _cleanup(self) -> None:
         aborts = self.manager.take_aborts()
@@ -215,7 +237,12 @@ class InferenceScheduler:
                 self.cache.commit(task.id, task.all_ids, task.num_computed)
         for item in sampled:
             task = item.task
-            delta = task.append_token(item.token_id, item.logprob)
+            try:
+                delta = task.append_token(item.token_id, item.logprob)
+            except Exception as exc:  # one request's bad token must not end the others
+                log.exception("post-processing task %d failed", task.id)
+                self._end(task, TaskStatus.FAILED, "error", f"processing its token failed: {exc}")
+                continue
             self.stats.generation_tokens += 1
             self._notify(task, delta)
             if task.is_finished:
