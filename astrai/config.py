@@ -17,6 +17,9 @@ HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # One divisor per rotary frequency, as a GGUF file's rope_freqs tensor gives them (llama.cpp
+    # writes Llama 3.1's scaling that way, without the llama3 parameters it came from).
+    "frequency_factors": ("factors",),
 }
 
 
@@ -64,7 +67,7 @@ class ModelConfig:
                 f"and {self.rope_theta!r}"
             )
         if self.rope_scaling is not None:
-            _check_rope_scaling(self.rope_scaling)
+            _check_rope_scaling(self.rope_scaling, self.head_dim)
             # A private copy: the caller's dict must not be able to change a frozen config.
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
 
@@ -165,7 +168,7 @@ class ModelConfig:
         (directory / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-def _check_rope_scaling(rope_scaling: dict) -> None:
+def _check_rope_scaling(rope_scaling: dict, head_dim: int) -> None:
     rope_type = rope_scaling.get("rope_type")
     if rope_type not in ROPE_SCALING_KEYS:
         raise ConfigError(
@@ -181,8 +184,14 @@ def _check_rope_scaling(rope_scaling: dict) -> None:
             f"rope_scaling of type {rope_type!r} has unknown keys {unknown}; it takes "
             f"{list(ROPE_SCALING_KEYS[rope_type])} (rope_theta is a field of its own)"
         )
-    if not rope_scaling["factor"] > 0:
-        raise ConfigError(f"rope_scaling factor must be positive, got {rope_scaling['factor']!r}")
+    factors = rope_scaling.get("factors", [rope_scaling.get("factor")])
+    if not all(isinstance(f, (int, float)) and f > 0 for f in factors):
+        raise ConfigError(f"rope_scaling factors must be positive numbers, got {factors!r}")
+    if rope_type == "frequency_factors" and len(factors) != head_dim // 2:
+        raise ConfigError(
+            f"rope_scaling has {len(factors)} frequency factors; head_dim {head_dim} has "
+            f"{head_dim // 2} rotary frequencies"
+        )
 
 
 def _refuse_unsupported_hf(

@@ -175,6 +175,11 @@ def test_native_unknown_and_missing_fields_are_refused(tmp_path):
         ({"rope_scaling": {"rope_type": "ntk", "factor": 2.0}}, "rope_scaling type 'ntk'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0}}, "unknown"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, "must be positive numbers"),
+        (
+            {"rope_scaling": {"rope_type": "frequency_factors", "factors": [1.0, 2.0]}},
+            "2 frequency factors; head_dim 8 has 4",
+        ),
     ],
 )
 def test_invalid_native_values_are_refused(overrides, message):

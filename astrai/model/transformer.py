@@ -91,6 +91,8 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "frequency_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]

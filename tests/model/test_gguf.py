@@ -8,6 +8,7 @@ files astrai must refuse.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import real_gguf, write_hf_model
+from tiny_models import LLAMA3_ROPE, real_gguf, write_hf_model
 
 from astrai.config import ConfigError
 from astrai.model import AutoModel, CheckpointError, Transformer
@@ -162,8 +163,10 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path: Path, hf_dir: Path, arch: str, **metadata_overrides) -> Path:
-    """Write hf_dir's checkpoint as an F32 GGUF file of architecture arch."""
+def write_gguf(
+    path: Path, hf_dir: Path, arch: str, extra_tensors: dict | None = None, **metadata_overrides
+) -> Path:
+    """Write hf_dir's checkpoint (and extra_tensors) as an F32 GGUF file of architecture arch."""
     import json
 
     hf = json.loads((hf_dir / "config.json").read_text())
@@ -207,6 +210,8 @@ def write_gguf(path: Path, hf_dir: Path, arch: str, **metadata_overrides) -> Pat
                 heads = hf["num_attention_heads" if "q_proj" in module else "num_key_value_heads"]
                 array = llama_cpp_permute(array, heads)
         writer.add_tensor(gguf_name, array)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -294,3 +299,49 @@ def test_linear_rope_scaling_and_bad_scaling(tmp_path):
     yarn = write_gguf(tmp_path / "yarn.gguf", hf_dir, "llama", **{"rope.scaling.type": "yarn"})
     with pytest.raises(ConfigError, match="'yarn'.*'linear'"):
         AutoModel.from_pretrained(yarn)
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3.1's rope scaling."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama31_rope_freqs_tensor_matches_transformers_llama3_scaling(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = write_hf_model(tmp_path / "hf", "llama", seed=4, rope_scaling=dict(LLAMA3_ROPE))
+    factors = llama_cpp_rope_factors(16, 10000.0, LLAMA3_ROPE)
+    scaled = write_gguf(
+        tmp_path / "l31.gguf", hf_dir, "llama", extra_tensors={"rope_freqs.weight": factors}
+    )
+    model = AutoModel.from_pretrained(scaled)
+    assert model.config.rope_scaling == {"rope_type": "frequency_factors", "factors": [*factors]}
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.arange(3, 3 + 7 * 60, 7).remainder(500)[None]  # positions beyond 64
+    with torch.no_grad():
+        expected = reference(ids).logits
+        torch.testing.assert_close(model.forward_dense(ids), expected, atol=1e-4, rtol=1e-4)
+        # The factors matter at these positions: without them the logits are another model's.
+        unscaled = AutoModel.from_pretrained(write_gguf(tmp_path / "plain.gguf", hf_dir, "llama"))
+        assert not torch.allclose(unscaled.forward_dense(ids), expected, atol=1e-3)
+    both = write_gguf(
+        tmp_path / "both.gguf",
+        hf_dir,
+        "llama",
+        extra_tensors={"rope_freqs.weight": factors},
+        **{"rope.scaling.type": "linear", "rope.scaling.factor": 2.0},
+    )
+    with pytest.raises(ConfigError, match="both 'linear' rope scaling and a rope_freqs"):
+        AutoModel.from_pretrained(both)

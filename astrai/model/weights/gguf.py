@@ -41,6 +41,8 @@ GGUF_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Llama 3.1's rope scaling as llama.cpp stores it: a divisor for each rotary frequency.
+ROPE_FREQS = "rope_freqs.weight"
 GGUF_TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -160,11 +162,21 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
     if factor is None:  # older converters wrote only this key, for linear scaling
         factor = _metadata(reader, f"{arch}.rope.scale_linear", None)
         scaling = "linear" if factor not in (None, 1.0) else scaling
+    frequency_factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if frequency_factors is not None:
+        if scaling != "none":
+            raise ConfigError(
+                f"the file has both {scaling!r} rope scaling and a {ROPE_FREQS} tensor; astrai "
+                "reads one or the other"
+            )
+        factors = dequantize(frequency_factors.data, frequency_factors.tensor_type)
+        return {"rope_type": "frequency_factors", "factors": [float(f) for f in factors]}
     if scaling == "none":
         return None
     if scaling != "linear":
         raise ConfigError(
-            f"unsupported GGUF rope scaling type {scaling!r}; astrai reads 'linear' (or none)"
+            f"unsupported GGUF rope scaling type {scaling!r}; astrai reads 'linear', a "
+            f"{ROPE_FREQS} tensor (Llama 3.1's scaling) or none"
         )
     return {"rope_type": "linear", "factor": factor}
 
@@ -198,7 +210,7 @@ def _check(path: Path, layout, tensors: dict, config: ModelConfig) -> None:
     """Raise one CheckpointError naming every unsupported, missing, unexpected or mis-shaped
     tensor."""
     wanted = {source: shape for parts in layout.values() for source, shape in parts}
-    allowed_extra = {"output.weight"} if config.tie_weight else set()
+    allowed_extra = {ROPE_FREQS} | ({"output.weight"} if config.tie_weight else set())
     problems = []
     unsupported = sorted(
         f"{name} ({tensor.tensor_type.name})"
@@ -215,7 +227,6 @@ def _check(path: Path, layout, tensors: dict, config: ModelConfig) -> None:
         problems.append(f"missing tensors: {missing}")
     unexpected = sorted(set(tensors) - set(wanted) - allowed_extra)
     if unexpected:
-        # rope_freqs.weight is Llama 3.1's per-frequency rope scaling, which is not read yet.
         problems.append(f"unexpected tensors (not supported): {unexpected}")
     misshaped = [
         f"{source} has shape {_shape(tensors[source])}, expected {list(shape)}"
