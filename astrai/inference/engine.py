@@ -19,7 +19,6 @@ from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.task import (
     STOP,
-    EngineClosedError,
     GenerationParams,
     PromptTooLongError,
     RequestError,
@@ -252,6 +251,7 @@ class InferenceEngine:
             self.scheduler.run_forever(self._stopped)
         except BaseException as exc:
             log.exception("the scheduler loop crashed")
+            self.manager.close()
             self.scheduler.abort_all(f"the engine loop crashed: {exc}")
             self._stopped.set()
 
@@ -266,7 +266,9 @@ class InferenceEngine:
         return min(self.max_seq_len, self.cache.n_pages * self.cache.page_size)
 
     def close(self) -> None:
-        """Stop the loop; requests still in flight end with finish_reason 'abort'."""
+        """Stop the loop; requests still in flight end with finish_reason 'abort', so their
+        callers get RequestAbortedError, and a submit from now on raises EngineClosedError."""
+        self.manager.close()
         self._stopped.set()
         self.manager.wakeup.set()
         self._thread.join()
@@ -291,8 +293,6 @@ class InferenceEngine:
         Every prompt is checked and the tasks go into the queue in one step, so a refused
         prompt or a queue without room for all of them raises before any task could run.
         """
-        if self._stopped.is_set():
-            raise EngineClosedError("the engine is closed; create a new one")
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
         groups = [

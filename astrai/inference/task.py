@@ -329,6 +329,7 @@ class TaskManager:
         self._waiting: deque[Task] = deque()
         # Appending to a deque needs no lock, so abort() is safe from finalizers on any thread.
         self._aborts: deque[int] = deque()
+        self._closed = False
         self.wakeup = threading.Event()
 
     def add_tasks(self, tasks: Sequence[Task]) -> None:
@@ -339,12 +340,20 @@ class TaskManager:
                 f"{self.max_waiting}; send fewer prompts or samples (n) at once"
             )
         with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed; create a new one")
             if len(self._waiting) + len(tasks) > self.max_waiting:
                 raise QueueFullError(
                     f"the waiting queue is full ({self.max_waiting} requests); retry later"
                 )
             self._waiting.extend(tasks)
         self.wakeup.set()
+
+    def close(self) -> None:
+        """Refuse every task from now on, so none can slip in after the loop's last look at
+        the queue; the tasks already queued stay there for the loop to end."""
+        with self._lock:
+            self._closed = True
 
     def abort(self, task_id: int) -> None:
         self._aborts.append(task_id)

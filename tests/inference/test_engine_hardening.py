@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import random
 import threading
+import time
 
 import pytest
 import torch
 
-from astrai.inference import STOP, GenerationParams, InferenceEngine, SamplingPipeline
+from astrai.inference import (
+    STOP,
+    EngineClosedError,
+    GenerationParams,
+    InferenceEngine,
+    RequestAbortedError,
+    SamplingPipeline,
+)
 from astrai.inference.sample import BaseSamplingStrategy, SamplingBatch, sample
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
@@ -129,3 +139,82 @@ def test_a_failing_post_process_ends_only_its_request(model, tokenizer):
         results = run_together(engine, tokenizer, [sampled()] * 5, before_start=break_one)
     assert [r.finish_reason for r in results] == ["length"] * 2 + ["error"] + ["length"] * 2
     assert "cannot decode" in results[2].error
+
+
+def test_a_stream_cut_by_close_raises(model, tokenizer):
+    engine = make_engine(model, tokenizer, max_seq_len=1024)
+    pieces = engine.generate("Hello", max_tokens=900, ignore_eos=True, stream=True)
+    next(pieces)
+    engine.close()
+    with pytest.raises(RequestAbortedError, match="the engine shut down"):
+        for _ in pieces:
+            pass
+
+
+def test_an_async_stream_cut_by_close_raises(model, tokenizer):
+    engine = make_engine(model, tokenizer, max_seq_len=1024)
+
+    async def consume():
+        pieces = engine.generate_async("Hello", max_tokens=900, ignore_eos=True)
+        await anext(pieces)
+        await asyncio.to_thread(engine.close)
+        with pytest.raises(RequestAbortedError, match="the engine shut down"):
+            async for _ in pieces:
+                pass
+
+    asyncio.run(asyncio.wait_for(consume(), TIMEOUT))
+
+
+def outcome_in_thread(fn) -> queue.SimpleQueue:
+    """Run fn on a daemon thread (a hang must not hold the test run); its return value or
+    exception arrives on the queue."""
+    outcome: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run():
+        try:
+            outcome.put(fn())
+        except Exception as exc:
+            outcome.put(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return outcome
+
+
+def test_a_submit_between_its_check_and_close_raises_instead_of_hanging(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    add_tasks = engine.manager.add_tasks
+    checked, closed = threading.Event(), threading.Event()
+
+    def add_after_close(tasks):
+        checked.set()
+        closed.wait(TIMEOUT)
+        add_tasks(tasks)
+
+    engine.manager.add_tasks = add_after_close
+    outcome = outcome_in_thread(lambda: engine.generate("Hello", max_tokens=4))
+    assert checked.wait(TIMEOUT)
+    engine.close()
+    closed.set()
+    assert isinstance(outcome.get(timeout=TIMEOUT), EngineClosedError)
+
+
+def test_streams_racing_close_always_end(model, tokenizer):
+    """Close lands before the submit, mid-stream or after the end; each stream must end."""
+    rng = random.Random(0)
+    for _ in range(30):
+        engine = make_engine(model, tokenizer)
+        start = threading.Barrier(2)
+        delay = rng.uniform(0, 0.002)
+        stream_delay, close_delay = rng.choice([(delay, 0.0), (0.0, delay)])
+
+        def stream(engine=engine, start=start, delay=stream_delay):
+            start.wait(TIMEOUT)
+            time.sleep(delay)
+            return "".join(engine.generate("Hello", max_tokens=32, stream=True))
+
+        outcome = outcome_in_thread(stream)
+        start.wait(TIMEOUT)
+        time.sleep(close_delay)
+        engine.close()
+        ended = outcome.get(timeout=TIMEOUT)  # a hang fails here
+        assert isinstance(ended, str | RequestAbortedError | EngineClosedError), ended
