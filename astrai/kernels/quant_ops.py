@@ -1,0 +1,309 @@
+"""y = x W^T + b for W kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1), on the CPU.
+
+A batch-1 decode step is bound by reading the weights, so a 4-bit W reads a quarter of what a
+bf16 one does. Paths, as for the dense linears (linear_ops.LinearPath):
+
+- kernel: the C kernel (csrc/quant_linear.c) on the packed blocks: x quantized per 32-block to
+  int8, integer multiply-adds (AVX512-VNNI, AVX2 or portable scalar code);
+- gemm: W dequantized to x's dtype, then PyTorch's GEMM: for prefill-sized products, which are
+  bound by arithmetic, not bytes;
+- upcast: W dequantized to fp32 for an fp32 GEMM, for bf16 x where bf16 GEMMs are emulated.
+
+tune_quant_linears() times them on the model's own weights once per process (and the kernel's
+CPU paths, among those the CPU runs); ASTRAI_LINEAR_PATH forces one, as for dense linears.
+Without the C extension, W is dequantized once by the gguf package and F.linear runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, dequantize
+from torch import Tensor, nn
+
+from astrai.kernels import native
+from astrai.kernels.graph import launch, new_output
+from astrai.kernels.linear_ops import (
+    KERNEL_PREFERENCE,
+    ROW_BUCKETS,
+    SKINNY_MAX_ROWS,
+    STREAMED_BYTES,
+    LinearPath,
+    forced_path,
+)
+
+# Rows of W in one packed record (csrc/quant_linear.c describes the layout).
+GROUP = 4
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One GGUF block type as the kernel packs it: the fp16 fields before the codes (d, and m
+    for Q4_1), and the codes' bytes per block."""
+
+    qtype: GGMLQuantizationType
+    halves: int
+    code_bytes: int
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.halves + self.code_bytes
+
+
+BLOCK_TYPES = {
+    t.qtype: t
+    for t in (
+        BlockType(GGMLQuantizationType.Q8_0, halves=1, code_bytes=32),
+        BlockType(GGMLQuantizationType.Q4_0, halves=1, code_bytes=16),
+        BlockType(GGMLQuantizationType.Q4_1, halves=2, code_bytes=16),
+    )
+}
+
+
+def _record_order(codes: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """[groups, GROUP, blocks, code_bytes] -> [groups, blocks, code bytes of a record]: Q4's 16
+    bytes row after row; Q8_0's elements 0..15 of each row, then their elements 16..31."""
+    groups, _, blocks, _ = codes.shape
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes = codes.reshape(groups, GROUP, blocks, 2, 16).transpose(0, 2, 3, 1, 4)
+    else:
+        codes = codes.transpose(0, 2, 1, 3)
+    return codes.reshape(groups, blocks, -1)
+
+
+def pack_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+    """GGUF blocks of W [out_features, in_features] (any shape of uint8 holding them in order)
+    as the kernel's records: uint8 [groups, blocks, record bytes]."""
+    kind = BLOCK_TYPES[qtype]
+    out_features, in_features = shape
+    groups, nblocks = -(-out_features // GROUP), in_features // BLOCK
+    rows = np.zeros((groups * GROUP, nblocks, kind.block_bytes), np.uint8)
+    rows[:out_features] = np.asarray(blocks, np.uint8).reshape(out_features, nblocks, -1)
+    rows = rows.reshape(groups, GROUP, nblocks, kind.block_bytes)
+    scales = [
+        rows[..., 2 * h : 2 * h + 2].transpose(0, 2, 1, 3).reshape(groups, nblocks, 2 * GROUP)
+        for h in range(kind.halves)
+    ]
+    codes = _record_order(rows[..., 2 * kind.halves :], qtype)
+    return np.ascontiguousarray(np.concatenate([codes, *scales], axis=-1))
+
+
+def unpack_blocks(packed: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+    """pack_blocks undone: W's GGUF blocks, uint8 [out_features, blocks * block bytes]."""
+    kind = BLOCK_TYPES[qtype]
+    groups, nblocks, _ = packed.shape
+    code_end = GROUP * kind.code_bytes
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes = packed[..., :code_end].reshape(groups, nblocks, 2, GROUP, 16)
+        codes = codes.transpose(0, 3, 1, 2, 4).reshape(groups, GROUP, nblocks, 32)
+    else:
+        codes = packed[..., :code_end].reshape(groups, nblocks, GROUP, 16).transpose(0, 2, 1, 3)
+    scales = [
+        packed[..., code_end + 2 * GROUP * h : code_end + 2 * GROUP * (h + 1)]
+        .reshape(groups, nblocks, GROUP, 2)
+        .transpose(0, 2, 1, 3)
+        for h in range(kind.halves)
+    ]
+    rows = np.concatenate([*scales, codes], axis=-1).reshape(groups * GROUP, -1)
+    return np.ascontiguousarray(rows[: shape[0]])
+
+
+@dataclass
+class QuantizedWeight:
+    """A linear's W [out_features, in_features] in GGUF blocks, packed for the kernel."""
+
+    packed: Tensor  # uint8 [groups, blocks, record bytes]
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+    # dtype -> W dequantized, kept only where no kernel is built (the slow fallback)
+    _dense: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_gguf(cls, blocks: np.ndarray, qtype: int, shape: tuple[int, int]):
+        """From a GGUF tensor's raw bytes (GGUFReader's tensor.data); shape is
+        (out_features, in_features), the reverse of the GGUF tensor's shape."""
+        qtype = GGMLQuantizationType(qtype)
+        if qtype not in BLOCK_TYPES:
+            names = ", ".join(t.name for t in BLOCK_TYPES)
+            raise ValueError(f"{qtype.name} weights have no quantized kernel (only {names})")
+        if shape[1] % BLOCK:
+            raise ValueError(f"in_features {shape[1]} is not a multiple of {BLOCK}")
+        shape = (int(shape[0]), int(shape[1]))
+        return cls(torch.from_numpy(pack_blocks(blocks, qtype, shape)), qtype, shape)
+
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W as a dense [out_features, in_features] tensor: the C kernel's exact decoding where
+        it is built, else the gguf package's (and then kept, as the fallback reuses it)."""
+        if native.quant_linear is not None and dtype in native.KERNEL_DTYPES:
+            return _dequantize(self.packed, self.qtype, self.shape, dtype)
+        if dtype not in self._dense:
+            blocks = unpack_blocks(self.packed.numpy(), self.qtype, self.shape)
+            dense = dequantize(blocks, self.qtype).reshape(self.shape)
+            self._dense[dtype] = torch.from_numpy(dense).to(dtype)
+        return self._dense[dtype]
+
+
+# x dtype -> the path of each row bucket, set by tune_quant_linears()
+_paths: dict[torch.dtype, list[LinearPath]] = {}
+_timed: dict[tuple, list[LinearPath]] = {}
+
+
+def _untuned(dtype: torch.dtype) -> list[LinearPath]:
+    large = LinearPath.UPCAST if dtype == torch.bfloat16 else LinearPath.GEMM
+    return [LinearPath.KERNEL if b <= SKINNY_MAX_ROWS else large for b in ROW_BUCKETS]
+
+
+def choose_path(x: Tensor) -> LinearPath:
+    """The path for x [rows, in_features]: forced, else tuned (or the untuned default)."""
+    path = forced_path()
+    if path is None:
+        rows = x.shape[0]
+        paths = _paths.get(x.dtype) or _untuned(x.dtype)
+        path = next((p for b, p in zip(ROW_BUCKETS, paths, strict=True) if rows <= b), paths[-1])
+    if path is LinearPath.UPCAST and x.dtype != torch.bfloat16:
+        path = LinearPath.GEMM
+    return path
+
+
+def _dequantize(packed: Tensor, qtype: int, shape: tuple[int, int], dtype) -> Tensor:
+    """W [out_features, in_features] in dtype (fp32 or bf16) from its packed blocks, in C."""
+    out = torch.empty(shape, dtype=dtype)
+    native.quant_linear.dequantize(
+        out.data_ptr(), packed.data_ptr(), *shape, qtype, dtype == torch.bfloat16
+    )
+    return out
+
+
+def _dense_linear(
+    out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None, dtype: torch.dtype
+) -> None:
+    """out = x W^T + b by PyTorch's GEMM in dtype on W dequantized to it, rounded into out."""
+    weight = _dequantize(packed, qtype, (out.shape[1], x.shape[1]), dtype)
+    out.copy_(F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype)))
+
+
+def _run(path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None) -> None:
+    """out [rows, out_features] = x [rows, in_features] W^T + b along path."""
+    if path is LinearPath.KERNEL:
+        launch(
+            native.quant_linear.linear,
+            out.data_ptr(), x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            x.shape[0], x.shape[1], out.shape[1], qtype, x.dtype == torch.bfloat16,
+        )  # fmt: skip
+    else:
+        dtype = torch.float32 if path is LinearPath.UPCAST else x.dtype
+        launch(_dense_linear, out, x, packed, qtype, bias, dtype)
+
+
+@torch.library.custom_op("astrai::quant_linear", mutates_args=())
+def _quant_linear_op(
+    x: Tensor, packed: Tensor, qtype: int, out_features: int, bias: Tensor | None
+) -> Tensor:
+    rows_shape = x.shape[:-1]
+    x = x.view(-1, x.shape[-1])
+    out = new_output((x.shape[0], out_features), x.dtype)
+    _run(choose_path(x), out, x, packed, qtype, bias)
+    return out.view(*rows_shape, out_features)
+
+
+_quant_linear_op.register_fake(
+    lambda x, packed, qtype, out_features, bias: x.new_empty(*x.shape[:-1], out_features)
+)
+
+
+def quant_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, W, bias) for a quantized W, by the measured fastest path on the CPU."""
+    if native.quant_linear is not None and native.cpu_kernel_may_take(x, bias):
+        return torch.ops.astrai.quant_linear(
+            x.contiguous(), weight.packed, int(weight.qtype), weight.shape[0], bias
+        )
+    return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose W stays quantized: what a model builds for a quantized tensor."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return quant_linear(x, self.weight, self.bias)
+
+
+def _time_path(
+    path: LinearPath, weights: Sequence[QuantizedWeight], dtype, rows: int, limit: float
+) -> float:
+    """Seconds for one pass of rows x every weight along path; inf once it passes limit."""
+    generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
+    inputs = {
+        w.shape[1]: torch.randn(rows, w.shape[1], generator=generator).to(dtype) for w in weights
+    }
+    outs = [torch.empty(rows, w.shape[0], dtype=dtype) for w in weights]
+    start = time.perf_counter()
+    for w, out in zip(weights, outs, strict=True):
+        _run(path, out, inputs[w.shape[1]], w.packed, w.qtype, None)
+        if time.perf_counter() - start > limit:
+            return float("inf")
+    return time.perf_counter() - start
+
+
+def _fastest(timings: dict, runs: int = 2) -> object:
+    """The key of the fastest of timings' callables (each limit -> seconds), run alternately
+    so that one slow moment does not decide; the first key wins ties within KERNEL_PREFERENCE."""
+    best = dict.fromkeys(timings, float("inf"))
+    for _ in range(runs):
+        for key, timing in timings.items():
+            best[key] = min(best[key], timing(min(best.values()) * KERNEL_PREFERENCE))
+    first = next(iter(best))
+    best[first] /= KERNEL_PREFERENCE
+    return min(best, key=best.get)
+
+
+@torch.inference_mode()
+def tune_quant_linears(
+    weights: Sequence[QuantizedWeight], dtype: torch.dtype
+) -> dict[int, LinearPath]:
+    """Time the paths for x of dtype on these weights (one model's quantized linears, in
+    order; once per process) -- first the kernel's CPU paths at one row, keeping the fastest
+    -- use the fastest path per row bucket from now on, and return them {bucket: path}."""
+    key = (dtype, tuple((w.qtype, w.shape) for w in weights))
+    if native.quant_linear is not None and key not in _timed and forced_path() is None:
+        streamed, size = [], 0
+        for w in weights:  # as many as a step reads, up to past the largest L3s
+            if size >= STREAMED_BYTES:
+                break
+            streamed.append(w)
+            size += w.nbytes()
+        isas = reversed(native.quant_linear.isas())  # the widest first: it wins ties
+
+        def kernel_on(isa: str, limit: float) -> float:
+            native.quant_linear.set_isa(isa)
+            return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
+
+        native.quant_linear.set_isa(_fastest({isa: partial(kernel_on, isa) for isa in isas}))
+        paths = []
+        for bucket in ROW_BUCKETS:
+            # few rows stream the weights; many are bound by arithmetic: a layer's weights
+            timed = streamed if bucket <= SKINNY_MAX_ROWS else weights[:4]
+            candidates = [LinearPath.KERNEL, LinearPath.GEMM]
+            if dtype == torch.bfloat16:
+                candidates.append(LinearPath.UPCAST)
+            paths.append(
+                _fastest({p: partial(_time_path, p, timed, dtype, bucket) for p in candidates})
+            )
+        _timed[key] = paths
+    if key in _timed:
+        _paths[dtype] = _timed[key]
+    return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))

