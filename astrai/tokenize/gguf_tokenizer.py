@@ -56,23 +56,18 @@ def load_gguf_tokenizer(path: str | os.PathLike, chat_template: str | None = Non
     """The tokenizer of a GGUF file; chat_template (the template's text) replaces the file's."""
     metadata = _read_metadata(Path(path))
     model_type = metadata.get("tokenizer.ggml.model")
-    if model_type != "gpt2":
-        raise TokenizerError(
-            f"{path} has a {model_type!r} tokenizer (tokenizer.ggml.model); astrai reads only "
-            "GPT-2-style byte-level BPE ('gpt2') from GGUF files for now. Use the model's Hugging "
-            "Face directory (with tokenizer.json) instead"
-        )
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend = tokenizers.Tokenizer(
-        models.BPE(
-            vocab=_byte_level_vocab(tokens, token_types),
-            merges=[tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]],
-            fuse_unk=False,
+    if model_type == "gpt2":
+        backend = _byte_level_backend(metadata, tokens, token_types, path)
+    elif model_type == "llama":
+        backend = _sentencepiece_backend(metadata, tokens)
+    else:
+        raise TokenizerError(
+            f"{path} has a {model_type!r} tokenizer (tokenizer.ggml.model); astrai reads "
+            "GPT-2-style byte-level BPE ('gpt2') and SentencePiece BPE ('llama') from GGUF files. "
+            "Use the model's Hugging Face directory (with tokenizer.json) instead"
         )
-    )
-    backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "gpt2"), path)
-    backend.decoder = decoders.ByteLevel()
     # llama.cpp matches control and user-defined tokens whole in the text, before BPE.
     kinds = list(enumerate(token_types))
     backend.add_special_tokens([_added(tokens[i], True) for i, kind in kinds if kind == _CONTROL])
@@ -92,6 +87,76 @@ def load_gguf_tokenizer(path: str | os.PathLike, chat_template: str | None = Non
     return Tokenizer(
         backend, special_tokens=special_tokens, chat_templates=templates, eos_token_ids=stop_ids
     )
+
+
+def _byte_level_backend(
+    metadata: dict[str, Any], tokens: list[str], token_types: list[int], path: str | os.PathLike
+) -> tokenizers.Tokenizer:
+    """GPT-2-style BPE over bytes: the file's merges, split first by the named regexes."""
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=_byte_level_vocab(tokens, token_types),
+            merges=[tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]],
+            fuse_unk=False,
+        )
+    )
+    backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "gpt2"), path)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(metadata: dict[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
+    """SentencePiece BPE (Llama 2, Mistral): spaces spelled as U+2581 and one prefixed, unknown
+    characters as <0xNN> byte tokens, merges in order of the merged piece's score. Built as
+    transformers builds LlamaTokenizer from a GGUF file, so both give the same ids."""
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    merges = metadata.get("tokenizer.ggml.merges")
+    merges = (
+        [tuple(merge.split(" ", 1)) for merge in merges]
+        if merges
+        else _merges_by_score(vocab, metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    )
+    unknown_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=None if unknown_id is None else tokens[unknown_id],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first", split=False
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    return backend
+
+
+_SPACE = "\u2581"
+
+
+def _merges_by_score(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: every split of a piece into two pieces of
+    the vocabulary, the highest-scoring piece's first (ties: longer left part, then lower ids)."""
+    merges = []
+    for piece, score in zip(vocab, scores, strict=True):
+        splits = [
+            (piece[:cut], piece[cut:])
+            for cut in range(1, len(piece))
+            if piece[:cut] in vocab and piece[cut:] in vocab
+        ]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((left, right, score) for left, right in splits)
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _read_metadata(path: Path) -> dict[str, Any]:
@@ -153,10 +218,12 @@ def _token_at(tokens: list[str], token_id: int, key: str) -> str:
 
 def _post_processor(metadata: dict[str, Any], tokens: list[str]) -> processors.PostProcessor | None:
     """BOS/EOS added by encode(add_special_tokens=True), as the file's add_*_token flags say.
-    Without a flag none is added, as transformers does (llama.cpp adds BOS to some vocabularies)."""
+    Without a flag, BOS only for a SentencePiece vocabulary, as transformers and llama.cpp do."""
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
     eos_id = metadata.get("tokenizer.ggml.eos_token_id")
-    prefix = [bos_id] if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None else []
+    sentencepiece = metadata["tokenizer.ggml.model"] == "llama"
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", sentencepiece)
+    prefix = [bos_id] if add_bos and bos_id is not None else []
     suffix = [eos_id] if metadata.get("tokenizer.ggml.add_eos_token") and eos_id is not None else []
     if not prefix and not suffix:
         return None
