@@ -262,7 +262,8 @@ class Task:
         )
         self._text = ""  # all text decoded so far
         self._emitted = 0  # how much of _text went out through the callback
-        self._stop_matcher = params.stop_matcher
+        # The samples of one prompt differ in their seed alone: they share the first's matcher.
+        self._stop_matcher = parent._stop_matcher if parent is not None else params.stop_matcher
         self._stop_state = 0  # the matcher's state after all of _text
 
     @property

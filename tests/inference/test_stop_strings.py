@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -92,10 +93,12 @@ def test_stop_strings_are_bounded():
         GenerationParams(stop=("x" * (MAX_STOP_CHARS // 2), "y" * (MAX_STOP_CHARS // 2 + 1)))
 
 
-def test_the_matcher_is_built_once_per_params():
-    params = GenerationParams(stop=("end",))
+def test_the_matcher_is_built_once_per_request():
+    params = GenerationParams(stop=("end",), seed=1)
     first = Task([0], params, None, PieceDetokenizer([]))
-    assert Task([0], params, None, PieceDetokenizer([]))._stop_matcher is first._stop_matcher
+    again = Task([0], params, None, PieceDetokenizer([]))
+    sibling = Task([0], replace(params, seed=2), None, PieceDetokenizer([]), parent=first)
+    assert again._stop_matcher is first._stop_matcher is sibling._stop_matcher
 
 
 def lines_run(fn) -> int:
