@@ -9,15 +9,23 @@ assigned in, so no memory is spent on a random init that would be overwritten at
 from __future__ import annotations
 
 import json
+import logging
 import re
+import sys
+from collections.abc import Collection, Iterable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from astrai.config import NATIVE_MODEL_TYPE, ConfigError, ModelConfig
 from astrai.model.transformer import WEIGHTS_FILE, Transformer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {
@@ -103,13 +111,25 @@ class AutoModel:
             }
             _check(layout, files, handles, config, native)
             state = {}
-            for name, parts in layout.items():
+            for name, parts in loading(layout.items(), directory):
                 tensors = [handles[files[src]].get_tensor(src).to(dtype) for src, _ in parts]
                 state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)
         model.load_state_dict(state, strict=True, assign=True)
         # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
         model.to(device)
         return model.requires_grad_(False).eval()
+
+
+def loading(items: Collection[T], source: Path) -> Iterable[T]:
+    """items, counted on a progress bar when stderr is a terminal, announced in the log."""
+    log.info("loading %d tensors from %s", len(items), source)
+    return tqdm(
+        items,
+        desc=f"loading {source.name}",
+        unit="tensor",
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    )
 
 
 def _sources(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -212,3 +215,19 @@ def test_missing_directory_and_config(tmp_path):
         AutoModel.from_pretrained(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         AutoModel.from_pretrained(tmp_path)
+
+
+def test_loading_shows_a_progress_bar_on_a_terminal_and_a_log_line(hf_dir, monkeypatch, caplog):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with caplog.at_level(logging.INFO, logger="astrai.model.automodel"):
+        AutoModel.from_pretrained(hf_dir)
+    assert f"loading 17 tensors from {hf_dir}" in caplog.text
+    assert f"loading {hf_dir.name}:   0%|          | 0/17" in terminal.getvalue()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: the log line only
+    AutoModel.from_pretrained(hf_dir)
+    assert sys.stderr.getvalue() == ""

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from astrai.config import ConfigError, ModelConfig
-from astrai.model.automodel import CheckpointError, _sources
+from astrai.model.automodel import CheckpointError, _sources, loading
 from astrai.model.transformer import Transformer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -65,7 +65,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Transform
     _check(path, layout, tensors, config)
     permuted = reader_architecture(reader) == "llama"
     state = {}
-    for name, parts in layout.items():
+    for name, parts in loading(layout.items(), path):
         loaded = [_dequantized(tensors[src], config, dtype, permuted) for src, _ in parts]
         state[name] = (loaded[0] if len(loaded) == 1 else torch.cat(loaded)).to(device)
     model.load_state_dict(state, strict=True, assign=True)
