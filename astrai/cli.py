@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import os
 import random
-import signal
 import sys
 import time
 import typing
@@ -161,6 +160,49 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, "engine", EngineConfig)
 
 
+def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
+    from astrai.server import defaults
+
+    limits = serve.add_argument_group("production")
+    limits.add_argument(
+        "--allowed-hosts",
+        action="extend",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=[],
+        metavar="NAMES",
+        help="host names clients may send as Host besides --host, loopback names and IP "
+        "addresses (comma-separated or repeated; '*' allows any); guards against DNS rebinding",
+    )
+    limits.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.MAX_REQUEST_BYTES,
+        metavar="N",
+        help="largest request body accepted; larger ones get 413 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--read-timeout",
+        type=float,
+        default=defaults.READ_TIMEOUT,
+        metavar="SECONDS",
+        help="time a client has to send a request's headers, and again its body; slower "
+        "connections are closed (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, time running requests get to finish before they are ended "
+        "with an error; new requests get 503 meanwhile (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--docs",
+        action="store_true",
+        help="serve the API docs at /docs, /redoc and /openapi.json (behind --api-key if set)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="astrai",
@@ -188,6 +230,7 @@ def _parser() -> argparse.ArgumentParser:
         help="model name clients must send (default: the hub id, or the model directory's or "
         "file's name)",
     )
+    _add_serve_limits(serve)
     _add_engine_flags(serve)
     serve.set_defaults(command=_serve, parser=serve, settings=(EngineConfig,))
 
@@ -280,33 +323,35 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    import uvicorn
-
-    from astrai.server import create_app
+    from astrai.server import create_app, run_server
 
     model_dir = _model_path(args)
     # A hub id names the model better than its snapshot directory (a commit hash).
     local = args.model is None or Path(args.model).exists()
     name = args.model_name or (model_dir.resolve().name if local else args.model)
     engine = _load_engine(args, config, model_dir)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM (stops accepting, gives requests a few
-    # seconds, then cancels them), then raises the signal again. Let SIGTERM unwind like
-    # SIGINT instead of killing the process, so the engine below is closed in both cases.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        app = create_app(engine, name, api_key=args.api_key)
+        app = create_app(
+            engine,
+            name,
+            api_key=args.api_key,
+            allowed_hosts=[args.host, *args.allowed_hosts],
+            max_request_bytes=args.max_request_bytes,
+            read_timeout=args.read_timeout,
+            docs=args.docs,
+        )
         log.info("serving model %r%s", name, " (API key required)" if args.api_key else "")
-        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
-    except KeyboardInterrupt:
-        pass
+        # SIGINT and SIGTERM drain the server, which then returns here.
+        run_server(
+            app,
+            args.host,
+            args.port,
+            shutdown_timeout=args.shutdown_timeout,
+            header_timeout=args.read_timeout,
+        )
     finally:
-        signal.signal(signal.SIGTERM, previous)
         engine.close()
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 
 from astrai.inference import TaskResult
 from astrai.server.errors import APIError, anthropic_error_body
-from astrai.server.generation import Generation, GenerationService, check_result
+from astrai.server.generation import Generation, GenerationService
 from astrai.server.protocol import CountTokensRequest, MessagesRequest
 from astrai.server.sse import EventStreamResponse, sse_event
 
@@ -21,11 +21,13 @@ def _service(request: Request) -> GenerationService:
     return request.app.state.service
 
 
-def _prompt(service: GenerationService, body: MessagesRequest | CountTokensRequest) -> list[int]:
+async def _prompt(
+    service: GenerationService, body: MessagesRequest | CountTokensRequest
+) -> list[int]:
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     if body.system:
         messages.insert(0, {"role": "system", "content": body.system})
-    return service.chat_prompt(messages)
+    return await service.chat_prompt(messages)
 
 
 def _stop(result: TaskResult) -> dict:
@@ -50,14 +52,21 @@ def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     service = _service(request)
     service.check_model(body.model)
-    return {"input_tokens": len(_prompt(service, body))}
+    return {"input_tokens": len(await _prompt(service, body))}
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     service = _service(request)
     service.check_model(body.model)
-    prompt = _prompt(service, body)
+    # Anthropic's temperature range is narrower than the engine's.
+    if body.temperature is not None and body.temperature > 1:
+        raise APIError(
+            400,
+            f"temperature must be between 0 and 1 in the Messages API, got {body.temperature}",
+            param="temperature",
+        )
+    prompt = await _prompt(service, body)
     params = service.params(
         [prompt],
         body.max_tokens,
@@ -110,7 +119,7 @@ async def _message_events(
                 continue
             result = event.result
             try:
-                check_result(result)
+                generation.check(result)
             except APIError as exc:
                 error = anthropic_error_body(exc.status, exc.message)["error"]
                 yield sse_event("error", {"error": error})

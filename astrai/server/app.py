@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,20 +14,41 @@ from starlette.exceptions import HTTPException
 
 import astrai
 from astrai.inference import InferenceEngine
-from astrai.server import anthropic_api, openai_api
+from astrai.server import anthropic_api, defaults, openai_api
 from astrai.server.auth import APIKeyAuth
 from astrai.server.errors import APIError, error_response
 from astrai.server.generation import GenerationService
+from astrai.server.hosts import HostCheck
+from astrai.server.lifecycle import Drain, DrainGate
+from astrai.server.limits import RequestBodyLimit
 from astrai.server.metrics import RequestCounter, ServerMetrics
 
 log = logging.getLogger(__name__)
 
 
-def create_app(engine: InferenceEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """An app serving one loaded engine under model_name; api_key guards the /v1 endpoints."""
-    app = FastAPI(title="astrai", version=astrai.__version__)
+def create_app(
+    engine: InferenceEngine,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    allowed_hosts: Sequence[str] = (),
+    max_request_bytes: int = defaults.MAX_REQUEST_BYTES,
+    read_timeout: float = defaults.READ_TIMEOUT,
+    docs: bool = False,
+) -> FastAPI:
+    """An app serving one loaded engine under model_name.
+
+    api_key guards every endpoint but /health and /metrics. Requests must name a loopback host,
+    an IP address or one of allowed_hosts ("*" allows any). A body must be at most
+    max_request_bytes and arrive within read_timeout seconds. /docs, /redoc and /openapi.json
+    exist only with docs, behind the key when there is one.
+    """
+    doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
     metrics = ServerMetrics(engine)
-    app.state.service = GenerationService(engine, model_name, metrics)
+    service = GenerationService(engine, model_name, metrics)
+    app.state.service = service
+    app.state.drain = Drain(service)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
 
@@ -54,12 +77,20 @@ def create_app(engine: InferenceEngine, model_name: str, api_key: str | None = N
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request to %s failed", request.url.path)
-        return error_response(request.url.path, APIError(500, f"internal error: {exc}"))
+        # The exception's text describes the code, not the request: it goes to the log only.
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("request to %s failed (error id %s)", request.url.path, error_id)
+        message = f"the server failed on this request (error id {error_id}); its log says why"
+        return error_response(request.url.path, APIError(500, message))
 
-    # Added last, so runs first: every request is counted, 401s included.
+    # The last added runs first: count every request, then check its Host, refuse it while
+    # shutting down, check its key, and only then read its body.
+    app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes, timeout=read_timeout)
     if api_key:
         app.add_middleware(APIKeyAuth, api_key=api_key)
+    app.add_middleware(DrainGate, drain=app.state.drain)
+    if "*" not in allowed_hosts:
+        app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
     routers = (openai_api.router, anthropic_api.router, app.router)
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
     app.add_middleware(RequestCounter, metrics=metrics, routes=routes)

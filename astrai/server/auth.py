@@ -1,10 +1,13 @@
-"""API-key check for the /v1 endpoints; accepts OpenAI's and Anthropic's header alike."""
+"""API-key check for every endpoint but the probes; accepts OpenAI's and Anthropic's header."""
 
 from __future__ import annotations
 
 import hmac
 
 from astrai.server.errors import APIError, error_response
+
+# Load balancers and Prometheus probe these without a key.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
 def _presented_key(headers: dict[bytes, bytes]) -> bytes | None:
@@ -15,9 +18,10 @@ def _presented_key(headers: dict[bytes, bytes]) -> bytes | None:
 
 
 class APIKeyAuth:
-    """ASGI middleware: a /v1 request must carry `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    """ASGI middleware: a request must carry `Authorization: Bearer KEY` or `x-api-key: KEY`.
 
     It runs before routing and body parsing, so a bad key is refused whatever the body holds.
+    Only /health and /metrics are public; the API docs, when served, need the key too.
     """
 
     def __init__(self, app, api_key: str) -> None:
@@ -25,7 +29,7 @@ class APIKeyAuth:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
             presented = _presented_key(dict(scope["headers"]))
             if presented is None:
                 error = APIError(

@@ -7,9 +7,13 @@ from fastapi.responses import JSONResponse
 # Client closed the connection before the response (nginx's convention); seen only in metrics.
 CLIENT_CLOSED = 499
 
+# A 503 asks the client to come back: the queue is full or the server is shutting down.
+RETRY_AFTER_SECONDS = 1
+
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     499: "client_closed_request",
@@ -18,8 +22,10 @@ _OPENAI_TYPES = {
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "request_too_large",
     499: "client_closed_request",
     503: "overloaded_error",
 }
@@ -58,5 +64,9 @@ def error_response(path: str, error: APIError) -> JSONResponse:
         body = anthropic_error_body(error.status, error.message)
     else:
         body = openai_error_body(error.status, error.message, error.param, error.code)
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    headers = {}
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if error.status == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
     return JSONResponse(body, status_code=error.status, headers=headers)

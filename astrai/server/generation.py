@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from astrai.inference import (
+    EngineClosedError,
     GenerationError,
     GenerationParams,
     GenerationRequest,
@@ -27,6 +30,13 @@ from astrai.inference import (
 from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
 from astrai.tokenize import ChatTemplateError
+
+log = logging.getLogger(__name__)
+
+SHUTTING_DOWN = (
+    "the server is shutting down and stopped this request before it finished; "
+    "send it again, to another instance or once the server is back"
+)
 
 
 @dataclass
@@ -58,6 +68,23 @@ class Generation:
         self.num_choices = len(stream.tasks)
         self.metrics = metrics
         self.arrival = arrival
+        self.stopped_by_shutdown = False
+
+    def stop_for_shutdown(self) -> None:
+        """Abort every sample; each then ends with the shutting-down error."""
+        self.stopped_by_shutdown = True
+        self.stream.abort()
+
+    def check(self, result: TaskResult) -> None:
+        """Raise the API error of a sample that ended without finishing."""
+        try:
+            result.raise_for_status()
+        except RequestAbortedError as exc:
+            if self.stopped_by_shutdown:
+                raise APIError(503, SHUTTING_DOWN) from exc
+            raise _api_error(exc) from exc
+        except GenerationError as exc:
+            raise _api_error(exc) from exc
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """The events in arrival order; closing it early aborts every sample."""
@@ -101,7 +128,7 @@ class Generation:
             raise APIError(CLIENT_CLOSED, "the client closed the connection")
         gathering.result()
         for output in outputs:
-            check_result(output.result)
+            self.check(output.result)
         return outputs
 
     def usage(self, results: Sequence[TaskResult]) -> Usage:
@@ -112,14 +139,6 @@ class Generation:
             completion_tokens=sum(r.completion_tokens for r in results),
             cached_tokens=sum(r.cached_tokens for r in firsts),
         )
-
-
-def check_result(result: TaskResult) -> None:
-    """Raise the API error of a sample that ended without finishing."""
-    try:
-        result.raise_for_status()
-    except (GenerationError, RequestAbortedError) as exc:
-        raise _api_error(exc) from exc
 
 
 async def _client_disconnected(request: Request) -> None:
@@ -136,6 +155,14 @@ class GenerationService:
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
+        self.stopping = False
+        self._running: weakref.WeakSet[Generation] = weakref.WeakSet()
+
+    def stop_running(self) -> None:
+        """Refuse new submissions and end every running generation with the shutting-down error."""
+        self.stopping = True
+        for generation in list(self._running):
+            generation.stop_for_shutdown()
 
     @property
     def tokenizer(self):
@@ -150,15 +177,21 @@ class GenerationService:
                 code="model_not_found",
             )
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """The same encoding as InferenceEngine.generate, so greedy results match it."""
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The same encoding as InferenceEngine.generate, so greedy results match it.
+
+        Encoding runs in a worker thread: a prompt of megabytes takes seconds to tokenize, and
+        the event loop must keep serving other clients meanwhile.
+        """
+        request = GenerationRequest(tuple(messages))
         try:
-            return self.engine.encode(GenerationRequest(tuple(messages)))
+            return await asyncio.to_thread(self.engine.encode, request)
         except (RequestError, ChatTemplateError) as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
-    def text_prompt(self, text: str) -> list[int]:
-        return self.engine.encode(text)
+    async def text_prompt(self, text: str) -> list[int]:
+        """The token ids of a completion prompt, encoded off the event loop like chat_prompt."""
+        return await asyncio.to_thread(self.engine.encode, text)
 
     def params(
         self, prompts: Sequence[list[int]], max_tokens: int | None, **fields
@@ -178,23 +211,32 @@ class GenerationService:
 
     def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Generation:
         """Queue every prompt's samples or none (the engine's submit_all)."""
+        if self.stopping:
+            raise APIError(503, "the server is shutting down and takes no new requests")
         arrival = time.perf_counter()
         try:
             stream = self.engine.submit_all_async(prompts, params)
         except (RequestError, RuntimeError) as exc:
             raise _api_error(exc) from exc
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        return Generation(stream, params.n, self.metrics, arrival)
+        generation = Generation(stream, params.n, self.metrics, arrival)
+        self._running.add(generation)
+        return generation
 
 
 def _api_error(exc: RequestError | RuntimeError) -> APIError:
-    """The HTTP status and message of an engine error."""
+    """The HTTP status and message of an engine error.
+
+    The engine's own failures are logged here and answered without their text, which describes
+    the code, not the request.
+    """
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, RequestError):
         return APIError(400, str(exc))
-    if isinstance(exc, GenerationError):
-        return APIError(500, str(exc))
     if isinstance(exc, QueueFullError | RequestAbortedError):
         return APIError(503, str(exc))
-    return APIError(503, f"the engine cannot take requests: {exc}")
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, "the engine has stopped and takes no more requests")
+    log.error("a request failed in the engine: %s", exc)
+    return APIError(500, "the engine failed while generating this request; the server log says why")

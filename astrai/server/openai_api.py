@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from astrai.inference import TaskDelta, TaskResult
 from astrai.server.errors import APIError, openai_error_body
-from astrai.server.generation import Generation, GenerationService, Usage, check_result
+from astrai.server.generation import Generation, GenerationService, Usage
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest
 from astrai.server.sse import EventStreamResponse, sse_data
@@ -82,7 +82,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     service.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    prompt = service.chat_prompt([m.model_dump(include={"role", "content"}) for m in body.messages])
+    messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+    prompt = await service.chat_prompt(messages)
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -143,7 +144,7 @@ async def _stream_chunks(
                     yield chunk(entry)
             if event.result is not None:
                 try:
-                    check_result(event.result)
+                    generation.check(event.result)
                 except APIError as exc:
                     yield sse_data(openai_error_body(exc.status, exc.message, None, None))
                     yield sse_data("[DONE]")
@@ -198,13 +199,13 @@ def _chat_chunks(
     )
 
 
-def _completion_prompts(service: GenerationService, prompt) -> list[list[int]]:
+async def _completion_prompts(service: GenerationService, prompt) -> list[list[int]]:
     """A prompt may be a string, a list of strings, a list of ids or a list of id lists."""
     if isinstance(prompt, str):
-        return [service.text_prompt(prompt)]
+        return [await service.text_prompt(prompt)]
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
-    return [service.text_prompt(p) if isinstance(p, str) else list(p) for p in prompt]
+    return [await service.text_prompt(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
 @router.post("/v1/completions")
@@ -213,7 +214,7 @@ async def completions(body: CompletionRequest, request: Request):
     service.check_model(body.model)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo")
-    prompts = _completion_prompts(service, body.prompt)
+    prompts = await _completion_prompts(service, body.prompt)
     params = service.params(prompts, body.max_tokens, logprobs=body.logprobs, **_sampling(body))
     generation = service.submit(prompts, params)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time())}

@@ -6,9 +6,29 @@ server refuse the same values with the same messages.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+
+def _unicode(text: str) -> str:
+    """Refuse lone surrogates, which no tokenizer can encode.
+
+    They come from escapes such as "\\ud800" or from invalid UTF-8 in the body, which the JSON
+    decoder passes through as surrogates.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text holds an invalid character at position {exc.start} (a lone surrogate "
+            "such as \\ud800, or bytes that are not UTF-8); send valid Unicode text"
+        ) from None
+    return text
+
+
+# Text that reaches the tokenizer, a stop-string matcher or a response.
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Request(BaseModel):
@@ -20,7 +40,7 @@ def _text_of(content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _unicode(content)
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text":
@@ -29,7 +49,7 @@ def _text_of(content: Any) -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError("a text content part needs a string 'text' field")
         texts.append(part["text"])
-    return "".join(texts)
+    return _unicode("".join(texts))
 
 
 # OpenAI
@@ -52,7 +72,7 @@ class StreamOptions(_Request):
 class _OpenAISampling(_Request):
     """Fields shared by chat completions and completions."""
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -62,7 +82,7 @@ class _OpenAISampling(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,7 +99,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
 
@@ -105,7 +125,7 @@ class AnthropicMessage(_Request):
 
 
 class _AnthropicPrompt(_Request):
-    model: str | None = None
+    model: Text | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Any] | None = None
 
@@ -117,7 +137,7 @@ class _AnthropicPrompt(_Request):
 
 class MessagesRequest(_AnthropicPrompt):
     max_tokens: int
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Text] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

@@ -35,12 +35,15 @@ class _ServerThread:
     port: int
 
 
-def start_server(app) -> _ServerThread:
-    """Run app under uvicorn in a background thread; return once it accepts connections."""
+def start_server(app, **options) -> _ServerThread:
+    """Run app under uvicorn in a background thread; return once it accepts connections.
+
+    options are uvicorn.Config's, such as the http protocol class.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
