@@ -24,7 +24,8 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, dequantize
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
 from torch import Tensor, nn
 
 from astrai.kernels import native
@@ -41,89 +42,177 @@ from astrai.kernels.linear_ops import (
 # Rows of W in one packed record (csrc/quant_linear.c describes the layout).
 GROUP = 4
 BLOCK = 32
+Q = GGMLQuantizationType
 
 
 @dataclass(frozen=True)
 class BlockType:
-    """One GGUF block type as the kernel packs it: the fp16 fields before the codes (d, and m
-    for Q4_1), and the codes' bytes per block."""
+    """One GGUF block type as the kernel packs it: 32-blocks per unit (a K type's super-block),
+    and the scale fields a unit keeps per row: (name, dtype, count), in record order."""
 
     qtype: GGMLQuantizationType
-    halves: int
-    code_bytes: int
+    unit_blocks: int
+    fields: tuple[tuple[str, type, int], ...]
 
     @property
-    def block_bytes(self) -> int:
-        return 2 * self.halves + self.code_bytes
+    def unit_weights(self) -> int:
+        return BLOCK * self.unit_blocks
 
 
 BLOCK_TYPES = {
     t.qtype: t
     for t in (
-        BlockType(GGMLQuantizationType.Q8_0, halves=1, code_bytes=32),
-        BlockType(GGMLQuantizationType.Q4_0, halves=1, code_bytes=16),
-        BlockType(GGMLQuantizationType.Q4_1, halves=2, code_bytes=16),
+        BlockType(Q.Q8_0, 1, (("d", np.float16, 1),)),
+        BlockType(Q.Q4_0, 1, (("d", np.float16, 1),)),
+        BlockType(Q.Q4_1, 1, (("d", np.float16, 1), ("m", np.float16, 1))),
+        BlockType(
+            Q.Q4_K,
+            8,
+            (
+                ("sc", np.uint8, 8),
+                ("mn", np.uint8, 8),
+                ("d", np.float16, 1),
+                ("dmin", np.float16, 1),
+            ),
+        ),
+        BlockType(Q.Q6_K, 8, (("sc", np.int8, 16), ("d", np.float16, 1))),
     )
 }
 
 
-def _record_order(codes: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """[groups, GROUP, blocks, code_bytes] -> [groups, blocks, code bytes of a record]: Q4's 16
-    bytes row after row; Q8_0's elements 0..15 of each row, then their elements 16..31."""
-    groups, _, blocks, _ = codes.shape
-    if qtype == GGMLQuantizationType.Q8_0:
-        codes = codes.reshape(groups, GROUP, blocks, 2, 16).transpose(0, 2, 3, 1, 4)
-    else:
-        codes = codes.transpose(0, 2, 1, 3)
-    return codes.reshape(groups, blocks, -1)
-
-
-def pack_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
-    """GGUF blocks of W [out_features, in_features] (any shape of uint8 holding them in order)
-    as the kernel's records: uint8 [groups, blocks, record bytes]."""
+def _gguf_fields(blocks: np.ndarray, qtype, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """W's GGUF blocks decoded: codes "u" uint8 [rows, in / 32, 32] (Q8_0: its int8 bytes),
+    and each scale field [rows, units, count], as the gguf package reads them."""
     kind = BLOCK_TYPES[qtype]
-    out_features, in_features = shape
-    groups, nblocks = -(-out_features // GROUP), in_features // BLOCK
-    rows = np.zeros((groups * GROUP, nblocks, kind.block_bytes), np.uint8)
-    rows[:out_features] = np.asarray(blocks, np.uint8).reshape(out_features, nblocks, -1)
-    rows = rows.reshape(groups, GROUP, nblocks, kind.block_bytes)
-    scales = [
-        rows[..., 2 * h : 2 * h + 2].transpose(0, 2, 1, 3).reshape(groups, nblocks, 2 * GROUP)
-        for h in range(kind.halves)
-    ]
-    codes = _record_order(rows[..., 2 * kind.halves :], qtype)
-    return np.ascontiguousarray(np.concatenate([codes, *scales], axis=-1))
+    rows, units = shape[0], shape[1] // kind.unit_weights
+    b = np.asarray(blocks, np.uint8).reshape(rows * units, -1)
+
+    def halves(at: int) -> np.ndarray:
+        return b[:, at : at + 2].copy().view(np.float16).reshape(rows, units, 1)
+
+    def nibbles(qs: np.ndarray) -> np.ndarray:  # GGUF's 16 bytes per 32 weights: k, k + 16
+        return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+    if qtype == Q.Q8_0:
+        fields = {"u": b[:, 2:], "d": halves(0)}
+    elif qtype in (Q.Q4_0, Q.Q4_1):
+        fields = {"u": nibbles(b[:, -16:]), "d": halves(0)}
+        if qtype == Q.Q4_1:
+            fields["m"] = halves(2)
+    elif qtype == Q.Q4_K:  # 64 weights per 32 bytes of qs: low nibbles first, then high
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+        u = nibbles(b[:, 16:].reshape(-1, 4, 32))
+        fields = {"u": u, "sc": sc, "mn": mn, "d": halves(0), "dmin": halves(2)}
+    else:  # Q6_K: 128 weights per 64 bytes of ql (4 low bits) and 32 of qh (2 high bits)
+        ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            1, 1, 4, 1
+        )
+        u = (ql & 15).reshape(-1, 8, 32) | (qh & 3).reshape(-1, 8, 32) << 4
+        fields = {"u": u, "sc": b[:, 192:208].view(np.int8), "d": halves(208)}
+    return {
+        name: field.reshape(rows, -1, 32) if name == "u" else field.reshape(rows, units, -1)
+        for name, field in fields.items()
+    }
 
 
-def unpack_blocks(packed: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
-    """pack_blocks undone: W's GGUF blocks, uint8 [out_features, blocks * block bytes]."""
+def _dense(fields: dict[str, np.ndarray], qtype) -> np.ndarray:
+    """W [rows, in] in fp32 from its fields, in the gguf package's fp32 operations."""
+    u, rows = fields["u"], fields["u"].shape[0]
+
+    def per(scale: np.ndarray, weights: int) -> np.ndarray:  # a scale for every weight
+        return np.repeat(scale.astype(np.float32).reshape(rows, -1), weights, axis=1)
+
+    if qtype == Q.Q8_0:
+        return per(fields["d"], 32) * u.view(np.int8).reshape(rows, -1).astype(np.float32)
+    codes = u.reshape(rows, -1).astype(np.float32)
+    if qtype == Q.Q4_0:
+        return per(fields["d"], 32) * (codes - 8)
+    if qtype == Q.Q4_1:
+        return per(fields["d"], 32) * codes + per(fields["m"], 32)
+    if qtype == Q.Q4_K:
+        d = fields["d"].astype(np.float32) * fields["sc"]
+        dmin = fields["dmin"].astype(np.float32) * fields["mn"]
+        return per(d, 32) * codes - per(dmin, 32)
+    return per(fields["d"].astype(np.float32) * fields["sc"], 16) * (codes - 32)
+
+
+def _to_records(x: np.ndarray) -> np.ndarray:
+    """[rows, units, ...] -> [groups, units, GROUP, ...], rows padded to whole groups."""
+    rows = x.shape[0]
+    padded = np.zeros((-(-rows // GROUP) * GROUP, *x.shape[1:]), x.dtype)
+    padded[:rows] = x
+    padded = padded.reshape(-1, GROUP, *x.shape[1:])
+    return np.moveaxis(padded, 1, 2)
+
+
+def pack_blocks(blocks: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray:
+    """GGUF blocks of W [out_features, in_features] (any uint8 array holding them in order) as
+    the kernel's records: uint8 [groups, units, record bytes]."""
     kind = BLOCK_TYPES[qtype]
-    groups, nblocks, _ = packed.shape
-    code_end = GROUP * kind.code_bytes
-    if qtype == GGMLQuantizationType.Q8_0:
-        codes = packed[..., :code_end].reshape(groups, nblocks, 2, GROUP, 16)
-        codes = codes.transpose(0, 3, 1, 2, 4).reshape(groups, GROUP, nblocks, 32)
+    fields = _gguf_fields(blocks, qtype, shape)
+    rows, units = shape[0], shape[1] // kind.unit_weights
+    u = fields["u"].reshape(rows, units, kind.unit_blocks, 32)
+    if qtype == Q.Q8_0:  # [groups, units, 2 halves, GROUP, 16]
+        parts = [np.moveaxis(_to_records(u.reshape(rows, units, 2, 16)), 2, 3)]
+    else:  # [groups, units, blocks, GROUP, 16]: element k low, k + 16 high
+        codes = (u[..., :16] & 15) | (u[..., 16:] & 15) << 4
+        parts = [np.moveaxis(_to_records(codes), 2, 3)]
+    if qtype == Q.Q6_K:  # bits 2 f.. of part p: block 2 p + f // 2, element k + 16 (f % 2)
+        high = (u >> 4).reshape(rows, units, 4, 4, 16)  # [.., part, f, k]
+        bits = sum(high[:, :, :, f] << (2 * f) for f in range(4)).astype(np.uint8)
+        parts.append(np.moveaxis(_to_records(bits), 2, 3))
+    for name, dtype, _ in kind.fields:  # [groups, units, count, GROUP]
+        field = np.moveaxis(_to_records(fields[name].astype(dtype)), 2, 3)
+        parts.append(np.ascontiguousarray(field).view(np.uint8))
+    groups = parts[0].shape[0]
+    return np.concatenate([p.reshape(groups, units, -1) for p in parts], axis=-1)
+
+
+def _packed_fields(packed: np.ndarray, qtype, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """pack_blocks undone: the fields _gguf_fields gives."""
+    kind = BLOCK_TYPES[qtype]
+    groups, units, _ = packed.shape
+    rows, at = shape[0], 0
+
+    def take(nbytes: int, dtype=np.uint8, inner: tuple = ()) -> np.ndarray:
+        """The next nbytes of each record as [rows, units, *inner] from [*inner', GROUP]."""
+        nonlocal at
+        part = packed[..., at : at + nbytes].copy().view(dtype)
+        at += nbytes
+        part = part.reshape(groups, units, *inner)
+        return part
+
+    fields = {}
+    if qtype == Q.Q8_0:
+        u = np.moveaxis(take(128, inner=(2, GROUP, 16)), 3, 1).reshape(-1, units, 32)
     else:
-        codes = packed[..., :code_end].reshape(groups, nblocks, GROUP, 16).transpose(0, 2, 1, 3)
-    scales = [
-        packed[..., code_end + 2 * GROUP * h : code_end + 2 * GROUP * (h + 1)]
-        .reshape(groups, nblocks, GROUP, 2)
-        .transpose(0, 2, 1, 3)
-        for h in range(kind.halves)
-    ]
-    rows = np.concatenate([*scales, codes], axis=-1).reshape(groups * GROUP, -1)
-    return np.ascontiguousarray(rows[: shape[0]])
+        codes = np.moveaxis(take(64 * kind.unit_blocks, inner=(kind.unit_blocks, GROUP, 16)), 3, 1)
+        u = np.concatenate([codes & 15, codes >> 4], axis=-1).reshape(
+            -1, units, kind.unit_blocks, 32
+        )
+        if qtype == Q.Q6_K:
+            bits = np.moveaxis(take(256, inner=(4, GROUP, 16)), 3, 1).reshape(-1, units, 4, 1, 16)
+            high = bits >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1) & 3
+            u = u | (high.reshape(-1, units, 8, 32) << 4)
+    fields["u"] = u.reshape(groups * GROUP, -1, 32)[:rows]
+    for name, dtype, count in kind.fields:
+        nbytes = count * GROUP * np.dtype(dtype).itemsize
+        fields[name] = np.moveaxis(take(nbytes, dtype, (count, GROUP)), 3, 1).reshape(
+            groups * GROUP, units, count
+        )[:rows]
+    return fields
 
 
 @dataclass
 class QuantizedWeight:
     """A linear's W [out_features, in_features] in GGUF blocks, packed for the kernel."""
 
-    packed: Tensor  # uint8 [groups, blocks, record bytes]
+    packed: Tensor  # uint8 [groups, units, record bytes]
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
     # dtype -> W dequantized, kept only where no kernel is built (the slow fallback)
-    _dense: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
+    _kept: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_gguf(cls, blocks: np.ndarray, qtype: int, shape: tuple[int, int]):
@@ -133,8 +222,9 @@ class QuantizedWeight:
         if qtype not in BLOCK_TYPES:
             names = ", ".join(t.name for t in BLOCK_TYPES)
             raise ValueError(f"{qtype.name} weights have no quantized kernel (only {names})")
-        if shape[1] % BLOCK:
-            raise ValueError(f"in_features {shape[1]} is not a multiple of {BLOCK}")
+        unit = BLOCK_TYPES[qtype].unit_weights
+        if shape[1] % unit:
+            raise ValueError(f"{qtype.name}: in_features {shape[1]} is not a multiple of {unit}")
         shape = (int(shape[0]), int(shape[1]))
         return cls(torch.from_numpy(pack_blocks(blocks, qtype, shape)), qtype, shape)
 
@@ -143,14 +233,13 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W as a dense [out_features, in_features] tensor: the C kernel's exact decoding where
-        it is built, else the gguf package's (and then kept, as the fallback reuses it)."""
+        it is built, else NumPy's (and then kept, as the fallback reuses it)."""
         if native.quant_linear is not None and dtype in native.KERNEL_DTYPES:
             return _dequantize(self.packed, self.qtype, self.shape, dtype)
-        if dtype not in self._dense:
-            blocks = unpack_blocks(self.packed.numpy(), self.qtype, self.shape)
-            dense = dequantize(blocks, self.qtype).reshape(self.shape)
-            self._dense[dtype] = torch.from_numpy(dense).to(dtype)
-        return self._dense[dtype]
+        if dtype not in self._kept:
+            fields = _packed_fields(self.packed.numpy(), self.qtype, self.shape)
+            self._kept[dtype] = torch.from_numpy(_dense(fields, self.qtype)).to(dtype)
+        return self._kept[dtype]
 
 
 # x dtype -> the path of each row bucket, set by tune_quant_linears()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, GGUFReader, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
 from kernel_switch import requires_compiler
 from tiny_models import real_gguf
 from torch import Tensor
@@ -23,7 +23,6 @@ from astrai.kernels.quant_ops import (
     pack_blocks,
     quant_linear,
     tune_quant_linears,
-    unpack_blocks,
 )
 
 needs_kernel = pytest.mark.skipif(
@@ -32,20 +31,32 @@ needs_kernel = pytest.mark.skipif(
 QTYPES = list(BLOCK_TYPES)
 ISAS = ["scalar", "avx2", "avx512vnni"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# (out_features, in_features): out not a multiple of the 4-row groups or of the threads' split,
-# and an odd number of 32-blocks
-SHAPES = [(37, 96), (130, 224), (4, 32)]
+# (out_features, units of in_features): out not a multiple of the 4-row groups or of the
+# threads' split, and an odd number of 32-blocks or super-blocks
+SHAPES = [(37, 3), (130, 7), (4, 1)]
+# where each type's fp16 scales lie in its GGUF block
+HALVES = {
+    GGMLQuantizationType.Q8_0: [0],
+    GGMLQuantizationType.Q4_0: [0],
+    GGMLQuantizationType.Q4_1: [0, 2],
+    GGMLQuantizationType.Q4_K: [0, 2],
+    GGMLQuantizationType.Q6_K: [208],
+}
+
+
+def shape_of(qtype, shape) -> tuple[int, int]:
+    return shape[0], shape[1] * BLOCK_TYPES[qtype].unit_weights
 
 
 def random_blocks(qtype, shape, seed: int) -> np.ndarray:
-    """GGUF blocks of W [out, in]: random codes, and scales (Q4_1: offsets) of a real layer's."""
+    """GGUF blocks of W [out, in]: random bytes, but fp16 scales of a real layer's size."""
     rng = np.random.default_rng(seed)
-    kind = BLOCK_TYPES[qtype]
+    weights, nbytes = GGML_QUANT_SIZES[qtype]
     out_features, in_features = shape
-    blocks = rng.integers(0, 256, (out_features, in_features // 32, kind.block_bytes), np.uint8)
-    for h in range(kind.halves):
+    blocks = rng.integers(0, 256, (out_features, in_features // weights, nbytes), np.uint8)
+    for at in HALVES[qtype]:
         halves = (rng.standard_normal(blocks.shape[:2]) * 0.01).astype(np.float16)
-        blocks[..., 2 * h : 2 * h + 2] = halves[..., None].view(np.uint8)
+        blocks[..., at : at + 2] = halves[..., None].view(np.uint8)
     return blocks.reshape(out_features, -1)
 
 
@@ -111,11 +122,20 @@ def test_kernel_is_built_where_a_compiler_is():
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_packing_keeps_every_byte(qtype, shape):
+def test_packing_keeps_every_field(qtype, shape):
+    """Records hold the GGUF blocks' codes and scales, as many bytes (Q4_K: its 6-bit scales
+    as bytes), rows padded to groups of 4."""
+    shape = shape_of(qtype, shape)
     blocks = random_blocks(qtype, shape, seed=1)
     packed = pack_blocks(blocks, qtype, shape)
-    assert packed.nbytes == -(-shape[0] // 4) * 4 * blocks.shape[1]
-    assert np.array_equal(unpack_blocks(packed, qtype, shape), blocks)
+    padded = -(-shape[0] // 4) * 4 * blocks.shape[1]
+    widened = 1 + (16 - 12) / 144 if qtype == GGMLQuantizationType.Q4_K else 1
+    assert packed.nbytes == padded * widened
+    fields = quant_module._gguf_fields(blocks, qtype, shape)
+    unpacked = quant_module._packed_fields(packed, qtype, shape)
+    assert fields.keys() == unpacked.keys()
+    for name, field in fields.items():
+        assert np.array_equal(unpacked[name], field), name
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
@@ -125,7 +145,7 @@ def test_dequantize_is_gguf_exactly(monkeypatch, qtype, with_kernel):
         pytest.skip("the C quant-linear kernel was not built")
     if not with_kernel:
         monkeypatch.setattr(native, "quant_linear", None)
-    shape = (37, 224)
+    shape = shape_of(qtype, (37, 7))
     blocks = random_blocks(qtype, shape, seed=2)
     weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
     expected = torch.from_numpy(dense_weight(blocks, qtype, shape))
@@ -138,6 +158,7 @@ def test_dequantize_is_gguf_exactly(monkeypatch, qtype, with_kernel):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_kernel_matches_the_gguf_reference(isa, qtype, shape, rows, dtype):
+    shape = shape_of(qtype, shape)
     blocks = random_blocks(qtype, shape, seed=rows)
     weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
     generator = torch.Generator().manual_seed(rows)
@@ -151,10 +172,10 @@ def test_kernel_matches_the_gguf_reference(isa, qtype, shape, rows, dtype):
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_bias_is_added(isa, qtype, dtype):
-    shape = (13, 64)
+    shape = shape_of(qtype, (13, 2))
     blocks = random_blocks(qtype, shape, seed=3)
     weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
-    x = torch.randn(3, 64).to(dtype)
+    x = torch.randn(3, shape[1]).to(dtype)
     bias = torch.randn(13).to(dtype)
     check_product(kernel_product(x, weight, bias), x, dense_weight(blocks, qtype, shape), bias)
 
@@ -164,9 +185,9 @@ def test_bias_is_added(isa, qtype, dtype):
 def test_rows_do_not_depend_on_the_batch_or_the_threads(isa, qtype, dtype):
     """A row's result is bit-identical alone, in any batch (tiles of 4 rows and the rest) and
     on 1, 2 or 3 threads (groups split unevenly)."""
-    shape = (37, 96)
+    shape = shape_of(qtype, (37, 3))
     weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, seed=4), qtype, shape)
-    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x = torch.randn(11, shape[1], generator=torch.Generator().manual_seed(4)).to(dtype)
     threads = torch.get_num_threads()
     try:
         outs = []
@@ -206,16 +227,16 @@ def forced_path(request, monkeypatch) -> LinearPath:
 def test_op_on_every_path(forced_path, qtype, dtype, rows):
     """The op (leading dimensions, strided x, bias) on each path: the kernel's quantized
     product, or a GEMM on W dequantized to x's dtype (gemm) or to fp32 (upcast)."""
-    shape = (21, 64)
+    shape = shape_of(qtype, (21, 1))
     blocks = random_blocks(qtype, shape, seed=5)
     layer = QuantizedLinear(QuantizedWeight.from_gguf(blocks, qtype, shape), torch.randn(21))
     layer.bias.data = layer.bias.data.to(dtype)
-    x = torch.randn(rows, 2, 128).to(dtype)[:, :, ::2]  # [rows, 2, 64], not contiguous
+    x = torch.randn(rows, 2, 2 * shape[1]).to(dtype)[:, :, ::2]  # [rows, 2, in], strided
     y = layer(x)
     assert y.shape == (rows, 2, 21) and y.dtype == dtype
     weight = torch.from_numpy(dense_weight(blocks, qtype, shape))
     if forced_path is LinearPath.KERNEL:
-        check_product(y.reshape(-1, 21), x.reshape(-1, 64), weight.numpy(), layer.bias)
+        check_product(y.reshape(-1, 21), x.reshape(-1, shape[1]), weight.numpy(), layer.bias)
     else:
         if forced_path is LinearPath.GEMM:
             weight = weight.to(dtype)
@@ -228,18 +249,20 @@ def test_op_on_every_path(forced_path, qtype, dtype, rows):
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_without_the_kernel_w_is_dequantized_once(monkeypatch, qtype):
     monkeypatch.setattr(native, "quant_linear", None)
-    shape = (10, 64)
+    shape = shape_of(qtype, (10, 2))
     blocks = random_blocks(qtype, shape, seed=6)
     weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
-    x = torch.randn(3, 64)
+    x = torch.randn(3, shape[1])
     expected = F.linear(x, torch.from_numpy(dense_weight(blocks, qtype, shape)))
     assert torch.equal(quant_linear(x, weight), expected)
     assert weight.dequantize(torch.float32) is weight.dequantize(torch.float32)
 
 
-def test_types_without_a_kernel_are_refused():
+def test_types_and_shapes_without_a_kernel_are_refused():
     with pytest.raises(ValueError, match="Q5_K weights have no quantized kernel"):
         QuantizedWeight.from_gguf(np.zeros(176, np.uint8), GGMLQuantizationType.Q5_K, (1, 256))
+    with pytest.raises(ValueError, match="Q4_K: in_features 576 is not a multiple of 256"):
+        QuantizedWeight.from_gguf(np.zeros(324, np.uint8), GGMLQuantizationType.Q4_K, (1, 576))
 
 
 @needs_kernel
@@ -248,8 +271,11 @@ def test_tuning_picks_a_path_per_bucket_and_a_cpu_path(monkeypatch, dtype):
     monkeypatch.setattr(quant_module, "_paths", {})
     monkeypatch.setattr(quant_module, "_timed", {})
     before = native.quant_linear.isa()
-    shape = (64, 128)
-    weights = [QuantizedWeight.from_gguf(random_blocks(t, shape, seed=7), t, shape) for t in QTYPES]
+    weights = []
+    for qtype in QTYPES:
+        shape = shape_of(qtype, (64, 1))
+        blocks = random_blocks(qtype, shape, seed=7)
+        weights.append(QuantizedWeight.from_gguf(blocks, qtype, shape))
     try:
         paths = tune_quant_linears(weights, dtype)
         assert native.quant_linear.isa() in native.quant_linear.isas()

@@ -1,27 +1,38 @@
-/* y = x W^T + b for a few rows of x, W in GGUF's 32-weight blocks: Q8_0, Q4_0, Q4_1.
+/* y = x W^T + b for a few rows of x, W in GGUF's quantized blocks: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K.
  *
  * A decode step's linears are bound by reading W, and a 4-bit W is a quarter of the bytes of
  * bf16. Nothing here widens W to floats: each 32-block of a row of x is quantized to int8 with
- * one fp32 scale dx (dx = max|x| / 127), and a block's product is an integer dot product of the
- * weight codes with those int8 values, scaled once:
+ * one fp32 scale dx (dx = max|x| / 127), and a block's product is an integer dot product of
+ * W's codes with those int8 values, scaled once. Every type is written as unsigned codes u, a
+ * scale d per 16 or 32 weights, an integer offset c and a float offset m per 32-block:
  *
- *     sum_j w_j x_j ~= sum_j (d u_j + m) dx q_j = d dx (u . q) + m sx,   sx = dx sum_j q_j
+ *     w = d (u - c) + m          sum_j w_j x_j ~= d dx (u . q - c sum q) + m sx,  sx = dx sum q
  *
- * with every type written as unsigned codes u, a scale d and an offset m per block:
- * Q4_1 (w = d u + m, u in 0..15), Q4_0 (w = d (u - 8): m = -8 d) and Q8_0 (w = d s, s signed:
- * u = s + 128, m = -128 d). Unsigned codes against signed x are what the CPUs' int8
- * multiply-adds take (AVX512-VNNI vpdpbusd, AVX2 vpmaddubsw).
+ *   Q4_0  u = 4-bit, c = 8                       Q8_0  u = s + 128, c = 128 (s: GGUF's int8)
+ *   Q4_1  u = 4-bit, m per block                 Q6_K  u = 6-bit, c = 32, d = d_super * sc16
+ *   Q4_K  u = 4-bit, d = d_super * sc, m = -dmin_super * mn (6-bit sc, mn per 32-block)
+ *
+ * Unsigned codes against signed x are what the CPUs' int8 multiply-adds take (AVX512-VNNI
+ * vpdpbusd, AVX2 vpmaddubsw); c sum q depends on x alone and is computed with x's quantization,
+ * where it seeds the integer accumulator.
  *
  * Packed layout (quant_ops.pack_blocks makes it from GGUF blocks at load). W's rows are taken
- * GROUP = 4 at a time (the last group padded with zero rows); a group is one record per
- * 32-block, records in block order, groups one after the other, so a thread streams one
- * contiguous range:
- *   Q4_0, Q4_1: 64 bytes of codes, row r's 16 GGUF bytes at 16 r (byte k: element k in the
- *               low nibble, element k + 16 in the high one), then fp16 d[4], (Q4_1) fp16 m[4].
- *   Q8_0:       row r's elements 0..15 at 16 r, its elements 16..31 at 64 + 16 r, then d[4].
- * Records are as many bytes as the GGUF blocks they hold (72, 80, 136 for 4 rows), and one
- * 512-bit load gives the 4 rows' codes for 16 elements each, which vpdpbusd multiplies with
- * those 16 x values broadcast to each 128-bit lane: the 4 rows of a group in one instruction.
+ * GROUP = 4 at a time (the last group padded with zero rows); a group is one record per unit
+ * (a 32-block, or a K type's 256-weight super-block), records in order, groups one after the
+ * other, so a thread streams one contiguous range. In a record, 64 bytes hold the 4 rows' codes
+ * of a 32-block: row r's 16 bytes at 16 r, byte k with element k in the low nibble and element
+ * k + 16 in the high one. One 512-bit load thus gives 16 elements of each of 4 rows, and one
+ * vpdpbusd against those 16 x values broadcast to each 128-bit lane does the 4 rows at once.
+ * Then per type (scale arrays are [unit's sub-blocks][4 rows]):
+ *   Q4_0  codes, fp16 d[4]                                                         72 bytes
+ *   Q4_1  codes, fp16 d[4], fp16 m[4]                                              80
+ *   Q8_0  row r's bytes 0..15 at 16 r, its bytes 16..31 at 64 + 16 r, fp16 d[4]   136
+ *   Q4_K  8 x codes, u8 sc[8][4], u8 mn[8][4], fp16 d[4], fp16 dmin[4]            592
+ *   Q6_K  8 x low 4 bits as codes, 4 x 64 bytes of high 2 bits (bits 2 f..2 f + 1 of byte
+ *         16 r + k: block 2 p + f / 2 of the record's 64-byte part p, element k + 16 (f % 2)),
+ *         i8 sc[16][4] (per 16 weights), fp16 d[4]                               840
+ * Records are as many bytes as the GGUF blocks they hold, but Q4_K's (+3 %: 6-bit scales
+ * widened to bytes).
  *
  * Threads split the groups into contiguous ranges; each group is read from memory once and
  * serves every row of x from the L1 cache. Each output is summed in the same order whatever
@@ -37,7 +48,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "module.h"
 #include "vec8.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -52,9 +62,27 @@
 #endif
 
 /* GGML's type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 #define QK 32
 #define GROUP 4
+
+/* 32-blocks per unit and bytes per record, by type */
+static int unit_blocks(int qtype) { return qtype == Q4_K || qtype == Q6_K ? 8 : 1; }
+
+static int64_t record_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_0: return 72;
+    case Q4_1: return 80;
+    case Q8_0: return 136;
+    case Q4_K: return 592;
+    default: return 840;
+    }
+}
+
+/* the integer offset c (see the top) */
+static int code_offset(int qtype) {
+    return qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32 : 0;
+}
 
 enum isa { SCALAR, AVX2, AVX512VNNI };
 static const char *const isa_names[] = {"scalar", "avx2", "avx512vnni"};
@@ -74,50 +102,65 @@ static int isa_runs(enum isa isa) {
     return isa == SCALAR;
 }
 
-static int64_t record_bytes(int qtype) {
-    return qtype == Q8_0 ? 128 + 2 * GROUP : qtype == Q4_1 ? 64 + 4 * GROUP : 64 + 2 * GROUP;
-}
-
-static float half_to_float(uint16_t h) {
+static float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = h >> 10 & 0x1f,
                    mantissa = h & 0x3ff;
     if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in fp32 */
         const float f = ldexpf((float)mantissa, -24);
         return sign ? -f : f;
     }
-    const uint32_t bits =
-        sign | (exponent == 31 ? 0x7f800000 | mantissa << 13 : (exponent + 112) << 23 | mantissa << 13);
+    const uint32_t bits = sign | (exponent == 31 ? 0x7f800000 | mantissa << 13
+                                                 : (exponent + 112) << 23 | mantissa << 13);
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-/* Row r's code u (see the top) for element j of a record, and its block's d and m. */
-static int code(const uint8_t *rec, int qtype, int r, int j) {
-    if (qtype == Q8_0) return (int8_t)rec[(j < 16 ? 16 * r + j : 64 + 16 * r + j - 16)] + 128;
-    const uint8_t byte = rec[16 * r + (j & 15)];
-    return j < 16 ? byte & 15 : byte >> 4;
+/* Row r's code u of element k of 32-block j of a record. */
+static int code(const uint8_t *rec, int qtype, int r, int j, int k) {
+    if (qtype == Q8_0) return (uint8_t)(rec[k < 16 ? 16 * r + k : 64 + 16 * r + k - 16] ^ 0x80);
+    const uint8_t byte = rec[64 * j + 16 * r + k % 16];
+    const int low = k < 16 ? byte & 15 : byte >> 4;
+    if (qtype != Q6_K) return low;
+    const int f = 2 * (j % 2) + k / 16;
+    return low | (rec[512 + 64 * (j / 2) + 16 * r + k % 16] >> 2 * f & 3) << 4;
 }
 
-static void block_scales(const uint8_t *rec, int qtype, int r, float *d, float *m) {
-    const uint8_t *halves = rec + (qtype == Q8_0 ? 128 : 64);
-    uint16_t h;
-    memcpy(&h, halves + 2 * r, 2);
-    *d = half_to_float(h);
-    if (qtype == Q4_1) {
-        memcpy(&h, halves + 2 * (GROUP + r), 2);
-        *m = half_to_float(h);
-    } else {
-        *m = (qtype == Q8_0 ? -128.0f : -8.0f) * *d;
+/* Row r's scales of 32-block j of a record: d of its two halves, and m. */
+static void block_scales(const uint8_t *rec, int qtype, int r, int j, float d[2], float *m) {
+    *m = 0.0f;
+    switch (qtype) {
+    case Q4_K:
+        d[0] = d[1] = half_to_float(rec + 576 + 2 * r) * rec[512 + 4 * j + r];
+        *m = -(half_to_float(rec + 584 + 2 * r) * rec[544 + 4 * j + r]);
+        return;
+    case Q6_K:
+        for (int h = 0; h < 2; h++)
+            d[h] = half_to_float(rec + 832 + 2 * r) * (int8_t)rec[768 + 4 * (2 * j + h) + r];
+        return;
+    default:
+        d[0] = d[1] = half_to_float(rec + (qtype == Q8_0 ? 128 : 64) + 2 * r);
+        if (qtype == Q4_1) *m = half_to_float(rec + 72 + 2 * r);
     }
 }
 
-/* One row of x (fp32 or bf16) as int8 per 32-block: q[in], and scales[2 * block] = dx, sx.
- * Every operation is one IEEE rounding, so NumPy reproduces it exactly (the tests do): x / dx
- * is rounded to the nearest integer, ties to even, by adding and subtracting 1.5 * 2^23 (exact
- * below 2^22 in magnitude, and |x / dx| <= 127). */
-static inline __attribute__((always_inline)) void quantize(int8_t *q, float *scales,
-                                                            const void *x, int64_t in,
+/* A 32-block of a row of x as the kernels read it. */
+struct xblock {
+    int8_t q[QK];
+    float dx, sx;  /* x ~= dx q; sx = dx sum q */
+    int32_t lanes[8]; /* -c times the sums of q over elements 4 i..4 i + 3 and 16 + 4 i.. (i <
+                         4): both in lane i (one accumulator takes both halves), or, for Q6_K
+                         (a scale per half), the first half's in lane i, the second's in 4 + i */
+};
+
+/* One row of x (fp32 or bf16) as xblocks for codes offset by c. Every operation is one IEEE
+ * rounding, so NumPy reproduces it exactly (the tests do): x / dx is rounded to the nearest
+ * integer, ties to even, by adding and subtracting 1.5 * 2^23 (exact below 2^22 in magnitude,
+ * and |x / dx| <= 127). */
+static inline __attribute__((always_inline)) void quantize(struct xblock *out, const void *x,
+                                                            int64_t in, int c, int halves,
                                                             const int is_bf16) {
     const vec8 round = (vec8){0.0f} + 12582912.0f;
     for (int64_t b = 0; b < in / QK; b++) {
@@ -130,27 +173,37 @@ static inline __attribute__((always_inline)) void quantize(int8_t *q, float *sca
         float max = 0.0f;
         for (int l = 0; l < LANES; l++) max = amax[l] > max ? amax[l] : max;
         const float dx = max / 127.0f, inverse = dx != 0.0f ? 1.0f / dx : 0.0f;
-        int8v sum = {0};
+        int sum = 0;
         for (int k = 0; k < QK / LANES; k++) {
             const int8v qk = __builtin_convertvector((v[k] * inverse + round) - round, int8v);
-            sum += qk;
-            for (int l = 0; l < LANES; l++) q[b * QK + k * LANES + l] = (int8_t)qk[l];
+            for (int l = 0; l < LANES; l++) {
+                out[b].q[k * LANES + l] = (int8_t)qk[l];
+                sum += qk[l];
+            }
         }
-        int total = 0;
-        for (int l = 0; l < LANES; l++) total += sum[l];
-        scales[2 * b] = dx;
-        scales[2 * b + 1] = dx * (float)total;
+        out[b].dx = dx;
+        out[b].sx = dx * (float)sum;
+        for (int i = 0; i < 8; i++) out[b].lanes[i] = 0;
+        for (int e = 0; e < QK; e++)
+            out[b].lanes[e % 16 / 4 + (halves && e >= 16 ? 4 : 0)] -= c * out[b].q[e];
     }
 }
 
-FP32_AND_BF16(quantize, (int8_t *q, float *scales, const void *x, int64_t in), q, scales, x, in)
+VECTOR_CLONES static void quantize_fp32(struct xblock *out, const void *x, int64_t in, int c,
+                                        int halves) {
+    quantize(out, x, in, c, halves, 0);
+}
+
+VECTOR_CLONES static void quantize_bf16(struct xblock *out, const void *x, int64_t in, int c,
+                                        int halves) {
+    quantize(out, x, in, c, halves, 1);
+}
 
 /* What every path reads: the packed W, the quantized x and where results go. */
 struct call {
     void *out;
     const uint8_t *w;
-    const int8_t *xq;   /* [rows, in] */
-    const float *xs;    /* [rows, in / 32, 2]: dx, sx */
+    const struct xblock *x; /* [rows, in / 32] */
     const void *bias;
     int64_t rows, blocks, n_out, rec_bytes;
     int qtype, is_bf16;
@@ -169,73 +222,129 @@ static void store(const struct call *c, int64_t m, int64_t n, float dot) {
 
 /* The portable path: correct everywhere, and the plainest statement of the arithmetic. */
 static void group_scalar(const struct call *c, int64_t g) {
-    const uint8_t *recs = c->w + g * c->blocks * c->rec_bytes;
+    const int per_unit = unit_blocks(c->qtype), offset = code_offset(c->qtype);
+    const uint8_t *recs = c->w + g * c->blocks / per_unit * c->rec_bytes;
     for (int64_t m = 0; m < c->rows; m++)
         for (int r = 0; r < GROUP; r++) {
             float dot = 0.0f;
             for (int64_t b = 0; b < c->blocks; b++) {
-                const uint8_t *rec = recs + b * c->rec_bytes;
-                const int8_t *q = c->xq + (m * c->blocks + b) * QK;
-                const float *xs = c->xs + 2 * (m * c->blocks + b);
-                int32_t idot = 0;
-                for (int j = 0; j < QK; j++) idot += code(rec, c->qtype, r, j) * q[j];
-                float d, offset;
-                block_scales(rec, c->qtype, r, &d, &offset);
-                dot += d * xs[0] * (float)idot + offset * xs[1];
+                const uint8_t *rec = recs + b / per_unit * c->rec_bytes;
+                const int j = b % per_unit;
+                const struct xblock *xb = c->x + m * c->blocks + b;
+                int32_t half[2] = {0, 0};
+                for (int k = 0; k < QK; k++)
+                    half[k / 16] += (code(rec, c->qtype, r, j, k) - offset) * xb->q[k];
+                float d[2], mb;
+                block_scales(rec, c->qtype, r, j, d, &mb);
+                dot += xb->dx * (d[0] * (float)half[0] + d[1] * (float)half[1]) + mb * xb->sx;
             }
             store(c, m, GROUP * g + r, dot);
         }
 }
 
 #if X86
-/* AVX-512 VNNI: a group's codes for 16 elements are one 512-bit vector (row r in 128-bit lane
- * r), and one vpdpbusd against the 16 x values broadcast to every lane leaves lane 4 r + i with
- * 4 products of row r. Per x row an accumulator of 16 floats: lanes 4 r .. 4 r + 3 sum to row
- * r's result, the scale d dx applied to each lane and the offset term m sx added to lane 4 r.
- * n_x rows of x run together (n_x a constant after inlining), each using W's vectors loaded
- * once. */
+/* AVX-512 VNNI. Per x row an accumulator of 16 floats: lane 4 r + i sums row r's products of
+ * elements 4 i..4 i + 3 and 16 + 4 i.. of each block, scaled by d dx (the offset term m sx
+ * goes to lane 4 r); the 4 lanes of a row sum to its result. n_x rows of x run together (n_x
+ * a constant after inlining), each using W's vectors loaded once. */
 #define VNNI_X 4
+
+/* lanes 4 r .. 4 r + 3 of v's element 4 s + r: row r's value of sub-block s of a scale array */
+TARGET_VNNI INLINE __m512 spread(__m512 v, int s) {
+    const __m512i rows = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(4 * s)), v);
+}
+
+/* 16 bytes as 16 floats, times the 4 rows' fp16 values at halves (for [4][4] scale arrays) */
+TARGET_VNNI INLINE __m512 scales16(__m128i bytes, const int is_signed, const uint8_t *halves) {
+    const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)halves));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_broadcast_f32x4(d));
+}
 
 TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int64_t g,
                                   int64_t m0, const int n_x, const int qtype) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
-    /* lanes 4 r .. 4 r + 3 take d_r (element r of [d0..d3, m0..m3]); lane 4 r takes m_r */
-    const __m512i d_lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i m_lanes = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+    const int per_unit = unit_blocks(qtype);
     __m512 acc[VNNI_X];
     for (int i = 0; i < n_x; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < c->blocks; b++) {
-        const uint8_t *rec = recs + b * c->rec_bytes;
-        __m512i low, high;
-        __m256 dm; /* [d0..d3, m0..m3] */
-        if (qtype == Q8_0) {
-            low = _mm512_xor_si512(_mm512_loadu_si512(rec), flip);
-            high = _mm512_xor_si512(_mm512_loadu_si512(rec + 64), flip);
-        } else {
-            const __m512i codes = _mm512_loadu_si512(rec);
-            low = _mm512_and_si512(codes, low4);
-            high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
-        }
-        if (qtype == Q4_1) {
-            dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 64)));
-        } else {
-            const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
-            const __m128 m = _mm_mul_ps(d, _mm_set1_ps(qtype == Q8_0 ? -128.0f : -8.0f));
-            dm = _mm256_insertf128_ps(_mm256_castps128_ps256(d), m, 1);
-        }
-        const __m512 dm512 = _mm512_castps256_ps512(dm);
-        const __m512 d = _mm512_permutexvar_ps(d_lanes, dm512);
-        const __m512 offset = _mm512_maskz_permutexvar_ps(0x1111, m_lanes, dm512);
-        for (int i = 0; i < n_x; i++) {
-            const int8_t *q = c->xq + ((m0 + i) * c->blocks + b) * QK;
-            const float *xs = c->xs + 2 * ((m0 + i) * c->blocks + b);
-            const __m512i q_low = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
-            const __m512i q_high = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + 16)));
-            const __m512i dot = _mm512_dpbusd_epi32(
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, q_low), high, q_high);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                     _mm512_mul_ps(d, _mm512_set1_ps(xs[0])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[1]), acc[i]);
+    for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
+        const uint8_t *rec = recs + unit * c->rec_bytes;
+        __m512 unit_d[4], unit_m[2]; /* K types: d and m of 4 sub-blocks each, [4][4] */
+        if (qtype == Q4_K)
+            for (int p = 0; p < 2; p++) {
+                const __m128i *sc = (const __m128i *)(rec + 512 + 16 * p);
+                const __m128i *mn = (const __m128i *)(rec + 544 + 16 * p);
+                unit_d[p] = scales16(_mm_loadu_si128(sc), 0, rec + 576);
+                unit_m[p] = _mm512_sub_ps(_mm512_setzero_ps(),
+                                          scales16(_mm_loadu_si128(mn), 0, rec + 584));
+            }
+        if (qtype == Q6_K)
+            for (int p = 0; p < 4; p++)
+                unit_d[p] = scales16(_mm_loadu_si128((const __m128i *)(rec + 768 + 16 * p)), 1,
+                                     rec + 832);
+        for (int j = 0; j < per_unit; j++) {
+            const int64_t b = unit * per_unit + j;
+            __m512i low, high;
+            __m512 d_low, d_high, offset = _mm512_setzero_ps();
+            if (qtype == Q8_0) {
+                const __m512i flip = _mm512_set1_epi8((char)0x80);
+                low = _mm512_xor_si512(_mm512_loadu_si512(rec), flip);
+                high = _mm512_xor_si512(_mm512_loadu_si512(rec + 64), flip);
+            } else {
+                const __m512i codes = _mm512_loadu_si512(rec + 64 * j);
+                low = _mm512_and_si512(codes, low4);
+                high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+            }
+            if (qtype == Q6_K) { /* bits 2 f, 2 f + 1 of the high-bit bytes, moved to bits 4, 5 */
+                const __m512i bits = _mm512_loadu_si512(rec + 512 + 64 * (j / 2));
+                const __m512i h_low = j % 2 ? bits : _mm512_slli_epi16(bits, 4);
+                const __m512i h_high = j % 2 ? _mm512_srli_epi16(bits, 2) : _mm512_slli_epi16(bits, 2);
+                low = _mm512_or_si512(low, _mm512_and_si512(h_low, high2));
+                high = _mm512_or_si512(high, _mm512_and_si512(h_high, high2));
+                d_low = spread(unit_d[j / 2], 2 * j % 4);
+                d_high = spread(unit_d[j / 2], 2 * j % 4 + 1);
+            } else if (qtype == Q4_K) {
+                d_low = d_high = spread(unit_d[j / 4], j % 4);
+                offset = _mm512_maskz_mov_ps(0x1111, spread(unit_m[j / 4], j % 4));
+            } else {
+                /* [d0..d3, m0..m3] spread: d_r to lanes 4 r .. 4 r + 3, m_r to lane 4 r */
+                const __m128 d = _mm_cvtph_ps(
+                    _mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
+                d_low = d_high = spread(_mm512_castps128_ps512(d), 0);
+                if (qtype == Q4_1) {
+                    const __m128 m = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
+                    offset = _mm512_maskz_mov_ps(0x1111, spread(_mm512_castps128_ps512(m), 0));
+                }
+            }
+            for (int i = 0; i < n_x; i++) {
+                const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
+                const __m512i q_low = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xb->q));
+                const __m512i q_high =
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb->q + 16)));
+                const __m512i seed_low =
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xb->lanes));
+                const __m512 dx = _mm512_set1_ps(xb->dx);
+                if (qtype == Q6_K) {
+                    const __m512i seed_high =
+                        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb->lanes + 4)));
+                    const __m512i dot_low = _mm512_dpbusd_epi32(seed_low, low, q_low);
+                    const __m512i dot_high = _mm512_dpbusd_epi32(seed_high, high, q_high);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low),
+                                             _mm512_mul_ps(d_low, dx), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high),
+                                             _mm512_mul_ps(d_high, dx), acc[i]);
+                } else {
+                    const __m512i seed = qtype == Q4_0 || qtype == Q8_0 ? seed_low
+                                                                         : _mm512_setzero_si512();
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed, low, q_low),
+                                                            high, q_high);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d_low, dx),
+                                             acc[i]);
+                    if (qtype == Q4_1 || qtype == Q4_K)
+                        acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xb->sx), acc[i]);
+                }
+            }
         }
     }
     for (int i = 0; i < n_x; i++) {
@@ -248,27 +357,43 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
 }
 
 TARGET_VNNI INLINE void vnni_group(const struct call *c, int64_t g, const int qtype) {
-    const uint8_t *recs = c->w + g * c->blocks * c->rec_bytes;
+    const uint8_t *recs = c->w + g * (c->blocks / unit_blocks(qtype)) * c->rec_bytes;
     int64_t m = 0;
     for (; m + VNNI_X <= c->rows; m += VNNI_X) vnni_tile(c, recs, g, m, VNNI_X, qtype);
     for (; m < c->rows; m++) vnni_tile(c, recs, g, m, 1, qtype);
 }
 
 TARGET_VNNI static void group_vnni(const struct call *c, int64_t g) {
-    if (c->qtype == Q8_0)
-        vnni_group(c, g, Q8_0);
-    else if (c->qtype == Q4_1)
-        vnni_group(c, g, Q4_1);
-    else
-        vnni_group(c, g, Q4_0);
+    switch (c->qtype) {
+    case Q4_0: vnni_group(c, g, Q4_0); break;
+    case Q4_1: vnni_group(c, g, Q4_1); break;
+    case Q8_0: vnni_group(c, g, Q8_0); break;
+    case Q4_K: vnni_group(c, g, Q4_K); break;
+    default: vnni_group(c, g, Q6_K);
+    }
 }
 
-/* AVX2: a 256-bit vector holds rows 2 h and 2 h + 1 (h = 0, 1) of a group, 16 elements each.
- * vpmaddubsw multiplies unsigned codes by the signed x in pairs into int16 and vpmaddwd sums
- * those pairs into int32 lanes, 4 per row, scaled and summed as in the VNNI path. Q8_0 codes
- * as unsigned would overflow vpmaddubsw's int16 pairs (255 * 127 * 2), so they stay signed:
- * |w| times x with w's sign, and no offset term. */
+/* AVX2: as the VNNI path with 256-bit vectors, vector h (h = 0, 1) holding rows 2 h and 2 h +
+ * 1 of a group. vpmaddubsw multiplies unsigned codes by the signed x in pairs into int16 and
+ * vpmaddwd sums those pairs into the same int32 lanes vpdpbusd fills. Q8_0's codes as unsigned
+ * would overflow vpmaddubsw's int16 pairs (255 * 127 * 2), so they stay signed: |s| times x
+ * with s's sign, and c = 0. */
 #define AVX2_X 2
+
+/* lanes 0..3 of v's element 4 s + 2 h, lanes 4..7 of element 4 s + 2 h + 1: rows 2 h and 2 h
+ * + 1 of sub-block s of a scale array [2][4] */
+TARGET_AVX2 INLINE __m256 spread2(__m256 v, int s, int h) {
+    const __m256i rows = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm256_permutevar8x32_ps(v, _mm256_add_epi32(rows, _mm256_set1_epi32(4 * s + 2 * h)));
+}
+
+/* 8 bytes as 8 floats, times the 4 rows' fp16 values at halves (for [2][4] scale arrays) */
+TARGET_AVX2 INLINE __m256 scales8(const uint8_t *bytes, const int is_signed, const uint8_t *halves) {
+    const __m128i packed = _mm_loadl_epi64((const __m128i *)bytes);
+    const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(packed) : _mm256_cvtepu8_epi32(packed);
+    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)halves));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set_m128(d, d));
+}
 
 TARGET_AVX2 INLINE __m256i avx2_dot(__m256i w, __m256i q, const int is_signed) {
     const __m256i pairs = is_signed
@@ -279,51 +404,77 @@ TARGET_AVX2 INLINE __m256i avx2_dot(__m256i w, __m256i q, const int is_signed) {
 
 TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int64_t g,
                                   int64_t m0, const int n_x, const int qtype) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i lanes_01 = _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4);
-    const __m256i d_01 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-    const __m256i d_23 = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
-    const __m256i m_23 = _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
+    const __m256 first = _mm256_castsi256_ps(_mm256_set_epi32(0, 0, 0, -1, 0, 0, 0, -1));
+    const int per_unit = unit_blocks(qtype);
     __m256 acc[AVX2_X][2];
     for (int i = 0; i < n_x; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < c->blocks; b++) {
-        const uint8_t *rec = recs + b * c->rec_bytes;
-        __m256i low[2], high[2];
-        __m256 dm; /* [d0..d3, m0..m3] */
-        for (int h = 0; h < 2; h++) {
-            const __m256i codes = _mm256_loadu_si256((const __m256i *)(rec + 32 * h));
-            if (qtype == Q8_0) {
-                low[h] = codes;
-                high[h] = _mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h));
-            } else {
-                low[h] = _mm256_and_si256(codes, low4);
-                high[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+    for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
+        const uint8_t *rec = recs + unit * c->rec_bytes;
+        __m256 unit_d[8], unit_m[4]; /* K types: d and m of 2 sub-blocks each, [2][4] */
+        if (qtype == Q4_K)
+            for (int p = 0; p < 4; p++) {
+                unit_d[p] = scales8(rec + 512 + 8 * p, 0, rec + 576);
+                unit_m[p] = _mm256_sub_ps(_mm256_setzero_ps(), scales8(rec + 544 + 8 * p, 0, rec + 584));
             }
-        }
-        if (qtype == Q4_1) {
-            dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 64)));
-        } else {
-            const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
-            dm = _mm256_insertf128_ps(_mm256_castps128_ps256(d), _mm_mul_ps(d, _mm_set1_ps(-8.0f)), 1);
-        }
-        /* per h: d of rows 2 h, 2 h + 1 on their 4 lanes each; the offset m on the first lane
-         * of each row (Q4 only) */
-        const __m256 d[2] = {_mm256_permutevar8x32_ps(dm, d_01), _mm256_permutevar8x32_ps(dm, d_23)};
-        const __m256 first = _mm256_castsi256_ps(_mm256_set_epi32(0, 0, 0, -1, 0, 0, 0, -1));
-        const __m256 offset[2] = {
-            _mm256_and_ps(_mm256_permutevar8x32_ps(dm, lanes_01), first),
-            _mm256_and_ps(_mm256_permutevar8x32_ps(dm, m_23), first)};
-        for (int i = 0; i < n_x; i++) {
-            const int8_t *q = c->xq + ((m0 + i) * c->blocks + b) * QK;
-            const float *xs = c->xs + 2 * ((m0 + i) * c->blocks + b);
-            const __m256i q_low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
-            const __m256i q_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
-            const __m256 dx = _mm256_set1_ps(xs[0]), sx = _mm256_set1_ps(xs[1]);
+        if (qtype == Q6_K)
+            for (int p = 0; p < 8; p++) unit_d[p] = scales8(rec + 768 + 8 * p, 1, rec + 832);
+        for (int j = 0; j < per_unit; j++) {
+            const int64_t b = unit * per_unit + j;
+            __m256i low[2], high[2];
+            __m256 d_low[2], d_high[2], offset[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            __m128 dm[2]; /* Q4_0, Q4_1, Q8_0: [d0..d3], [m0..m3] */
+            if (per_unit == 1)
+                dm[0] = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
+            if (qtype == Q4_1) dm[1] = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
             for (int h = 0; h < 2; h++) {
-                const __m256i dot = _mm256_add_epi32(avx2_dot(low[h], q_low, qtype == Q8_0),
-                                                     avx2_dot(high[h], q_high, qtype == Q8_0));
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], dx), acc[i][h]);
-                if (qtype != Q8_0) acc[i][h] = _mm256_fmadd_ps(offset[h], sx, acc[i][h]);
+                const __m256i codes = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                if (qtype == Q8_0) {
+                    low[h] = codes;
+                    high[h] = _mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h));
+                } else {
+                    low[h] = _mm256_and_si256(codes, low4);
+                    high[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+                }
+                if (qtype == Q6_K) {
+                    const __m256i bits = _mm256_loadu_si256((const __m256i *)(rec + 512 + 64 * (j / 2) + 32 * h));
+                    const __m256i h_low = j % 2 ? bits : _mm256_slli_epi16(bits, 4);
+                    const __m256i h_high = j % 2 ? _mm256_srli_epi16(bits, 2) : _mm256_slli_epi16(bits, 2);
+                    low[h] = _mm256_or_si256(low[h], _mm256_and_si256(h_low, high2));
+                    high[h] = _mm256_or_si256(high[h], _mm256_and_si256(h_high, high2));
+                    d_low[h] = spread2(unit_d[j], 0, h);
+                    d_high[h] = spread2(unit_d[j], 1, h);
+                } else if (qtype == Q4_K) {
+                    d_low[h] = d_high[h] = spread2(unit_d[j / 2], j % 2, h);
+                    offset[h] = _mm256_and_ps(spread2(unit_m[j / 2], j % 2, h), first);
+                } else {
+                    d_low[h] = d_high[h] = spread2(_mm256_castps128_ps256(dm[0]), 0, h);
+                    if (qtype == Q4_1)
+                        offset[h] = _mm256_and_ps(spread2(_mm256_castps128_ps256(dm[1]), 0, h), first);
+                }
+            }
+            for (int i = 0; i < n_x; i++) {
+                const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
+                const __m256i q_low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb->q));
+                const __m256i q_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb->q + 16)));
+                const __m256i seed_low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb->lanes));
+                const __m256i seed_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb->lanes + 4)));
+                const __m256 dx = _mm256_set1_ps(xb->dx), sx = _mm256_set1_ps(xb->sx);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i dot_low = avx2_dot(low[h], q_low, qtype == Q8_0);
+                    const __m256i dot_high = avx2_dot(high[h], q_high, qtype == Q8_0);
+                    if (qtype == Q6_K) {
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot_low, seed_low)),
+                                                    _mm256_mul_ps(d_low[h], dx), acc[i][h]);
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot_high, seed_high)),
+                                                    _mm256_mul_ps(d_high[h], dx), acc[i][h]);
+                        continue;
+                    }
+                    __m256i dot = _mm256_add_epi32(dot_low, dot_high);
+                    if (qtype == Q4_0) dot = _mm256_add_epi32(dot, seed_low);
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low[h], dx), acc[i][h]);
+                    if (qtype == Q4_1 || qtype == Q4_K) acc[i][h] = _mm256_fmadd_ps(offset[h], sx, acc[i][h]);
+                }
             }
         }
     }
@@ -338,27 +489,37 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
 }
 
 TARGET_AVX2 INLINE void avx2_group(const struct call *c, int64_t g, const int qtype) {
-    const uint8_t *recs = c->w + g * c->blocks * c->rec_bytes;
+    const uint8_t *recs = c->w + g * (c->blocks / unit_blocks(qtype)) * c->rec_bytes;
     int64_t m = 0;
     for (; m + AVX2_X <= c->rows; m += AVX2_X) avx2_tile(c, recs, g, m, AVX2_X, qtype);
     for (; m < c->rows; m++) avx2_tile(c, recs, g, m, 1, qtype);
 }
 
 TARGET_AVX2 static void group_avx2(const struct call *c, int64_t g) {
-    if (c->qtype == Q8_0)
-        avx2_group(c, g, Q8_0);
-    else if (c->qtype == Q4_1)
-        avx2_group(c, g, Q4_1);
-    else
-        avx2_group(c, g, Q4_0);
+    switch (c->qtype) {
+    case Q4_0: avx2_group(c, g, Q4_0); break;
+    case Q4_1: avx2_group(c, g, Q4_1); break;
+    case Q8_0: avx2_group(c, g, Q8_0); break;
+    case Q4_K: avx2_group(c, g, Q4_K); break;
+    default: avx2_group(c, g, Q6_K);
+    }
 }
 #endif
 
-static int check_qtype(int qtype) {
-    if (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) return 1;
-    PyErr_Format(PyExc_ValueError, "quant_linear: GGML type %d has no kernel (Q4_0, Q4_1, Q8_0)",
-                 qtype);
-    return 0;
+/* Whether the kernels take qtype and in_features; sets a ValueError if not. */
+static int check_shape(int qtype, int64_t in_features) {
+    if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0 && qtype != Q4_K && qtype != Q6_K) {
+        PyErr_Format(PyExc_ValueError,
+                     "quant_linear: GGML type %d has no kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)",
+                     qtype);
+        return 0;
+    }
+    if (in_features % (QK * unit_blocks(qtype)) != 0) {
+        PyErr_Format(PyExc_ValueError, "quant_linear: in_features %lld is not a multiple of %d",
+                     (long long)in_features, QK * unit_blocks(qtype));
+        return 0;
+    }
+    return 1;
 }
 
 static PyObject *linear(PyObject *module, PyObject *args) {
@@ -367,17 +528,12 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     int qtype, is_bf16;
     if (!PyArg_ParseTuple(args, "nnnnnnnip", &out, &x, &w, &bias, &rows, &in_features, &n_out,
                           &qtype, &is_bf16) ||
-        !check_qtype(qtype))
+        !check_shape(qtype, in_features))
         return NULL;
     const int64_t blocks = in_features / QK;
-    int8_t *xq = malloc(rows * in_features + 1);
-    float *xs = malloc(sizeof(float) * 2 * rows * blocks + 1);
-    if (xq == NULL || xs == NULL) {
-        free(xq);
-        free(xs);
-        return PyErr_NoMemory();
-    }
-    const struct call c = {(void *)out, (const uint8_t *)w, xq, xs, (const void *)bias, rows,
+    struct xblock *xq = malloc(sizeof(struct xblock) * (rows * blocks + 1));
+    if (xq == NULL) return PyErr_NoMemory();
+    const struct call c = {(void *)out, (const uint8_t *)w, xq, (const void *)bias, rows,
                            blocks, n_out, record_bytes(qtype), qtype, is_bf16};
     void (*group)(const struct call *, int64_t) = group_scalar;
 #if X86
@@ -389,8 +545,9 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     /* A few rows are quantized on this thread: cheaper than the threads meeting at a barrier. */
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t m = 0; m < rows; m++)
-        (is_bf16 ? quantize_bf16 : quantize_fp32)(xq + m * in_features, xs + 2 * m * blocks,
-                                                  (const char *)x + m * x_row_bytes, in_features);
+        (is_bf16 ? quantize_bf16 : quantize_fp32)(xq + m * blocks,
+                                                  (const char *)x + m * x_row_bytes, in_features,
+                                                  code_offset(qtype), qtype == Q6_K);
 #pragma omp parallel
     {
         const int64_t groups = (n_out + GROUP - 1) / GROUP;
@@ -399,31 +556,33 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     }
     Py_END_ALLOW_THREADS;
     free(xq);
-    free(xs);
     Py_RETURN_NONE;
 }
 
-/* W as fp32 or bf16 [n_out, in] from its packed records: the many-row products take a GEMM. */
+/* W as fp32 or bf16 [n_out, in] from its packed records: the many-row products take a GEMM.
+ * Exact, as the gguf package computes it: d (u - c) + m has at most 24 significant bits. */
 static PyObject *dequantize(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, w, n_out, in_features;
     int qtype, is_bf16;
     if (!PyArg_ParseTuple(args, "nnnnip", &out, &w, &n_out, &in_features, &qtype, &is_bf16) ||
-        !check_qtype(qtype))
+        !check_shape(qtype, in_features))
         return NULL;
+    const int per_unit = unit_blocks(qtype), offset = code_offset(qtype);
     const int64_t blocks = in_features / QK, rec_bytes = record_bytes(qtype);
     Py_BEGIN_ALLOW_THREADS;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
-        const uint8_t *recs = (const uint8_t *)w + n / GROUP * blocks * rec_bytes;
+        const int r = n % GROUP;
+        const uint8_t *recs = (const uint8_t *)w + n / GROUP * blocks / per_unit * rec_bytes;
         for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *rec = recs + b * rec_bytes;
-            float d, m;
-            block_scales(rec, qtype, n % GROUP, &d, &m);
-            for (int j = 0; j < QK; j++) {
-                /* exact: d u + m is w with at most 19 significant bits (Q8_0: d (s + 128) - 128 d) */
-                const float value = d * (float)code(rec, qtype, n % GROUP, j) + m;
-                const int64_t at = n * in_features + b * QK + j;
+            const uint8_t *rec = recs + b / per_unit * rec_bytes;
+            float d[2], m;
+            block_scales(rec, qtype, r, b % per_unit, d, &m);
+            for (int k = 0; k < QK; k++) {
+                const int u = code(rec, qtype, r, b % per_unit, k) - offset;
+                const float value = d[k / 16] * (float)u + m;
+                const int64_t at = n * in_features + b * QK + k;
                 if (is_bf16)
                     ((bf16 *)out)[at] = float_to_bf16(value);
                 else
@@ -461,9 +620,12 @@ static PyObject *isas(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
     PyObject *names = PyList_New(0);
-    for (int isa = SCALAR; names != NULL && isa <= AVX512VNNI; isa++)
-        if (isa_runs(isa) && PyList_Append(names, PyUnicode_FromString(isa_names[isa])) < 0)
-            Py_CLEAR(names);
+    for (int isa = SCALAR; names != NULL && isa <= AVX512VNNI; isa++) {
+        if (!isa_runs(isa)) continue;
+        PyObject *name = PyUnicode_FromString(isa_names[isa]);
+        if (name == NULL || PyList_Append(names, name) < 0) Py_CLEAR(names);
+        Py_XDECREF(name);
+    }
     return names;
 }
 
@@ -475,9 +637,9 @@ static PyMethodDef methods[] = {
     {"dequantize", dequantize, METH_VARARGS,
      "dequantize(out, w, out_features, in_features, qtype, is_bf16): writes out "
      "[out_features, in_features] from the packed w."},
-    {"set_isa", set_isa, METH_O, "set_isa(name): the path linear() takes from now on."},
-    {"isa", get_isa, METH_NOARGS, "isa(): the path linear() takes."},
-    {"isas", isas, METH_NOARGS, "isas(): the paths this CPU runs, slowest first."},
+    {"set_isa", set_isa, METH_O, "set_isa(name): the CPU path linear() takes from now on."},
+    {"isa", get_isa, METH_NOARGS, "isa(): the CPU path linear() takes."},
+    {"isas", isas, METH_NOARGS, "isas(): the CPU paths this machine runs, slowest first."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -485,7 +647,7 @@ static struct PyModuleDef module_definition = {PyModuleDef_HEAD_INIT, .m_name = 
                                                .m_size = -1, .m_methods = methods};
 
 PyMODINIT_FUNC PyInit__quant_linear(void) {
-    /* the fastest path this CPU runs until set_isa() (quant_ops times them and may pick another) */
+    /* the widest path the CPU runs, until set_isa() (quant_ops times them and may pick another) */
     for (int isa = SCALAR; isa <= AVX512VNNI; isa++)
         if (isa_runs(isa)) current_isa = isa;
     return PyModule_Create(&module_definition);
