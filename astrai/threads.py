@@ -1,0 +1,57 @@
+"""How astrai's compute threads wait and how many there are, set before torch starts OpenMP.
+
+torch's OpenMP runtime (libgomp, which astrai's kernels share) reads its settings once, when
+torch is loaded, so importing astrai sets them first, unless the user already has or torch is
+already loaded:
+- OMP_WAIT_POLICY=passive: a thread out of work sleeps at once instead of spinning ~3 ms
+  (libgomp's default). Beside another busy process, spinning threads hold the cores that the
+  working ones wait for; batch-1 decode ran several times slower (benchmarks/contention.py).
+- OMP_NUM_THREADS from the cgroup CPU quota (a container run with --cpus) where it grants
+  fewer CPUs than the process may run on: OpenMP counts the CPUs, not the time granted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(root: Path = CGROUP) -> float | None:
+    """The CPUs the cgroup's quota grants (cgroup v2 cpu.max, else v1), None if unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 else None
+
+
+def affinity_cpus() -> int:
+    """The CPUs this process may run on, by which OpenMP and torch size their thread pools."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def available_cpus(root: Path = CGROUP) -> int:
+    """The CPUs this process can use: those it may run on, capped by the cgroup's quota."""
+    limit = cgroup_cpu_limit(root)
+    cpus = affinity_cpus()
+    return cpus if limit is None else max(1, min(cpus, math.ceil(limit)))
+
+
+def configure_openmp() -> None:
+    """Default OMP_WAIT_POLICY and OMP_NUM_THREADS as the module docstring says."""
+    if "torch" in sys.modules:  # its OpenMP runtime has read the environment already
+        return
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    cpus = available_cpus()
+    if cpus < affinity_cpus():
+        os.environ.setdefault("OMP_NUM_THREADS", str(cpus))
