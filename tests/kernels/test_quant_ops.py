@@ -66,11 +66,12 @@ def dense_weight(blocks, qtype, shape) -> np.ndarray:
 
 def quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x as the kernel sees it, and each element's block scale dx: per 32-block, dx = max|x| /
-    127 and q = round(x / dx) to even, in fp32 operations as the C code does them."""
+    127 and q = round(x * (127 / max|x|)) to even, in fp32 operations as the C code does them."""
     v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    dx = np.abs(v).max(-1, keepdims=True) / np.float32(127)
-    inverse = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx != 0)
-    q = np.rint(v * inverse)
+    amax = np.abs(v).max(-1, keepdims=True)
+    dx = amax / np.float32(127)
+    scale = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+    q = np.rint(v * scale)
     return (q * dx).reshape(x.shape), np.broadcast_to(dx, v.shape).reshape(x.shape)
 
 

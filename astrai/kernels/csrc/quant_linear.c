@@ -155,10 +155,42 @@ struct xblock {
                          (a scale per half), the first half's in lane i, the second's in 4 + i */
 };
 
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUFFLE __builtin_shufflevector
+#endif
+
+/* [sums of a's lanes 0..3 and 4..7, then of b's], in lanes 0..3 */
+static inline __attribute__((always_inline)) int8v sums_of_four(int8v a, int8v b) {
+#ifdef SHUFFLE
+    const int8v pairs = SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+                        SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+    return SHUFFLE(pairs, pairs, 0, 2, 4, 6, 0, 2, 4, 6) +
+           SHUFFLE(pairs, pairs, 1, 3, 5, 7, 1, 3, 5, 7);
+#else
+    int8v sums = {0};
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 4; l++) sums[i] += (i < 2 ? a : b)[4 * (i % 2) + l];
+    return sums;
+#endif
+}
+
+/* the largest lane of v, v's lanes >= 0 */
+static inline __attribute__((always_inline)) float max8(vec8 v) {
+#ifdef SHUFFLE
+    v = select8(v > SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3), v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = select8(v > SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1), v, SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1));
+    return v[0] > v[1] ? v[0] : v[1];
+#else
+    float max = 0.0f;
+    for (int l = 0; l < LANES; l++) max = v[l] > max ? v[l] : max;
+    return max;
+#endif
+}
+
 /* One row of x (fp32 or bf16) as xblocks for codes offset by c. Every operation is one IEEE
- * rounding, so NumPy reproduces it exactly (the tests do): x / dx is rounded to the nearest
- * integer, ties to even, by adding and subtracting 1.5 * 2^23 (exact below 2^22 in magnitude,
- * and |x / dx| <= 127). */
+ * rounding, so NumPy reproduces it exactly (the tests do): x * (127 / max|x|) is rounded to the
+ * nearest integer, ties to even, by adding and subtracting 1.5 * 2^23 (exact below 2^22 in
+ * magnitude, and it is at most 127). */
 static inline __attribute__((always_inline)) void quantize(struct xblock *out, const void *x,
                                                             int64_t in, int c, int halves,
                                                             const int is_bf16) {
@@ -170,22 +202,24 @@ static inline __attribute__((always_inline)) void quantize(struct xblock *out, c
             const vec8 a = (vec8)((int8v)v[k] & 0x7fffffff);
             amax = select8(a > amax, a, amax);
         }
-        float max = 0.0f;
-        for (int l = 0; l < LANES; l++) max = amax[l] > max ? amax[l] : max;
-        const float dx = max / 127.0f, inverse = dx != 0.0f ? 1.0f / dx : 0.0f;
-        int sum = 0;
+        const float max = max8(amax), dx = max / 127.0f, scale = max != 0.0f ? 127.0f / max : 0.0f;
+        int8v qk[QK / LANES];
         for (int k = 0; k < QK / LANES; k++) {
-            const int8v qk = __builtin_convertvector((v[k] * inverse + round) - round, int8v);
-            for (int l = 0; l < LANES; l++) {
-                out[b].q[k * LANES + l] = (int8_t)qk[l];
-                sum += qk[l];
-            }
+            qk[k] = __builtin_convertvector((v[k] * scale + round) - round, int8v);
+            for (int l = 0; l < LANES; l++) out[b].q[k * LANES + l] = (int8_t)qk[k][l];
         }
+        /* sums of 4: elements 4 i.. of the first half (qk[0], qk[1]), then of the second */
+        const int8v first = sums_of_four(qk[0], qk[1]), second = sums_of_four(qk[2], qk[3]);
+        const int8v both = first + second, own = halves ? first : both;
         out[b].dx = dx;
-        out[b].sx = dx * (float)sum;
-        for (int i = 0; i < 8; i++) out[b].lanes[i] = 0;
-        for (int e = 0; e < QK; e++)
-            out[b].lanes[e % 16 / 4 + (halves && e >= 16 ? 4 : 0)] -= c * out[b].q[e];
+        out[b].sx = dx * (float)((both[0] + both[1]) + (both[2] + both[3]));
+#ifdef SHUFFLE
+        const int8v lanes = SHUFFLE(own, second, 0, 1, 2, 3, 8, 9, 10, 11) * -c;
+#else
+        const int8v lanes = {own[0] * -c, own[1] * -c, own[2] * -c, own[3] * -c,
+                             second[0] * -c, second[1] * -c, second[2] * -c, second[3] * -c};
+#endif
+        memcpy(out[b].lanes, &lanes, sizeof lanes);
     }
 }
 
@@ -244,9 +278,9 @@ static void group_scalar(const struct call *c, int64_t g) {
 
 #if X86
 /* AVX-512 VNNI. Per x row an accumulator of 16 floats: lane 4 r + i sums row r's products of
- * elements 4 i..4 i + 3 and 16 + 4 i.. of each block, scaled by d dx (the offset term m sx
- * goes to lane 4 r); the 4 lanes of a row sum to its result. n_x rows of x run together (n_x
- * a constant after inlining), each using W's vectors loaded once. */
+ * elements 4 i..4 i + 3 and 16 + 4 i.. of each block, scaled by d dx, and the 4 lanes of a row
+ * sum to its result, plus lane r of a second accumulator, of the offset terms m sx. n_x rows
+ * of x run together (n_x a constant after inlining), each using W's vectors loaded once. */
 #define VNNI_X 4
 
 /* lanes 4 r .. 4 r + 3 of v's element 4 s + r: row r's value of sub-block s of a scale array */
@@ -267,7 +301,11 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
     const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
     const int per_unit = unit_blocks(qtype);
     __m512 acc[VNNI_X];
-    for (int i = 0; i < n_x; i++) acc[i] = _mm512_setzero_ps();
+    __m128 offsets[VNNI_X];
+    for (int i = 0; i < n_x; i++) {
+        acc[i] = _mm512_setzero_ps();
+        offsets[i] = _mm_setzero_ps();
+    }
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
         __m512 unit_d[4], unit_m[2]; /* K types: d and m of 4 sub-blocks each, [4][4] */
@@ -286,7 +324,8 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
             __m512i low, high;
-            __m512 d_low, d_high, offset = _mm512_setzero_ps();
+            __m512 d_low, d_high;
+            __m128 m = _mm_setzero_ps(); /* [m0..m3] */
             if (qtype == Q8_0) {
                 const __m512i flip = _mm512_set1_epi8((char)0x80);
                 low = _mm512_xor_si512(_mm512_loadu_si512(rec), flip);
@@ -306,16 +345,16 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
                 d_high = spread(unit_d[j / 2], 2 * j % 4 + 1);
             } else if (qtype == Q4_K) {
                 d_low = d_high = spread(unit_d[j / 4], j % 4);
-                offset = _mm512_maskz_mov_ps(0x1111, spread(unit_m[j / 4], j % 4));
+                m = _mm512_castps512_ps128(_mm512_permutexvar_ps(
+                    _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                     _mm512_set1_epi32(4 * (j % 4))),
+                    unit_m[j / 4])); /* elements 4 s.. 4 s + 3 */
             } else {
                 /* [d0..d3, m0..m3] spread: d_r to lanes 4 r .. 4 r + 3, m_r to lane 4 r */
                 const __m128 d = _mm_cvtph_ps(
                     _mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
                 d_low = d_high = spread(_mm512_castps128_ps512(d), 0);
-                if (qtype == Q4_1) {
-                    const __m128 m = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
-                    offset = _mm512_maskz_mov_ps(0x1111, spread(_mm512_castps128_ps512(m), 0));
-                }
+                if (qtype == Q4_1) m = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
             }
             for (int i = 0; i < n_x; i++) {
                 const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
@@ -342,17 +381,18 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d_low, dx),
                                              acc[i]);
                     if (qtype == Q4_1 || qtype == Q4_K)
-                        acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xb->sx), acc[i]);
+                        offsets[i] = _mm_fmadd_ps(m, _mm_set1_ps(xb->sx), offsets[i]);
                 }
             }
         }
     }
     for (int i = 0; i < n_x; i++) {
-        float lanes[16];
+        float lanes[16], m[4];
         _mm512_storeu_ps(lanes, acc[i]);
+        _mm_storeu_ps(m, offsets[i]);
         for (int r = 0; r < GROUP; r++)
             store(c, m0 + i, GROUP * g + r,
-                  (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]));
+                  (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]) + m[r]);
     }
 }
 
@@ -405,10 +445,13 @@ TARGET_AVX2 INLINE __m256i avx2_dot(__m256i w, __m256i q, const int is_signed) {
 TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int64_t g,
                                   int64_t m0, const int n_x, const int qtype) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
-    const __m256 first = _mm256_castsi256_ps(_mm256_set_epi32(0, 0, 0, -1, 0, 0, 0, -1));
     const int per_unit = unit_blocks(qtype);
     __m256 acc[AVX2_X][2];
-    for (int i = 0; i < n_x; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    __m128 offsets[AVX2_X];
+    for (int i = 0; i < n_x; i++) {
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        offsets[i] = _mm_setzero_ps();
+    }
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
         __m256 unit_d[8], unit_m[4]; /* K types: d and m of 2 sub-blocks each, [2][4] */
@@ -422,11 +465,15 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
             __m256i low[2], high[2];
-            __m256 d_low[2], d_high[2], offset[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            __m128 dm[2]; /* Q4_0, Q4_1, Q8_0: [d0..d3], [m0..m3] */
+            __m256 d_low[2], d_high[2];
+            __m128 d, m = _mm_setzero_ps(); /* [d0..d3] (of Q4_0, Q4_1, Q8_0), [m0..m3] */
             if (per_unit == 1)
-                dm[0] = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
-            if (qtype == Q4_1) dm[1] = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
+                d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
+            if (qtype == Q4_1) m = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
+            if (qtype == Q4_K) /* elements 4 s.. 4 s + 3 */
+                m = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                    unit_m[j / 2], _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+                                                    _mm256_set1_epi32(4 * (j % 2)))));
             for (int h = 0; h < 2; h++) {
                 const __m256i codes = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
                 if (qtype == Q8_0) {
@@ -446,11 +493,8 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                     d_high[h] = spread2(unit_d[j], 1, h);
                 } else if (qtype == Q4_K) {
                     d_low[h] = d_high[h] = spread2(unit_d[j / 2], j % 2, h);
-                    offset[h] = _mm256_and_ps(spread2(unit_m[j / 2], j % 2, h), first);
                 } else {
-                    d_low[h] = d_high[h] = spread2(_mm256_castps128_ps256(dm[0]), 0, h);
-                    if (qtype == Q4_1)
-                        offset[h] = _mm256_and_ps(spread2(_mm256_castps128_ps256(dm[1]), 0, h), first);
+                    d_low[h] = d_high[h] = spread2(_mm256_castps128_ps256(d), 0, h);
                 }
             }
             for (int i = 0; i < n_x; i++) {
@@ -459,7 +503,9 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                 const __m256i q_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb->q + 16)));
                 const __m256i seed_low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb->lanes));
                 const __m256i seed_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb->lanes + 4)));
-                const __m256 dx = _mm256_set1_ps(xb->dx), sx = _mm256_set1_ps(xb->sx);
+                const __m256 dx = _mm256_set1_ps(xb->dx);
+                if (qtype == Q4_1 || qtype == Q4_K)
+                    offsets[i] = _mm_fmadd_ps(m, _mm_set1_ps(xb->sx), offsets[i]);
                 for (int h = 0; h < 2; h++) {
                     const __m256i dot_low = avx2_dot(low[h], q_low, qtype == Q8_0);
                     const __m256i dot_high = avx2_dot(high[h], q_high, qtype == Q8_0);
@@ -473,19 +519,22 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                     __m256i dot = _mm256_add_epi32(dot_low, dot_high);
                     if (qtype == Q4_0) dot = _mm256_add_epi32(dot, seed_low);
                     acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low[h], dx), acc[i][h]);
-                    if (qtype == Q4_1 || qtype == Q4_K) acc[i][h] = _mm256_fmadd_ps(offset[h], sx, acc[i][h]);
                 }
             }
         }
     }
-    for (int i = 0; i < n_x; i++)
+    for (int i = 0; i < n_x; i++) {
+        float m[4];
+        _mm_storeu_ps(m, offsets[i]);
         for (int h = 0; h < 2; h++) {
             float lanes[8];
             _mm256_storeu_ps(lanes, acc[i][h]);
             for (int r = 0; r < 2; r++)
                 store(c, m0 + i, GROUP * g + 2 * h + r,
-                      (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]));
+                      (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]) +
+                          m[2 * h + r]);
         }
+    }
 }
 
 TARGET_AVX2 INLINE void avx2_group(const struct call *c, int64_t g, const int qtype) {
@@ -542,12 +591,19 @@ static PyObject *linear(PyObject *module, PyObject *args) {
 #endif
     const size_t x_row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
+    void (*const quantize_row)(struct xblock *, const void *, int64_t, int, int) =
+        is_bf16 ? quantize_bf16 : quantize_fp32;
     /* A few rows are quantized on this thread: cheaper than the threads meeting at a barrier. */
-#pragma omp parallel for schedule(static) if (rows > 8)
-    for (int64_t m = 0; m < rows; m++)
-        (is_bf16 ? quantize_bf16 : quantize_fp32)(xq + m * blocks,
-                                                  (const char *)x + m * x_row_bytes, in_features,
-                                                  code_offset(qtype), qtype == Q6_K);
+    if (rows > 8) {
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            quantize_row(xq + m * blocks, (const char *)x + m * x_row_bytes, in_features,
+                         code_offset(qtype), qtype == Q6_K);
+    } else {
+        for (int64_t m = 0; m < rows; m++)
+            quantize_row(xq + m * blocks, (const char *)x + m * x_row_bytes, in_features,
+                         code_offset(qtype), qtype == Q6_K);
+    }
 #pragma omp parallel
     {
         const int64_t groups = (n_out + GROUP - 1) / GROUP;
