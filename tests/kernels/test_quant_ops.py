@@ -14,13 +14,12 @@ from kernel_switch import requires_compiler
 from tiny_models import real_gguf
 from torch import Tensor
 
-from astrai.kernels import LinearPath, native
+from astrai.kernels import LinearPath, native, quant_blocks
 from astrai.kernels import quant_ops as quant_module
+from astrai.kernels.quant_blocks import BLOCK_TYPES, pack_blocks
 from astrai.kernels.quant_ops import (
-    BLOCK_TYPES,
     QuantizedLinear,
     QuantizedWeight,
-    pack_blocks,
     quant_linear,
     tune_quant_linears,
 )
@@ -132,8 +131,8 @@ def test_packing_keeps_every_field(qtype, shape):
     padded = -(-shape[0] // 4) * 4 * blocks.shape[1]
     widened = 1 + (16 - 12) / 144 if qtype == GGMLQuantizationType.Q4_K else 1
     assert packed.nbytes == padded * widened
-    fields = quant_module._gguf_fields(blocks, qtype, shape)
-    unpacked = quant_module._packed_fields(packed, qtype, shape)
+    fields = quant_blocks.gguf_fields(blocks, qtype, shape)
+    unpacked = quant_blocks.packed_fields(packed, qtype, shape)
     assert fields.keys() == unpacked.keys()
     for name, field in fields.items():
         assert np.array_equal(unpacked[name], field), name
