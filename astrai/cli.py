@@ -160,6 +160,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, "engine", EngineConfig)
 
 
+def _positive(kind: type):
+    """An argparse type: a number of the kind above zero."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the kind in "invalid int value" errors
+    return parse
+
+
 def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     from astrai.server import defaults
 
@@ -175,14 +188,14 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=_positive(int),
         default=defaults.MAX_REQUEST_BYTES,
         metavar="N",
         help="largest request body accepted; larger ones get 413 (default: %(default)s)",
     )
     limits.add_argument(
         "--read-timeout",
-        type=float,
+        type=_positive(float),
         default=defaults.READ_TIMEOUT,
         metavar="SECONDS",
         help="time a client has to send a request's headers, and again its body; slower "
@@ -190,7 +203,7 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_positive(float),
         default=defaults.SHUTDOWN_TIMEOUT,
         metavar="SECONDS",
         help="on SIGTERM or SIGINT, time running requests get to finish before they are ended "

@@ -6,9 +6,9 @@ server refuse the same values with the same messages.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def _unicode(text: str) -> str:
@@ -27,8 +27,14 @@ def _unicode(text: str) -> str:
     return text
 
 
-# Text that reaches the tokenizer, a stop-string matcher or a response.
-Text = Annotated[str, AfterValidator(_unicode)]
+def _unicode_strings(value: Any) -> Any:
+    """value, once every string in it (a str or a list of them) passed _unicode."""
+    if isinstance(value, str):
+        _unicode(value)
+    elif isinstance(value, list):
+        for item in value:
+            _unicode_strings(item)
+    return value
 
 
 class _Request(BaseModel):
@@ -72,7 +78,7 @@ class StreamOptions(_Request):
 class _OpenAISampling(_Request):
     """Fields shared by chat completions and completions."""
 
-    model: Text | None = None
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -82,13 +88,15 @@ class _OpenAISampling(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    stop: Text | list[Text] | None = None
+    stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions, for benchmarks and tests that need a fixed output length.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+
+    _text = field_validator("model", "stop")(_unicode_strings)
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -99,7 +107,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
 
@@ -108,7 +116,7 @@ class CompletionRequest(_OpenAISampling):
     def _not_empty(cls, prompt: Any) -> Any:
         if isinstance(prompt, list) and (not prompt or any(p in ("", []) for p in prompt)):
             raise ValueError("prompt must not be empty")
-        return prompt
+        return _unicode_strings(prompt)
 
 
 # Anthropic
@@ -125,9 +133,11 @@ class AnthropicMessage(_Request):
 
 
 class _AnthropicPrompt(_Request):
-    model: Text | None = None
+    model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Any] | None = None
+
+    _text = field_validator("model")(_unicode_strings)
 
     @field_validator("system")
     @classmethod
@@ -137,11 +147,13 @@ class _AnthropicPrompt(_Request):
 
 class MessagesRequest(_AnthropicPrompt):
     max_tokens: int
-    stop_sequences: list[Text] | None = None
+    stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+
+    _stop_text = field_validator("stop_sequences")(_unicode_strings)
 
 
 class CountTokensRequest(_AnthropicPrompt):

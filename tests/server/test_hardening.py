@@ -404,6 +404,22 @@ def astrai_serve(llama_dir, *flags: str) -> Iterator[tuple[subprocess.Popen, str
             process.communicate()
 
 
+def test_serve_flags_reach_the_server(llama_dir):
+    flags = ["--allowed-hosts", "api.example.com,llm.internal", "--allowed-hosts", "other.test"]
+    flags += ["--docs", "--max-request-bytes", "1000", "--read-timeout", "1"]
+    with astrai_serve(llama_dir, *flags) as (_, base):
+        for host in ("api.example.com", "llm.internal", "other.test", "localhost"):
+            assert httpx.get(f"{base}/health", headers={"Host": host}).status_code == 200, host
+        assert httpx.get(f"{base}/health", headers={"Host": "evil.test"}).status_code == 403
+        assert httpx.get(f"{base}/openapi.json").status_code == 200
+        reply = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 2000})
+        assert reply.status_code == 413
+        port = int(base.rsplit(":", 1)[1])
+        started = time.monotonic()
+        assert exchange(port, b"GET /health HTTP/1.1\r\n") == (b"", True)
+        assert time.monotonic() - started < 1 + 2
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="Tokenizer.encode calls tokenizers' encode, which holds the GIL for the whole call, so "
