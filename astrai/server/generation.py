@@ -183,8 +183,8 @@ class GenerationService:
         Encoding runs in a worker thread: a prompt of megabytes takes seconds to tokenize, and
         the event loop must keep serving other clients meanwhile.
         """
-        request = GenerationRequest(tuple(messages))
         try:
+            request = GenerationRequest(tuple(messages))
             return await asyncio.to_thread(self.engine.encode, request)
         except (RequestError, ChatTemplateError) as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
@@ -234,9 +234,11 @@ def _api_error(exc: RequestError | RuntimeError) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, RequestError):
         return APIError(400, str(exc))
-    if isinstance(exc, QueueFullError | RequestAbortedError):
+    if isinstance(exc, QueueFullError):
         return APIError(503, str(exc))
     if isinstance(exc, EngineClosedError):
         return APIError(503, "the engine has stopped and takes no more requests")
+    if isinstance(exc, RequestAbortedError):  # the engine stopped; it logged why
+        return APIError(503, "the engine stopped before this request finished; send it again")
     log.error("a request failed in the engine: %s", exc)
     return APIError(500, "the engine failed while generating this request; the server log says why")
