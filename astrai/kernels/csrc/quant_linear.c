@@ -177,8 +177,10 @@ static inline __attribute__((always_inline)) int8v sums_of_four(int8v a, int8v b
 /* the largest lane of v, v's lanes >= 0 */
 static inline __attribute__((always_inline)) float max8(vec8 v) {
 #ifdef SHUFFLE
-    v = select8(v > SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3), v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
-    v = select8(v > SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1), v, SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1));
+    const vec8 halves = SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = select8(v > halves, v, halves);
+    const vec8 quarters = SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+    v = select8(v > quarters, v, quarters);
     return v[0] > v[1] ? v[0] : v[1];
 #else
     float max = 0.0f;
@@ -277,6 +279,11 @@ static void group_scalar(const struct call *c, int64_t g) {
 }
 
 #if X86
+/* 4 fp16 values as fp32 */
+TARGET_AVX2 INLINE __m128 halves4(const uint8_t *p) {
+    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+}
+
 /* AVX-512 VNNI. Per x row an accumulator of 16 floats: lane 4 r + i sums row r's products of
  * elements 4 i..4 i + 3 and 16 + 4 i.. of each block, scaled by d dx, and the 4 lanes of a row
  * sum to its result, plus lane r of a second accumulator, of the offset terms m sx. n_x rows
@@ -289,10 +296,15 @@ TARGET_VNNI INLINE __m512 spread(__m512 v, int s) {
     return _mm512_permutexvar_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(4 * s)), v);
 }
 
+/* 16 bytes, in each 128-bit lane */
+TARGET_VNNI INLINE __m512i broadcast4(const void *p) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+}
+
 /* 16 bytes as 16 floats, times the 4 rows' fp16 values at halves (for [4][4] scale arrays) */
 TARGET_VNNI INLINE __m512 scales16(__m128i bytes, const int is_signed, const uint8_t *halves) {
     const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)halves));
+    const __m128 d = halves4(halves);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_broadcast_f32x4(d));
 }
 
@@ -338,35 +350,31 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
             if (qtype == Q6_K) { /* bits 2 f, 2 f + 1 of the high-bit bytes, moved to bits 4, 5 */
                 const __m512i bits = _mm512_loadu_si512(rec + 512 + 64 * (j / 2));
                 const __m512i h_low = j % 2 ? bits : _mm512_slli_epi16(bits, 4);
-                const __m512i h_high = j % 2 ? _mm512_srli_epi16(bits, 2) : _mm512_slli_epi16(bits, 2);
+                const __m512i h_high =
+                    j % 2 ? _mm512_srli_epi16(bits, 2) : _mm512_slli_epi16(bits, 2);
                 low = _mm512_or_si512(low, _mm512_and_si512(h_low, high2));
                 high = _mm512_or_si512(high, _mm512_and_si512(h_high, high2));
                 d_low = spread(unit_d[j / 2], 2 * j % 4);
                 d_high = spread(unit_d[j / 2], 2 * j % 4 + 1);
             } else if (qtype == Q4_K) {
                 d_low = d_high = spread(unit_d[j / 4], j % 4);
-                m = _mm512_castps512_ps128(_mm512_permutexvar_ps(
-                    _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                     _mm512_set1_epi32(4 * (j % 4))),
-                    unit_m[j / 4])); /* elements 4 s.. 4 s + 3 */
+                const __m512i iota =
+                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+                const __m512i quarter = _mm512_add_epi32(iota, _mm512_set1_epi32(4 * (j % 4)));
+                m = _mm512_castps512_ps128(_mm512_permutexvar_ps(quarter, unit_m[j / 4]));
             } else {
                 /* [d0..d3, m0..m3] spread: d_r to lanes 4 r .. 4 r + 3, m_r to lane 4 r */
-                const __m128 d = _mm_cvtph_ps(
-                    _mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
+                const __m128 d = halves4(rec + (qtype == Q8_0 ? 128 : 64));
                 d_low = d_high = spread(_mm512_castps128_ps512(d), 0);
-                if (qtype == Q4_1) m = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
+                if (qtype == Q4_1) m = halves4(rec + 72);
             }
             for (int i = 0; i < n_x; i++) {
                 const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
-                const __m512i q_low = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xb->q));
-                const __m512i q_high =
-                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb->q + 16)));
-                const __m512i seed_low =
-                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xb->lanes));
+                const __m512i q_low = broadcast4(xb->q), q_high = broadcast4(xb->q + 16);
+                const __m512i seed_low = broadcast4(xb->lanes);
                 const __m512 dx = _mm512_set1_ps(xb->dx);
                 if (qtype == Q6_K) {
-                    const __m512i seed_high =
-                        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb->lanes + 4)));
+                    const __m512i seed_high = broadcast4(xb->lanes + 4);
                     const __m512i dot_low = _mm512_dpbusd_epi32(seed_low, low, q_low);
                     const __m512i dot_high = _mm512_dpbusd_epi32(seed_high, high, q_high);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low),
@@ -428,11 +436,17 @@ TARGET_AVX2 INLINE __m256 spread2(__m256 v, int s, int h) {
 }
 
 /* 8 bytes as 8 floats, times the 4 rows' fp16 values at halves (for [2][4] scale arrays) */
-TARGET_AVX2 INLINE __m256 scales8(const uint8_t *bytes, const int is_signed, const uint8_t *halves) {
+TARGET_AVX2 INLINE __m256 scales8(const uint8_t *bytes, const int is_signed,
+                                  const uint8_t *halves) {
     const __m128i packed = _mm_loadl_epi64((const __m128i *)bytes);
     const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(packed) : _mm256_cvtepu8_epi32(packed);
-    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)halves));
+    const __m128 d = halves4(halves);
     return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set_m128(d, d));
+}
+
+/* 16 bytes, in each 128-bit lane */
+TARGET_AVX2 INLINE __m256i broadcast2(const void *p) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
 }
 
 TARGET_AVX2 INLINE __m256i avx2_dot(__m256i w, __m256i q, const int is_signed) {
@@ -458,7 +472,8 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
         if (qtype == Q4_K)
             for (int p = 0; p < 4; p++) {
                 unit_d[p] = scales8(rec + 512 + 8 * p, 0, rec + 576);
-                unit_m[p] = _mm256_sub_ps(_mm256_setzero_ps(), scales8(rec + 544 + 8 * p, 0, rec + 584));
+                unit_m[p] = _mm256_sub_ps(_mm256_setzero_ps(),
+                                          scales8(rec + 544 + 8 * p, 0, rec + 584));
             }
         if (qtype == Q6_K)
             for (int p = 0; p < 8; p++) unit_d[p] = scales8(rec + 768 + 8 * p, 1, rec + 832);
@@ -467,9 +482,8 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
             __m256i low[2], high[2];
             __m256 d_low[2], d_high[2];
             __m128 d, m = _mm_setzero_ps(); /* [d0..d3] (of Q4_0, Q4_1, Q8_0), [m0..m3] */
-            if (per_unit == 1)
-                d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + (qtype == Q8_0 ? 128 : 64))));
-            if (qtype == Q4_1) m = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72)));
+            if (per_unit == 1) d = halves4(rec + (qtype == Q8_0 ? 128 : 64));
+            if (qtype == Q4_1) m = halves4(rec + 72);
             if (qtype == Q4_K) /* elements 4 s.. 4 s + 3 */
                 m = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
                     unit_m[j / 2], _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
@@ -484,9 +498,11 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                     high[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
                 }
                 if (qtype == Q6_K) {
-                    const __m256i bits = _mm256_loadu_si256((const __m256i *)(rec + 512 + 64 * (j / 2) + 32 * h));
+                    const uint8_t *high_bits = rec + 512 + 64 * (j / 2) + 32 * h;
+                    const __m256i bits = _mm256_loadu_si256((const __m256i *)high_bits);
                     const __m256i h_low = j % 2 ? bits : _mm256_slli_epi16(bits, 4);
-                    const __m256i h_high = j % 2 ? _mm256_srli_epi16(bits, 2) : _mm256_slli_epi16(bits, 2);
+                    const __m256i h_high =
+                        j % 2 ? _mm256_srli_epi16(bits, 2) : _mm256_slli_epi16(bits, 2);
                     low[h] = _mm256_or_si256(low[h], _mm256_and_si256(h_low, high2));
                     high[h] = _mm256_or_si256(high[h], _mm256_and_si256(h_high, high2));
                     d_low[h] = spread2(unit_d[j], 0, h);
@@ -499,26 +515,29 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
             }
             for (int i = 0; i < n_x; i++) {
                 const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
-                const __m256i q_low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb->q));
-                const __m256i q_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb->q + 16)));
-                const __m256i seed_low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb->lanes));
-                const __m256i seed_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb->lanes + 4)));
+                const __m256i q_low = broadcast2(xb->q), q_high = broadcast2(xb->q + 16);
+                const __m256i seed_low = broadcast2(xb->lanes);
+                const __m256i seed_high = broadcast2(xb->lanes + 4);
                 const __m256 dx = _mm256_set1_ps(xb->dx);
                 if (qtype == Q4_1 || qtype == Q4_K)
                     offsets[i] = _mm_fmadd_ps(m, _mm_set1_ps(xb->sx), offsets[i]);
                 for (int h = 0; h < 2; h++) {
                     const __m256i dot_low = avx2_dot(low[h], q_low, qtype == Q8_0);
                     const __m256i dot_high = avx2_dot(high[h], q_high, qtype == Q8_0);
+                    __m256 *const sum = &acc[i][h];
                     if (qtype == Q6_K) {
-                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot_low, seed_low)),
-                                                    _mm256_mul_ps(d_low[h], dx), acc[i][h]);
-                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot_high, seed_high)),
-                                                    _mm256_mul_ps(d_high[h], dx), acc[i][h]);
+                        const __m256i low = _mm256_add_epi32(dot_low, seed_low);
+                        const __m256i high = _mm256_add_epi32(dot_high, seed_high);
+                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_mul_ps(d_low[h], dx),
+                                               *sum);
+                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high),
+                                               _mm256_mul_ps(d_high[h], dx), *sum);
                         continue;
                     }
                     __m256i dot = _mm256_add_epi32(dot_low, dot_high);
                     if (qtype == Q4_0) dot = _mm256_add_epi32(dot, seed_low);
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low[h], dx), acc[i][h]);
+                    *sum =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low[h], dx), *sum);
                 }
             }
         }
