@@ -275,6 +275,19 @@ SCHEMAS: list[tuple[str, dict, object]] = [
     ),
 ]
 
+# Instances a schema forbids (by name): a library that lets one through ignores a keyword.
+INVALID = {
+    "object, required, closed": '{"name": "x", "age": 1, "extra": 2}',
+    "array of integers, bounded length": "[1]",
+    "numbers with bounds": '{"ratio": 1.5, "count": 42, "delta": 0}',
+    "string pattern": '{"code": "abc-1234"}',
+    "string length bounds": '"hi"',
+    "string formats": '{"when": "2026-13-45", "email": "a@b.co", '
+    '"id": "123e4567-e89b-12d3-a456-426614174000"}',
+    "allOf": '{"a": 1}',
+    "tuple (prefixItems)": '["x", 5, 6]',
+    "uniqueItems, if/then/else": '{"tags": ["x", "x"], "kind": "a"}',
+}
 BATCH = 16
 
 
@@ -392,6 +405,27 @@ def smollm2_tokenizer():
     )
 
 
+def walk(lib, tok, matcher, text: str, bitmask: torch.Tensor, times: list | None = None) -> str:
+    """Feed text's tokens, each checked against the mask first; "" when the grammar took them
+    all and accepts the end, else where it stopped. Mask times (after the first) go to times."""
+    ids = tok.encode(text, add_special_tokens=False)
+    for step, token in enumerate(ids):
+        start = time.perf_counter()
+        lib.fill(matcher, bitmask, 0)
+        if step and times is not None:
+            times.append(time.perf_counter() - start)
+        if not _allowed(bitmask, token) or not lib.consume(matcher, token):
+            return f"token {step} {tok.decode([token])!r}"
+    lib.fill(matcher, bitmask, 0)
+    if not lib.accepting(matcher) or not _allowed(bitmask, tok.eos_token_id):
+        return "end not accepted"
+    return ""
+
+
+def _allowed(bitmask: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+
 def measure(lib_class, tok) -> dict:
     start = time.perf_counter()
     lib = lib_class(tok)
@@ -402,9 +436,9 @@ def measure(lib_class, tok) -> dict:
         "mask": [],
         "refused": [],
         "walk_failed": [],
+        "invalid_passed": [],
     }
-    words = (tok.vocab_size + 31) // 32
-    bitmask = torch.zeros(BATCH, words, dtype=torch.int32)
+    bitmask = torch.zeros(BATCH, (tok.vocab_size + 31) // 32, dtype=torch.int32)
     compiled_all = []
     for name, schema, instance in SCHEMAS:
         start = time.perf_counter()
@@ -414,34 +448,28 @@ def measure(lib_class, tok) -> dict:
             result["refused"].append(f"{name}: {str(exc).splitlines()[0][:80]}")
             continue
         result["compile"].append(time.perf_counter() - start)
-        compiled_all.append(compiled)
+        compiled_all.append((compiled, json.dumps(instance)))
         matcher = lib.matcher(compiled)
         start = time.perf_counter()
         lib.fill(matcher, bitmask, 0)
         result["first_mask"].append(time.perf_counter() - start)
-        ids = tok.encode(json.dumps(instance), add_special_tokens=False)
-        for step, token in enumerate(ids):
-            if step:
-                start = time.perf_counter()
-                lib.fill(matcher, bitmask, 0)
-                result["mask"].append(time.perf_counter() - start)
-            allowed = bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
-            if not allowed or not lib.consume(matcher, token):
-                result["walk_failed"].append(f"{name}: token {step} {tok.decode([token])!r}")
-                break
-        else:
-            lib.fill(matcher, bitmask, 0)
-            eos = tok.eos_token_id
-            if not lib.accepting(matcher) or not (int(bitmask[0, eos // 32]) >> (eos % 32)) & 1:
-                result["walk_failed"].append(f"{name}: end not accepted")
+        failure = walk(
+            lib, tok, lib.matcher(compiled), json.dumps(instance), bitmask, result["mask"]
+        )
+        if failure:
+            result["walk_failed"].append(f"{name}: {failure}")
+        if name in INVALID and not walk(lib, tok, lib.matcher(compiled), INVALID[name], bitmask):
+            result["invalid_passed"].append(f"{name}: {INVALID[name]}")
 
-    # One step of BATCH concurrent requests: fill every row, then mask [BATCH, vocab] logits.
-    matchers = [lib.matcher(compiled_all[i % len(compiled_all)]) for i in range(BATCH)]
-    for m in matchers:  # past the first mask, as a running request is
-        lib.fill(m, bitmask, 0)
-    fills, applies = [], []
+    # BATCH concurrent requests, each writing its schema's instance (and starting again when
+    # done): per step, fill every row's mask, mask [BATCH, vocab] logits, advance every row.
+    rows = [compiled_all[i % len(compiled_all)] for i in range(BATCH)]
+    matchers = [lib.matcher(compiled) for compiled, _ in rows]
+    ids = [tok.encode(text, add_special_tokens=False) for _, text in rows]
+    position = [0] * BATCH
+    fills, applies, advances = [], [], []
     logits = torch.randn(BATCH, tok.vocab_size)
-    for _ in range(50):
+    for _ in range(100):
         start = time.perf_counter()
         lib.fill_batch(matchers, bitmask)
         fills.append(time.perf_counter() - start)
@@ -449,8 +477,17 @@ def measure(lib_class, tok) -> dict:
         start = time.perf_counter()
         lib.apply(work, bitmask)
         applies.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for row, matcher in enumerate(matchers):
+            lib.consume(matcher, ids[row][position[row]])
+            position[row] += 1
+        advances.append(time.perf_counter() - start)
+        for row in range(BATCH):
+            if position[row] == len(ids[row]):
+                matchers[row], position[row] = lib.matcher(rows[row][0]), 0
     result["batch_fill"] = statistics.median(fills)
     result["batch_apply"] = statistics.median(applies)
+    result["batch_advance"] = statistics.median(advances)
     return result
 
 
@@ -474,8 +511,10 @@ def main() -> None:
         ("first mask max (ms)", lambda r: f"{max(r['first_mask']) * ms:.3f}"),
         ("mask per token mean (us)", lambda r: f"{statistics.mean(r['mask']) * 1e6:.1f}"),
         ("mask per token p99 (us)", lambda r: f"{p99(r['mask']) * 1e6:.1f}"),
-        (f"{BATCH} masks, one step (us)", lambda r: f"{r['batch_fill'] * 1e6:.0f}"),
-        (f"apply to [{BATCH}, V] (us)", lambda r: f"{r['batch_apply'] * 1e6:.0f}"),
+        ("invalid instances let through", lambda r: f"{len(r['invalid_passed'])}/{len(INVALID)}"),
+        (f"step of {BATCH}: fill masks (us)", lambda r: f"{r['batch_fill'] * 1e6:.0f}"),
+        (f"step of {BATCH}: mask logits (us)", lambda r: f"{r['batch_apply'] * 1e6:.0f}"),
+        (f"step of {BATCH}: advance (us)", lambda r: f"{r['batch_advance'] * 1e6:.0f}"),
     ]
     names = list(results)
     print(f"| {'':28} | " + " | ".join(f"{n:>18}" for n in names) + " |")
@@ -483,7 +522,7 @@ def main() -> None:
     for label, cell in rows:
         print(f"| {label:28} | " + " | ".join(f"{cell(results[n]):>18}" for n in names) + " |")
     for name, r in results.items():
-        for kind in ("refused", "walk_failed"):
+        for kind in ("refused", "walk_failed", "invalid_passed"):
             for line in r[kind]:
                 print(f"{name} {kind.replace('_', ' ')}: {line}")
 

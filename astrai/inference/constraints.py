@@ -177,7 +177,7 @@ def _grammar_text(constraint: Constraint) -> str:
 class _VocabBytes:
     """The vocabulary as llguidance's TokenizerWrapper reads it, through the public Tokenizer
     API (so GGUF and Hugging Face tokenizers alike), padded to the model's vocab size with
-    special tokens no grammar allows: the model's extra rows are masked off with the rest."""
+    empty tokens, which llguidance never allows: the model's extra rows are masked off."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
@@ -189,7 +189,7 @@ class _VocabBytes:
         # Special tokens are the ones decoding skips; a grammar never produces them as text.
         self.special_token_ids = [
             i for i in range(n) if tokenizer.decode([i], skip_special_tokens=True) == ""
-        ] + list(range(n, vocab_size))
+        ]
 
     def __call__(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)

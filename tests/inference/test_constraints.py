@@ -205,6 +205,15 @@ GBNF = 'root ::= "(" [a-c]+ ")"'
 MAX_STEPS = 300
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """A few [rows, vocab] tensors a step: on a shared CPU intra-op threads only add waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny(tokenizer_dir):
     """The test tokenizer (400 tokens) with the tiny models' wider vocab (512)."""
@@ -312,6 +321,16 @@ def test_only_end_allowed_once_complete(tiny):
     assert state.is_finished()
     allowed = unpack_bitmask(masker.fill([state]).bitmask, compiler.vocab_size)[0]
     assert set(allowed.nonzero()[:, 0].tolist()) == tokenizer.stop_token_ids
+
+
+def test_special_and_padding_tokens_never_allowed_as_text(tiny):
+    tokenizer, compiler = tiny
+    state = compiler.compile(Constraint.regex("[^0-9]{1,10}")).new_state()
+    allowed = unpack_bitmask(BatchMasker(1, compiler.vocab_size).fill([state]).bitmask, 512)[0]
+    special = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == ""]
+    assert len(special) == 4 and not allowed[special].any()
+    assert not allowed[tokenizer.vocab_size :].any()
+    assert allowed[: tokenizer.vocab_size].sum() > 200  # text tokens are
 
 
 @pytest.mark.parametrize("eos_logit", [-1e4, float("-inf")])
@@ -439,9 +458,12 @@ def test_uncompilable_specs_raise_constraint_error(tiny, constraint, message):
     assert constraint.kind in str(error.value)
 
 
-def test_compile_cache_shares_and_evicts(tokenizer_dir):
+def test_compile_cache_shares_and_evicts(tokenizer_dir, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     compiler = ConstraintCompiler(tokenizer, cache_size=2)
+    builds = []
+    build = compiler._build
+    monkeypatch.setattr(compiler, "_build", lambda c: builds.append(c) or build(c))
     a = compiler.compile(Constraint.json_schema(SCHEMAS[0]))
     assert compiler.compile(Constraint.json_schema(json.dumps(SCHEMAS[0]))) is a
     b = compiler.compile(Constraint.regex("b+"))
@@ -449,12 +471,19 @@ def test_compile_cache_shares_and_evicts(tokenizer_dir):
     compiler.compile(Constraint.json_schema(SCHEMAS[0]))  # a is now the most recent
     compiler.compile(Constraint.regex("c+"))  # evicts b
     assert compiler.compile(Constraint.json_schema(SCHEMAS[0])) is a
+    assert len(builds) == 3  # a, b and c, each once
     assert compiler.compile(Constraint.regex("b+")) is not b
 
 
 def test_compile_from_many_threads_gives_one_object(tiny):
     compiler = tiny[1]
-    constraint = Constraint.json_schema(SCHEMAS[3])
+    # Large enough that the threads compile it at the same time (llguidance drops the GIL).
+    constraint = Constraint.json_schema(
+        {
+            "type": "object",
+            "properties": {f"p{i}": {"pattern": f"^x{i}[a-z]+$"} for i in range(300)},
+        }
+    )
     barrier = threading.Barrier(8)
 
     def compile_together(_):
