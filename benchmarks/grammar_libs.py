@@ -1,12 +1,15 @@
 """llguidance against xgrammar on the real SmolLM2 tokenizer (49,152 tokens), the measurement
 behind astrai's choice of grammar library for constrained decoding (issue 17).
 
-For each library: tokenizer set-up; compile time of 20 JSON schemas of varied shapes (and
-which it refuses); the per-token mask time while walking a valid output of each schema (the
-instance below, tokenized as the model would write it), with the walk checking that every
-token of the instance is allowed and that the end is accepted; and one step of 16 concurrent
-matchers, masks filled together and applied to [16, vocab] logits.
+For each library: tokenizer set-up; compile time of 21 JSON schemas of varied shapes, and which
+it refuses; the time to the first mask and per token while walking a valid instance of each
+schema (tokenized as a model would write it), every token checked against the mask and the end
+checked to be accepted; whether instances that a schema forbids get through (a library that
+lets one through ignores a keyword); and a decode step of 16 concurrent requests: fill the 16
+masks together, mask [16, vocab] logits (llguidance's through astrai's TokenMask.apply, torch
+ops; xgrammar's with its C++ CPU kernel), advance each request by a token.
 
+    pip install xgrammar   # the comparison only; astrai depends on llguidance alone
     python benchmarks/grammar_libs.py
 """
 
@@ -24,7 +27,7 @@ import llguidance.torch
 import torch
 import xgrammar
 
-from astrai.inference.constraints import TokenMask
+from astrai.inference.constraints import TokenMask, _VocabBytes
 from astrai.tokenize import AutoTokenizer
 
 # (name, schema, a valid instance with properties in schema order)
@@ -309,7 +312,9 @@ class LLGuidance(Library):
     name = f"llguidance {version('llguidance')}"
 
     def __init__(self, tok) -> None:
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tok)))
+        self.tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_VocabBytes(tok, tok.vocab_size))
+        )
         self.executor = llguidance.LLExecutor(num_threads=2)
 
     def compile(self, schema):
@@ -344,7 +349,7 @@ class XGrammar(Library):
     name = f"xgrammar {version('xgrammar')}"
 
     def __init__(self, tok) -> None:
-        wrapper = _TokenBytes(tok)
+        wrapper = _VocabBytes(tok, tok.vocab_size)
         special = set(wrapper.special_token_ids)
         # Empty bytes mark a token xgrammar must never allow inside text (a special token).
         vocab = [b"" if i in special else t for i, t in enumerate(wrapper.tokens)]
@@ -377,23 +382,6 @@ class XGrammar(Library):
 
     def apply(self, logits, bitmask):
         xgrammar.apply_token_bitmask_inplace(logits, bitmask)
-
-
-class _TokenBytes:
-    """The vocabulary as bytes through astrai's public Tokenizer API (what llguidance's
-    TokenizerWrapper reads): works for GGUF and Hugging Face tokenizers alike."""
-
-    def __init__(self, tok) -> None:
-        self.tok = tok
-        self.eos_token_id = tok.eos_token_id
-        self.bos_token_id = tok.bos_token_id
-        self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
-        self.special_token_ids = [
-            i for i in range(tok.vocab_size) if tok.decode([i], skip_special_tokens=True) == ""
-        ]
-
-    def __call__(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
 
 
 def smollm2_tokenizer():
@@ -497,7 +485,8 @@ def p99(values: list[float]) -> float:
 
 def main() -> None:
     tok = smollm2_tokenizer()
-    torch.set_num_threads(2)
+    # The masks' tensors are a few MB: intra-op threads only add waits on a shared 2-core VM.
+    torch.set_num_threads(1)
     print(f"SmolLM2 tokenizer: {tok.vocab_size} tokens; {len(SCHEMAS)} schemas\n")
     results = {lib.name: measure(lib, tok) for lib in (LLGuidance, XGrammar)}
     ms = 1e3
@@ -517,10 +506,10 @@ def main() -> None:
         (f"step of {BATCH}: advance (us)", lambda r: f"{r['batch_advance'] * 1e6:.0f}"),
     ]
     names = list(results)
-    print(f"| {'':28} | " + " | ".join(f"{n:>18}" for n in names) + " |")
-    print(f"|{'-' * 30}|" + "|".join("-" * 20 for _ in names) + "|")
+    print(f"| {'':30} | " + " | ".join(f"{n:>18}" for n in names) + " |")
+    print(f"|{'-' * 32}|" + "|".join("-" * 20 for _ in names) + "|")
     for label, cell in rows:
-        print(f"| {label:28} | " + " | ".join(f"{cell(results[n]):>18}" for n in names) + " |")
+        print(f"| {label:30} | " + " | ".join(f"{cell(results[n]):>18}" for n in names) + " |")
     for name, r in results.items():
         for kind in ("refused", "walk_failed", "invalid_passed"):
             for line in r[kind]:
