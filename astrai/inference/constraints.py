@@ -1,26 +1,31 @@
 """Constrained decoding: JSON, JSON-schema, regex, choice and grammar constraints as token masks.
 
-The grammar work is llguidance's (chosen over xgrammar by measurement, benchmarks/README.md):
-it compiles a schema in about a millisecond, builds the masks lazily with bounded work per
-token, and rolls back and copies matchers cheaply. This module gives the engine four pieces:
+The grammar work is llguidance's, chosen over xgrammar by measurement (benchmarks/README.md):
+it refuses what it cannot enforce instead of dropping it, compiles a schema in a fraction of a
+millisecond, and builds masks lazily with bounded work per token. The pieces, by who holds them:
 
-- `Constraint`, the immutable spec a request carries (and its mapping from OpenAI's
-  `response_format` and vLLM's `structured_outputs` / `guided_*` fields);
-- `ConstraintCompiler`, one per tokenizer: a thread-safe LRU cache of compiled constraints, to
-  be called off the scheduler's thread (the server via `asyncio.to_thread`); a constraint the
-  library refuses raises `ConstraintError`, a ValueError, before anything runs;
-- `ConstraintState`, one per sequence: `advance`, `is_finished`, `rollback`, `fork`;
-- `BatchMasker`, one per engine: fills the step's bitmask rows of the constrained sequences
-  at once (in parallel, without the GIL), and `TokenMask.apply` masks their logits.
+- `Constraint`, the immutable spec a request carries (hashable: the cache key), built from
+  OpenAI's `response_format` or vLLM's `structured_outputs` / `guided_*` fields;
+- `ConstraintCompiler`, one per engine (tokenizer and model vocab): a thread-safe LRU cache,
+  called off the scheduler's thread (the server through `asyncio.to_thread`); what the
+  library refuses raises `ConstraintError`, a ValueError, before the request is queued;
+- `ConstraintState`, one per sequence, from `CompiledConstraint.new_state()`: `advance` with
+  each accepted token, `is_finished`, `rollback` (rejected speculative tokens), `fork`;
+- `BatchMasker`, one per engine: `fill(states)` writes the step's bitmask rows of the
+  constrained sequences at once (in parallel, GIL released, so it may overlap the forward
+  pass), and the `TokenMask` it returns masks the logits with `apply`.
 
 In the sampler the mask goes after the penalties and logit bias and before temperature, top-k,
-top-p and min-p, so every filter works among the allowed tokens and a masked logit stays -inf
-through all of them. A row whose allowed tokens all have a -inf logit gets them at 0 (uniform),
-so a masked token can never be drawn, and a row that allows only EOS always draws EOS.
+top-p and min-p, so each filter works among the allowed tokens and a masked logit stays -inf
+through all of them; it goes on the processed copy, since logprobs are of the raw logits. A
+row whose allowed tokens all have -inf logits gets them at 0 (a uniform draw among them), so a
+masked token is never drawn and a row that allows only EOS always draws EOS. Tokens past the
+tokenizer's vocabulary (a model's padded rows) are never allowed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -217,7 +222,6 @@ class ConstraintCompiler:
                 "on; name eos_token_id in generation_config.json"
             )
         self.vocab_size = vocab_size
-        self.stop_token_ids = tokenizer.stop_token_ids
         self._tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_VocabBytes(tokenizer, vocab_size)),
             eos_token=sorted(tokenizer.stop_token_ids),
@@ -308,10 +312,6 @@ class ConstraintState:
         """An independent copy at the same place, for a sample of n > 1 that branches here."""
         return ConstraintState(self._matcher.deep_copy(), self.num_tokens)
 
-    def fill_mask(self, bitmask: Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] ([rows, ceil(V / 32)] int32, CPU)."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
-
 
 @dataclass
 class TokenMask:
@@ -337,16 +337,17 @@ class TokenMask:
         return logits
 
 
-# Byte value -> the additive mask of its 8 tokens, lowest bit first: 0 allowed, -inf not.
-_BYTE_BIAS = torch.where(
-    (torch.arange(256)[:, None] >> torch.arange(8) & 1).bool(), 0.0, float("-inf")
-)  # [256, 8]
+@functools.cache
+def _byte_bias(device: torch.device) -> Tensor:
+    """Byte value -> the additive mask of its 8 tokens, lowest bit first: 0 allowed, -inf not."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8) & 1).bool()
+    return torch.where(bits, 0.0, float("-inf")).to(device)  # [256, 8]
 
 
 def bitmask_to_bias(bitmask: Tensor, vocab_size: int) -> Tensor:
     """[R, W] int32 bitmask -> [R, vocab_size] float32, 0 where allowed and -inf where not:
     added to logits, it masks them in one pass (a table look-up per byte, no bit shifts)."""
-    table = _BYTE_BIAS.to(bitmask.device)
+    table = _byte_bias(bitmask.device)
     # Little-endian int32 as bytes: byte i holds tokens 8i..8i+7.
     as_bytes = bitmask.contiguous().view(torch.uint8).view(-1).long()  # [R * 4W]
     return table.index_select(0, as_bytes).view(bitmask.shape[0], -1)[:, :vocab_size]
