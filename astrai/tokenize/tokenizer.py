@@ -128,8 +128,11 @@ class Tokenizer:
         return token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text; add_special_tokens applies tokenizer.json's post-processor (bos)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of text; add_special_tokens applies tokenizer.json's post-processor (bos).
+
+        encode_batch, not encode: it releases the GIL, so a server thread encoding a huge prompt
+        does not stall the event loop and the engine."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

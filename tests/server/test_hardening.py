@@ -420,11 +420,6 @@ def test_serve_flags_reach_the_server(llama_dir):
         assert time.monotonic() - started < 1 + 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Tokenizer.encode calls tokenizers' encode, which holds the GIL for the whole call, so "
-    "the server's worker thread still stalls its event loop; encode_batch releases the GIL",
-)
 def test_a_large_prompt_does_not_stall_other_clients(llama_dir):
     # The server runs apart from this process, whose threads a held GIL would stall as well.
     with astrai_serve(llama_dir) as (_, base):
@@ -444,7 +439,7 @@ def test_a_large_prompt_does_not_stall_other_clients(llama_dir):
             slowest = max(slowest, time.perf_counter() - started)
             time.sleep(0.02)
         sender.join()
-    assert slowest < 0.5
+    assert slowest < 1.0  # 3.3 s while the encoding held the GIL
 
 
 def test_sigterm_drains_running_requests_then_exits_cleanly(llama_dir):
