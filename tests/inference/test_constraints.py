@@ -229,7 +229,8 @@ def smollm2():
 
 
 @pytest.fixture(params=["tiny", "smollm2"])
-def setup(request):
+def vocabulary(request):
+    """Each walk test runs on the test tokenizer and on SmolLM2's."""
     return request.getfixturevalue(request.param)
 
 
@@ -280,8 +281,8 @@ def walk(tokenizer, compiler, constraints, seed=0):
     return [tokenizer.decode(tokens[i]) for i in states], [tokens[i] for i in states]
 
 
-def test_json_schema_walks_validate(setup):
-    tokenizer, compiler = setup
+def test_json_schema_walks_validate(vocabulary):
+    tokenizer, compiler = vocabulary
     texts, _ = walk(tokenizer, compiler, [Constraint.json_schema(s) for s in SCHEMAS])
     for schema, text in zip(SCHEMAS, texts, strict=True):
         jsonschema.validate(
@@ -289,14 +290,14 @@ def test_json_schema_walks_validate(setup):
         )
 
 
-def test_json_object_walks_give_objects(setup):
-    tokenizer, compiler = setup
+def test_json_object_walks_give_objects(vocabulary):
+    tokenizer, compiler = vocabulary
     texts, _ = walk(tokenizer, compiler, [Constraint.json_object()] * 4, seed=1)
     assert all(isinstance(json.loads(text), dict) for text in texts)
 
 
-def test_regex_choice_and_grammar_walks_match(setup):
-    tokenizer, compiler = setup
+def test_regex_choice_and_grammar_walks_match(vocabulary):
+    tokenizer, compiler = vocabulary
     constraints = [Constraint.regex(p) for p in REGEXES]
     constraints += [Constraint.choice(CHOICES)] * 6
     constraints += [Constraint.grammar(LARK), Constraint.grammar(GBNF)]
@@ -323,8 +324,8 @@ def test_only_end_allowed_once_complete(tiny):
     assert set(allowed.nonzero()[:, 0].tolist()) == tokenizer.stop_token_ids
 
 
-def test_special_and_padding_tokens_never_allowed_as_text(setup):
-    tokenizer, compiler = setup
+def test_special_and_padding_tokens_never_allowed_as_text(vocabulary):
+    tokenizer, compiler = vocabulary
     state = compiler.compile(Constraint.regex("[^0-9]{1,10}")).new_state()
     mask = BatchMasker(1, compiler.vocab_size).fill([state])
     allowed = unpack_bitmask(mask.bitmask, compiler.vocab_size)[0]
