@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from machine import read_bandwidth
 
 from astrai.kernels import native
-from astrai.kernels.quant_ops import QuantizedWeight
+from astrai.kernels.quant_ops import QuantizedWeight, quant_linear
 
 
 def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], list, QuantizedWeight]:
@@ -96,6 +98,25 @@ def time_pass(calls: list[tuple], repeats: int) -> tuple[float, list[float]]:
             best_call[i] = min(best_call[i], time.perf_counter() - t0)
         best_pass = min(best_pass, time.perf_counter() - start)
     return best_pass, best_call
+
+
+def prefill_table(layer: list[QuantizedWeight], repeats: int) -> None:
+    """One layer's linears through the op at prefill-sized rows, each path forced: where the
+    kernel stops paying and W dequantized for PyTorch's GEMM takes over."""
+    paths = {torch.float32: ["kernel", "gemm"], torch.bfloat16: ["kernel", "gemm", "upcast"]}
+    print("\none layer's 7 linears through the op, ms, each path forced (ASTRAI_LINEAR_PATH)")
+    print(f"{'x':<10}{'rows':>6}" + "".join(f"{p:>10}" for p in paths[torch.bfloat16]))
+    for dtype, names in paths.items():
+        for rows in (16, 64, 256, 512):
+            inputs = [torch.randn(rows, w.shape[1]).to(dtype) for w in layer]
+            cells = []
+            for path in names:
+                os.environ["ASTRAI_LINEAR_PATH"] = path
+                run = [partial(quant_linear, x, w) for x, w in zip(inputs, layer, strict=True)]
+                seconds, _ = time_pass([(fn, (), 0, None) for fn in run], repeats)
+                cells.append(f"{seconds * 1e3:>10.2f}")
+            del os.environ["ASTRAI_LINEAR_PATH"]
+            print(f"{str(dtype)[6:]:<10}{rows:>6}" + "".join(cells))
 
 
 def main() -> None:
@@ -171,6 +192,7 @@ def main() -> None:
             count, total, nbytes = per_shape[n][key]
             cells.append(f"{total / count * 1e6:>16.1f}{nbytes / total / 1e9:>10.1f}")
         print(f"{label:<12}{f'{shape[0]}x{shape[1]}':>10}" + "".join(cells))
+    prefill_table(weights[:7], max(2, args.repeats // 10))
 
 
 if __name__ == "__main__":
