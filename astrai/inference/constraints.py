@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import llguidance
-import llguidance.torch
 import torch
 from torch import Tensor
 
@@ -373,10 +372,13 @@ class BatchMasker:
         rows = [i for i, state in enumerate(states) if state is not None]
         if not rows:
             return None
-        bitmask = self._bitmask[: len(rows)]
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor,
+        bitmask = self._bitmask[: len(rows)]  # [R, W], contiguous
+        # What llguidance.torch.fill_next_token_bitmask_par does; importing that module would
+        # import torch._dynamo (2 s) for a decorator astrai does not use.
+        self._executor.unsafe_compute_mask_ptr(
             [(states[row]._matcher, slot) for slot, row in enumerate(rows)],
-            bitmask,
+            bitmask.data_ptr(),
+            bitmask.shape[1] * bitmask.element_size(),
+            len(rows),
         )
         return TokenMask(torch.tensor(rows), bitmask, all_rows=len(rows) == len(states))
