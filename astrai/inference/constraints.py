@@ -367,8 +367,9 @@ class BatchMasker:
         self._executor = llguidance.LLExecutor(num_threads=threads)
 
     def fill(self, states: Sequence[ConstraintState | None]) -> TokenMask | None:
-        """The masks of a batch whose row i is states[i] (None: unconstrained); None when no
-        row is constrained. The result is valid until the next fill."""
+        """The masks of a batch whose row i is states[i] (None: unconstrained, and a state in
+        one row only); None when no row is constrained. The result is valid until the next
+        fill."""
         rows = [i for i, state in enumerate(states) if state is not None]
         if not rows:
             return None
