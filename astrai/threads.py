@@ -3,9 +3,13 @@
 torch's OpenMP runtime (libgomp, which astrai's kernels share) reads its settings once, when
 torch is loaded, so importing astrai sets them first, unless the user already has or torch is
 already loaded:
-- OMP_WAIT_POLICY=passive: a thread out of work sleeps at once instead of spinning ~3 ms
-  (libgomp's default). Beside another busy process, spinning threads hold the cores that the
-  working ones wait for; batch-1 decode ran several times slower (benchmarks/contention.py).
+- GOMP_SPINCOUNT=3000: a thread out of work spins that many times, then sleeps. libgomp's
+  default, 300,000 (~3 ms), keeps idle threads on the cores that the working ones need when
+  another process is busy beside astrai: batch-1 decode fell 10-20x. Sleeping at once
+  (OMP_WAIT_POLICY=passive) pays a wake-up at every parallel op, which halved decode on an
+  idle machine; 3000 spins bridge the gaps between a step's kernels and still give the cores
+  up long before a time slice ends (benchmarks/README.md, benchmarks/contention.py). A wait
+  policy or spin count the user set wins.
 - OMP_NUM_THREADS from the cgroup CPU quota (a container run with --cpus) where it grants
   fewer CPUs than the process may run on: OpenMP counts the CPUs, not the time granted.
 """
@@ -18,6 +22,7 @@ import sys
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+SPIN_COUNT = 3000
 
 
 def cgroup_cpu_limit(root: Path = CGROUP) -> float | None:
@@ -51,7 +56,8 @@ def configure_openmp() -> None:
     """Default OMP_WAIT_POLICY and OMP_NUM_THREADS as the module docstring says."""
     if "torch" in sys.modules:  # its OpenMP runtime has read the environment already
         return
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
     cpus = available_cpus()
     if cpus < affinity_cpus():
         os.environ.setdefault("OMP_NUM_THREADS", str(cpus))
