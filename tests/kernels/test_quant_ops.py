@@ -265,25 +265,53 @@ def test_types_and_shapes_without_a_kernel_are_refused():
         QuantizedWeight.from_gguf(np.zeros(324, np.uint8), GGMLQuantizationType.Q4_K, (1, 576))
 
 
+KERNEL, GEMM, UPCAST = LinearPath.KERNEL, LinearPath.GEMM, LinearPath.UPCAST
+# for a fake clock: seconds of a one-row pass of the kernel on each CPU path (timed first, twice
+# each), then of each path per rows (1.0 where not given)
+ISA_SECONDS = {"scalar": 3.0, "avx2": 1.0, "avx512vnni": 2.0}
+SECONDS = {
+    1: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast
+    4: {KERNEL: 1.05, GEMM: 1.0},  # the GEMM 5 % faster: not enough to leave the kernel
+    256: {KERNEL: 3.0, GEMM: 1.0, UPCAST: 0.5},
+}
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_tuning_picks_a_path_per_bucket_and_a_cpu_path(monkeypatch, dtype):
+def test_tuning_keeps_the_fastest_cpu_path_and_path_per_bucket(monkeypatch, dtype):
     monkeypatch.setattr(quant_module, "_paths", {})
     monkeypatch.setattr(quant_module, "_timed", {})
-    before = native.quant_linear.isa()
+    timed = []
+
+    def fake_time(path, weights, dtype_, rows, limit):
+        isa = native.quant_linear.isa()
+        timed.append((path, rows, isa))
+        if len(timed) <= 2 * len(native.quant_linear.isas()):
+            return ISA_SECONDS[isa]
+        return SECONDS.get(rows, {}).get(path, 1.0)
+
+    monkeypatch.setattr(quant_module, "_time_path", fake_time)
     weights = []
     for qtype in QTYPES:
-        shape = shape_of(qtype, (64, 1))
-        blocks = random_blocks(qtype, shape, seed=7)
-        weights.append(QuantizedWeight.from_gguf(blocks, qtype, shape))
+        shape = shape_of(qtype, (8, 1))
+        weights.append(QuantizedWeight.from_gguf(random_blocks(qtype, shape, 7), qtype, shape))
+    before = native.quant_linear.isa()
     try:
-        paths = tune_quant_linears(weights, dtype)
-        assert native.quant_linear.isa() in native.quant_linear.isas()
+        chosen = tune_quant_linears(weights, dtype)
+        fastest = min(native.quant_linear.isas(), key=ISA_SECONDS.get)
+        assert native.quant_linear.isa() == fastest
+        assert {isa for _, _, isa in timed} == set(native.quant_linear.isas())
     finally:
         native.quant_linear.set_isa(before)
-    assert set(paths) == set(quant_module.ROW_BUCKETS)
-    assert all(isinstance(p, LinearPath) for p in paths.values())
-    assert quant_module._paths[dtype] == list(paths.values())
+    want = {1: GEMM, 256: UPCAST if dtype == torch.bfloat16 else GEMM}
+    assert chosen == {rows: want.get(rows, KERNEL) for rows in quant_module.ROW_BUCKETS}
+    assert quant_module.choose_path(torch.empty(1, 32, dtype=dtype)) is GEMM
+    assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype)) is KERNEL
+    # timed once per process: a second model of the same shapes takes the same paths
+    timed.clear()
+    quant_module._paths.clear()
+    assert tune_quant_linears(weights, dtype) == chosen
+    assert timed == []
 
 
 @functools.cache
