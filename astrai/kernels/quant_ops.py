@@ -187,15 +187,15 @@ def _time_path(
     return time.perf_counter() - start
 
 
-def _fastest(timings: dict, runs: int = 2) -> object:
+def _fastest(timings: dict, preferred: object, runs: int = 2) -> object:
     """The key of the fastest of timings' callables (each limit -> seconds), run alternately
-    so that one slow moment does not decide; the first key wins ties within KERNEL_PREFERENCE."""
+    so that one slow moment does not decide; preferred wins ties within KERNEL_PREFERENCE."""
     best = dict.fromkeys(timings, float("inf"))
     for _ in range(runs):
         for key, timing in timings.items():
             best[key] = min(best[key], timing(min(best.values()) * KERNEL_PREFERENCE))
-    first = next(iter(best))
-    best[first] /= KERNEL_PREFERENCE
+    if preferred in best:
+        best[preferred] /= KERNEL_PREFERENCE
     return min(best, key=best.get)
 
 
@@ -205,7 +205,11 @@ def tune_quant_linears(
 ) -> dict[int, LinearPath]:
     """Time the paths for x of dtype on these weights (one model's quantized linears, in
     order; once per process) -- first the kernel's CPU paths at one row, keeping the fastest
-    -- use the fastest path per row bucket from now on, and return them {bucket: path}."""
+    -- use the fastest path per row bucket from now on, and return them {bucket: path}.
+
+    The kernel quantizes x and a GEMM does not, so their results differ by more than rounding:
+    the kernel keeps every bucket up to the first a GEMM wins, and none beyond, so that a
+    sequence's decode steps change path at one batch size, not back and forth."""
     key = (dtype, tuple((w.qtype, w.shape) for w in weights))
     if native.quant_linear is not None and key not in _timed and forced_path() is None:
         streamed, size = [], 0
@@ -214,23 +218,25 @@ def tune_quant_linears(
                 break
             streamed.append(w)
             size += w.nbytes()
-        isas = reversed(native.quant_linear.isas())  # the widest first: it wins ties
+        isas = native.quant_linear.isas()[::-1]  # the widest first: it wins ties
 
         def kernel_on(isa: str, limit: float) -> float:
             native.quant_linear.set_isa(isa)
             return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
 
-        native.quant_linear.set_isa(_fastest({isa: partial(kernel_on, isa) for isa in isas}))
+        widest = isas[0]
+        native.quant_linear.set_isa(_fastest({i: partial(kernel_on, i) for i in isas}, widest))
         paths = []
         for bucket in ROW_BUCKETS:
             # few rows stream the weights; many are bound by arithmetic: a layer's weights
             timed = streamed if bucket <= SKINNY_MAX_ROWS else weights[:4]
-            candidates = [LinearPath.KERNEL, LinearPath.GEMM]
+            candidates = [LinearPath.GEMM]
             if dtype == torch.bfloat16:
                 candidates.append(LinearPath.UPCAST)
-            paths.append(
-                _fastest({p: partial(_time_path, p, timed, dtype, bucket) for p in candidates})
-            )
+            if all(path is LinearPath.KERNEL for path in paths):
+                candidates.append(LinearPath.KERNEL)
+            timings = {p: partial(_time_path, p, timed, dtype, bucket) for p in candidates}
+            paths.append(_fastest(timings, LinearPath.KERNEL))
         _timed[key] = paths
     if key in _timed:
         _paths[dtype] = _timed[key]

@@ -270,15 +270,18 @@ KERNEL, GEMM, UPCAST = LinearPath.KERNEL, LinearPath.GEMM, LinearPath.UPCAST
 # each), then of each path per rows (1.0 where not given)
 ISA_SECONDS = {"scalar": 3.0, "avx2": 1.0, "avx512vnni": 2.0}
 SECONDS = {
-    1: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast
-    4: {KERNEL: 1.05, GEMM: 1.0},  # the GEMM 5 % faster: not enough to leave the kernel
-    256: {KERNEL: 3.0, GEMM: 1.0, UPCAST: 0.5},
+    1: {KERNEL: 1.05, GEMM: 1.0},  # the GEMM 5 % faster: not enough to leave the kernel
+    4: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast: from here on, GEMMs only
+    8: {KERNEL: 0.1},  # (not timed)
+    256: {GEMM: 1.0, UPCAST: 0.5},
 }
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_tuning_keeps_the_fastest_cpu_path_and_path_per_bucket(monkeypatch, dtype):
+def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wins(
+    monkeypatch, dtype
+):
     monkeypatch.setattr(quant_module, "_paths", {})
     monkeypatch.setattr(quant_module, "_timed", {})
     timed = []
@@ -303,10 +306,12 @@ def test_tuning_keeps_the_fastest_cpu_path_and_path_per_bucket(monkeypatch, dtyp
         assert {isa for _, _, isa in timed} == set(native.quant_linear.isas())
     finally:
         native.quant_linear.set_isa(before)
-    want = {1: GEMM, 256: UPCAST if dtype == torch.bfloat16 else GEMM}
-    assert chosen == {rows: want.get(rows, KERNEL) for rows in quant_module.ROW_BUCKETS}
-    assert quant_module.choose_path(torch.empty(1, 32, dtype=dtype)) is GEMM
-    assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype)) is KERNEL
+    want = {1: KERNEL, 2: KERNEL, 256: UPCAST if dtype == torch.bfloat16 else GEMM}
+    assert chosen == {rows: want.get(rows, GEMM) for rows in quant_module.ROW_BUCKETS}
+    path_timings = timed[2 * len(native.quant_linear.isas()) :]
+    assert {rows for path, rows, _ in path_timings if path is KERNEL} == {1, 2, 4}
+    assert quant_module.choose_path(torch.empty(2, 32, dtype=dtype)) is KERNEL
+    assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype)) is GEMM
     # timed once per process: a second model of the same shapes takes the same paths
     timed.clear()
     quant_module._paths.clear()
