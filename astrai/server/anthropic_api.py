@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 
 from astrai.inference import TaskResult
 from astrai.server.errors import APIError, anthropic_error_body
+from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import Generation, GenerationService
 from astrai.server.protocol import CountTokensRequest, MessagesRequest
 from astrai.server.sse import EventStreamResponse, sse_event
@@ -52,6 +53,7 @@ def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     service = _service(request)
     service.check_model(body.model)
+    refuse_unsupported(body)
     return {"input_tokens": len(await _prompt(service, body))}
 
 
@@ -59,6 +61,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
 async def messages(body: MessagesRequest, request: Request):
     service = _service(request)
     service.check_model(body.model)
+    refuse_unsupported(body)
     # Anthropic's temperature range is narrower than the engine's.
     if body.temperature is not None and body.temperature > 1:
         raise APIError(

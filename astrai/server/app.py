@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI and Anthropic routers, auth, errors, /health and /metrics."""
+"""The FastAPI app: OpenAI, Anthropic and tokenizer routers, auth, errors, /health, /metrics and
+/version."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.exceptions import HTTPException
 
 import astrai
 from astrai.inference import InferenceEngine
-from astrai.server import anthropic_api, defaults, openai_api
+from astrai.server import anthropic_api, defaults, openai_api, tokenizer_api
 from astrai.server.auth import APIKeyAuth
 from astrai.server.errors import APIError, error_response
 from astrai.server.generation import GenerationService
@@ -51,12 +52,17 @@ def create_app(
     app.state.drain = Drain(service)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(tokenizer_api.router)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.is_running:
             return JSONResponse({"status": "engine stopped", "model": model_name}, 503)
         return JSONResponse({"status": "ok", "model": model_name})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": astrai.__version__}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -91,7 +97,7 @@ def create_app(
     app.add_middleware(DrainGate, drain=app.state.drain)
     if "*" not in allowed_hosts:
         app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
-    routers = (openai_api.router, anthropic_api.router, app.router)
+    routers = (openai_api.router, anthropic_api.router, tokenizer_api.router, app.router)
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
     app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
     return app
@@ -106,5 +112,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     for error in errors[:3]:
         name = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
         fields.append(name)
-        parts.append(f"{name}: {error['msg']}")
+        if error["type"] == "extra_forbidden":
+            parts.append(f"{name}: astrai does not know this field (docs/api.md lists them)")
+        else:
+            parts.append(f"{name}: {error['msg']}")
     return "invalid request: " + "; ".join(parts), fields[0] if fields else None

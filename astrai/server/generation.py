@@ -61,14 +61,23 @@ class Generation:
     """
 
     def __init__(
-        self, stream: RequestStream, n: int, metrics: ServerMetrics, arrival: float
+        self,
+        stream: RequestStream,
+        n: int,
+        prompt_tokens: int,
+        metrics: ServerMetrics,
+        arrival: float,
     ) -> None:
         self.stream = stream
         self.n = n
         self.num_choices = len(stream.tasks)
+        self.prompt_tokens = prompt_tokens
         self.metrics = metrics
         self.arrival = arrival
         self.stopped_by_shutdown = False
+        # What the events so far added up to, for usage reported while streaming.
+        self._completion_tokens = [0] * self.num_choices
+        self._cached_tokens = [0] * self.num_choices
 
     def stop_for_shutdown(self) -> None:
         """Abort every sample; each then ends with the shutting-down error."""
@@ -92,6 +101,9 @@ class Generation:
         last_output: dict[int, float] = {}
         async with aclosing(self.stream) as stream:
             async for event in stream:
+                if event.delta is not None:
+                    self._completion_tokens[event.index] += len(event.delta.token_ids)
+                    self._cached_tokens[event.index] = event.delta.cached_tokens
                 if event.delta is not None and event.delta.token_ids:
                     now = time.perf_counter()
                     if not first_token_seen:
@@ -130,6 +142,14 @@ class Generation:
         for output in outputs:
             self.check(output.result)
         return outputs
+
+    def usage_so_far(self) -> Usage:
+        """Token counts of the events seen so far: the whole prompt, the tokens generated yet."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=sum(self._completion_tokens),
+            cached_tokens=sum(self._cached_tokens[:: self.n]),
+        )
 
     def usage(self, results: Sequence[TaskResult]) -> Usage:
         """Token counts of the whole request; a prompt counts once however many samples it has."""
@@ -177,21 +197,67 @@ class GenerationService:
                 code="model_not_found",
             )
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """The same encoding as InferenceEngine.generate, so greedy results match it.
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to this; the model's own count, which may pass the tokenizer's."""
+        return self.engine.model.config.vocab_size
 
-        Encoding runs in a worker thread: a prompt of megabytes takes seconds to tokenize, and
-        the event loop must keep serving other clients meanwhile.
+    def check_token_ids(self, ids: Sequence[int], field: str) -> None:
+        """A 400 naming field when an id lies outside the vocabulary."""
+        outside = [t for t in ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise APIError(
+                400,
+                f"{field} holds token ids outside the vocabulary (ids 0..{self.vocab_size - 1}): "
+                f"{outside[:5]}; /tokenize gives a text's ids",
+                param=field,
+            )
+
+    def truncate(self, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+        """vLLM's truncate_prompt_tokens: keep each prompt's last `keep` tokens; -1 keeps what
+        fits in the context; None keeps all."""
+        if keep is None:
+            return prompts
+        if keep == -1:
+            keep = self.engine.max_seq_len
+        if keep == 0:
+            raise APIError(
+                400,
+                "truncate_prompt_tokens must be at least 1 (or -1 for the context length)",
+                param="truncate_prompt_tokens",
+            )
+        return [p[-keep:] for p in prompts]
+
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The same encoding as InferenceEngine.generate by default, so greedy results match it.
+
+        add_special_tokens adds the tokenizer's own (a bos) on top of the template's. Encoding
+        runs in a worker thread: a prompt of megabytes takes seconds to tokenize, and the event
+        loop must keep serving other clients meanwhile.
         """
+        tokenizer = self.tokenizer
+
+        def encode(request: GenerationRequest) -> list[int]:
+            text = tokenizer.apply_chat_template(
+                list(request.messages), add_generation_prompt, tokenize=False
+            )
+            return tokenizer.encode(text, add_special_tokens)
+
         try:
-            request = GenerationRequest(tuple(messages))
-            return await asyncio.to_thread(self.engine.encode, request)
+            return await asyncio.to_thread(encode, GenerationRequest(tuple(messages)))
         except (RequestError, ChatTemplateError) as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
-    async def text_prompt(self, text: str) -> list[int]:
-        """The token ids of a completion prompt, encoded off the event loop like chat_prompt."""
-        return await asyncio.to_thread(self.engine.encode, text)
+    async def text_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of a completion prompt, encoded off the event loop like chat_prompt.
+
+        With add_special_tokens it is the engine's own encoding (bos and all)."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     def params(
         self, prompts: Sequence[list[int]], max_tokens: int | None, **fields
@@ -219,7 +285,8 @@ class GenerationService:
         except (RequestError, RuntimeError) as exc:
             raise _api_error(exc) from exc
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        generation = Generation(stream, params.n, self.metrics, arrival)
+        prompt_tokens = sum(len(p) for p in prompts)
+        generation = Generation(stream, params.n, prompt_tokens, self.metrics, arrival)
         self._running.add(generation)
         return generation
 

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from astrai.inference import TaskDelta, TaskResult
 from astrai.server.errors import APIError, openai_error_body
+from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import Generation, GenerationService, Usage
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -54,6 +55,28 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
+def _continuous_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.continuous_usage_stats
+
+
+def _check_request(service: GenerationService, body: ChatCompletionRequest | CompletionRequest):
+    """The checks both endpoints share: the model, refused fields, stream options, token ids."""
+    service.check_model(body.model)
+    refuse_unsupported(body)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options needs stream set to true; leave it out", param="stream_options"
+        )
+    if _continuous_usage(body) and not _include_usage(body):
+        raise APIError(
+            400,
+            "stream_options.continuous_usage_stats needs stream_options.include_usage set to true",
+            param="stream_options.continuous_usage_stats",
+        )
+    if body.stop_token_ids:
+        service.check_token_ids(body.stop_token_ids, "stop_token_ids")
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     return {"object": "list", "data": [_model_card(_service(request))]}
@@ -79,11 +102,11 @@ def _model_card(service: GenerationService) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = _service(request)
-    service.check_model(body.model)
+    _check_request(service, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
-    prompt = await service.chat_prompt(messages)
+    messages = [m.template_message() for m in body.messages]
+    [prompt] = service.truncate([await service.chat_prompt(messages)], body.truncate_prompt_tokens)
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -116,21 +139,23 @@ async def _stream_chunks(
     generation: Generation,
     head: dict,
     obj: str,
-    include_usage: bool,
+    body: ChatCompletionRequest | CompletionRequest,
     render_delta: Callable[[int, TaskDelta], dict | None],
     render_finish: Callable[[int, TaskResult], dict],
     opening: Sequence[dict] = (),
 ) -> AsyncIterator[str]:
     """The SSE frames of one streamed OpenAI response, for chat and completions alike.
 
-    Each choice entry comes from the endpoint's renderers; this owns the `usage: null` of every
-    chunk under include_usage, the final usage chunk, errors and the closing [DONE].
+    Each choice entry comes from the endpoint's renderers; this owns the usage of every chunk
+    under include_usage (null, or the counts so far under continuous_usage_stats), the final
+    usage chunk, errors and the closing [DONE].
     """
+    include_usage, continuous_usage = _include_usage(body), _continuous_usage(body)
 
     def chunk(entry: dict) -> str:
         data = {**head, "object": obj, "choices": [entry]}
         if include_usage:
-            data["usage"] = None
+            data["usage"] = _usage(generation.usage_so_far()) if continuous_usage else None
         return sse_data(data)
 
     for entry in opening:
@@ -192,36 +217,62 @@ def _chat_chunks(
         generation,
         head,
         "chat.completion.chunk",
-        _include_usage(body),
+        body,
         render_delta,
         render_finish,
         opening,
     )
 
 
-async def _completion_prompts(service: GenerationService, prompt) -> list[list[int]]:
-    """A prompt may be a string, a list of strings, a list of ids or a list of id lists."""
-    if isinstance(prompt, str):
-        return [await service.text_prompt(prompt)]
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return [await service.text_prompt(p) if isinstance(p, str) else list(p) for p in prompt]
+async def _completion_prompts(
+    service: GenerationService, body: CompletionRequest
+) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's token ids and, where it was given as text, that text.
+
+    A prompt may be a string, a list of strings, a list of ids or a list of id lists.
+    """
+    prompt = body.prompt
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append(await service.text_prompt(p, body.add_special_tokens))
+            texts.append(p)
+        else:
+            ids.append(list(p))
+            texts.append(None)
+    return ids, texts
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
-    service.check_model(body.model)
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    prompts = await _completion_prompts(service, body.prompt)
+    _check_request(service, body)
+    if body.echo and body.logprobs is not None:
+        raise APIError(
+            400,
+            "echo with logprobs needs the prompt's logprobs, which astrai cannot compute yet; "
+            "send echo or logprobs, not both",
+            param="echo",
+        )
+    encoded, texts = await _completion_prompts(service, body)
+    prompts = service.truncate(encoded, body.truncate_prompt_tokens)
     params = service.params(prompts, body.max_tokens, logprobs=body.logprobs, **_sampling(body))
     generation = service.submit(prompts, params)
+    echoes = [""] * generation.num_choices
+    if body.echo:
+        # The prompt as it was sent; ids, or a truncated text, as the tokenizer decodes them.
+        for i, (ids, kept, text) in enumerate(zip(encoded, prompts, texts, strict=True)):
+            echo = text if text is not None and kept == ids else service.tokenizer.decode(kept)
+            echoes[i * body.n : (i + 1) * body.n] = [echo] * body.n
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     want_logprobs = body.logprobs is not None
     if body.stream:
-        return EventStreamResponse(_completion_chunks(generation, head, service.tokenizer, body))
+        return EventStreamResponse(
+            _completion_chunks(generation, head, service.tokenizer, body, echoes)
+        )
     outputs = await generation.collect(request)
     choices = []
     for i, out in enumerate(outputs):
@@ -229,7 +280,7 @@ async def completions(body: CompletionRequest, request: Request):
         choices.append(
             {
                 "index": i,
-                "text": out.result.text,
+                "text": echoes[i] + out.result.text,
                 "logprobs": lp,
                 "finish_reason": out.result.finish_reason,
             }
@@ -239,7 +290,11 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 def _completion_chunks(
-    generation: Generation, head: dict, tokenizer, body: CompletionRequest
+    generation: Generation,
+    head: dict,
+    tokenizer,
+    body: CompletionRequest,
+    echoes: Sequence[str],
 ) -> AsyncIterator[str]:
     want_logprobs = body.logprobs is not None
     offsets = [0] * generation.num_choices  # text_offset carries on across chunks
@@ -262,6 +317,11 @@ def _completion_chunks(
             "finish_reason": result.finish_reason,
         }
 
+    opening = [
+        {"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+        for i, echo in enumerate(echoes)
+        if echo
+    ]
     return _stream_chunks(
-        generation, head, "text_completion", _include_usage(body), render_delta, render_finish
+        generation, head, "text_completion", body, render_delta, render_finish, opening
     )

@@ -1,4 +1,8 @@
-"""Request bodies of the OpenAI and Anthropic APIs; unknown fields are ignored, not refused.
+"""Request bodies of the OpenAI, Anthropic and vLLM-extension APIs; unknown fields are refused.
+
+Every field of OpenAI's, Anthropic's and the known vLLM request schemas is declared here.
+Fields typed Any are ones astrai does not honour: astrai.server.fields says which of their values
+ask for nothing and refuses the rest, and docs/api.md lists every field's status.
 
 Ranges of sampling parameters are checked by GenerationParams, not here, so the engine and the
 server refuse the same values with the same messages.
@@ -8,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def _unicode(text: str) -> str:
@@ -38,7 +42,14 @@ def _unicode_strings(value: Any) -> Any:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Every field of the published schemas is declared, so a key that is not one is a mistake
+    # (or a feature astrai has never heard of): refusing it beats dropping it in silence.
+    model_config = ConfigDict(extra="forbid")
+
+
+# Keys of a text content part: OpenAI's, and Anthropic's cache_control, which astrai's automatic
+# prefix cache makes a no-op.
+_TEXT_PART_KEYS = frozenset({"type", "text", "cache_control"})
 
 
 def _text_of(content: Any) -> str:
@@ -54,6 +65,11 @@ def _text_of(content: Any) -> str:
             raise ValueError(f"only text content parts are supported, got {kind!r}")
         if not isinstance(part.get("text"), str):
             raise ValueError("a text content part needs a string 'text' field")
+        unknown = sorted(key for key, value in part.items() if key not in _TEXT_PART_KEYS and value)
+        if unknown:
+            raise ValueError(
+                f"a text content part's {unknown[0]!r} is not supported by astrai; leave it out"
+            )
         texts.append(part["text"])
     return _unicode("".join(texts))
 
@@ -62,17 +78,33 @@ def _text_of(content: Any) -> str:
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["developer", "system", "user", "assistant"]
     content: str | list[Any] | None = None
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
 
     @field_validator("content")
     @classmethod
     def _only_text(cls, content: str | list[Any] | None) -> str:
         return _text_of(content)
 
+    def template_message(self) -> dict[str, str]:
+        """The message as chat templates take it: OpenAI's developer role is their system."""
+        return {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content,
+        }
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+    include_obfuscation: Any = None
 
 
 class _OpenAISampling(_Request):
@@ -82,9 +114,6 @@ class _OpenAISampling(_Request):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
@@ -92,9 +121,35 @@ class _OpenAISampling(_Request):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM's extensions, for benchmarks and tests that need a fixed output length.
+    logit_bias: Any = None
+    user: Any = None
+    response_format: Any = None
+    # vLLM's extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    min_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     _text = field_validator("model", "stop")(_unicode_strings)
 
@@ -104,12 +159,42 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    # vLLM's extensions.
+    echo: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
 
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
+    add_special_tokens: bool = True  # vLLM's: False encodes a text prompt without BOS
 
     @field_validator("prompt")
     @classmethod
@@ -136,6 +221,14 @@ class _AnthropicPrompt(_Request):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+    output_config: Any = None
+    cache_control: Any = None
+    speed: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
 
     _text = field_validator("model")(_unicode_strings)
 
@@ -152,9 +245,49 @@ class MessagesRequest(_AnthropicPrompt):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    metadata: Any = None
+    service_tier: Any = None
+    container: Any = None
+    context_management: Any = None
+    mcp_servers: Any = None
+    inference_geo: Any = None
+    diagnostics: Any = None
 
     _stop_text = field_validator("stop_sequences")(_unicode_strings)
 
 
 class CountTokensRequest(_AnthropicPrompt):
     pass
+
+
+# vLLM's tokenizer endpoints
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize body: a completion prompt or chat messages, exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    tools: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+
+    _text = field_validator("model", "prompt")(_unicode_strings)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (a text) or 'messages' (a chat)")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]

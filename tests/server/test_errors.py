@@ -85,7 +85,7 @@ def test_bad_completion_requests_get_400(server):
         ({"prompt": [], "max_tokens": 2}, "prompt"),
         ({"prompt": [10**9], "max_tokens": 2}, "token ids"),
         ({"max_tokens": 2}, "prompt"),
-        ({"prompt": "Hi", "echo": True}, "echo"),
+        ({"prompt": "Hi", "echo": True, "logprobs": 1}, "echo"),
     ]:
         response = post(server, "/v1/completions", {"model": server.model_name, **body})
         assert response.status_code == 400, body
@@ -120,11 +120,16 @@ def test_malformed_json_gets_400_in_each_shape(server):
     assert "JSON" in body["error"]["message"]
 
 
-def test_unknown_fields_are_ignored(server):
-    body = {"model": server.model_name, "messages": USER, "max_tokens": 2, "frobnicate": [1]}
+def test_unknown_fields_are_refused_and_metadata_is_not(server):
+    body = {"model": server.model_name, "messages": USER, "max_tokens": 2}
     assert post(server, "/v1/chat/completions", {**body, "user": "me", "tools": []}).is_success
-    body = {"model": server.model_name, "messages": USER, "max_tokens": 2, "metadata": {"a": 1}}
-    assert post(server, "/v1/messages", {**body, "frobnicate": 3}).is_success
+    refused = post(server, "/v1/chat/completions", {**body, "frobnicate": [1]})
+    assert refused.status_code == 400
+    assert "frobnicate" in refused.json()["error"]["message"]
+    assert post(server, "/v1/messages", {**body, "metadata": {"user_id": "a"}}).is_success
+    refused = post(server, "/v1/messages", {**body, "frobnicate": 3})
+    assert refused.status_code == 400
+    assert "frobnicate" in refused.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

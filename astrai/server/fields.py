@@ -1,0 +1,195 @@
+"""The request fields astrai does not honour, per request model: refused, or accepted as no-ops.
+
+This table is the one place that decides them. A field missing from it is implemented; a field
+the engine learns to honour leaves it (and turns "implemented" in docs/api.md), and a test holds
+the table, the models and docs/api.md to each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from astrai.server.errors import APIError
+from astrai.server.protocol import (
+    AnthropicMessage,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    CountTokensRequest,
+    DetokenizeRequest,
+    MessagesRequest,
+    StreamOptions,
+    TokenizeRequest,
+)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field astrai cannot honour: any value but null and those in `noop` is a 400.
+
+    `noop` holds the values that ask for nothing (the defaults, an empty tool list), which
+    clients send without meaning anything by them.
+    """
+
+    why: str
+    noop: tuple[Any, ...] = ()
+
+    def refuses(self, value: Any) -> bool:
+        return value is not None and value not in self.noop
+
+
+@dataclass(frozen=True)
+class NoOp:
+    """A field accepted with any value because it asks nothing of a server on this machine."""
+
+    why: str
+
+
+Rule = Refused | NoOp
+
+ENGINE = "is not supported by astrai yet (the engine has no such setting); leave it out"
+STRUCTURED = (
+    "is not supported by astrai yet (constrained decoding is on its way); describe the format "
+    "in the prompt instead, or leave it out"
+)
+TOOLS = "is not supported by astrai yet (tool calls are on its way); leave it out"
+TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
+HOSTED = "is a feature of the hosted API that a local server does not have; leave it out"
+BEAM = "is not supported: astrai has no beam search; leave it out"
+
+_STRUCTURED = {
+    name: Refused(STRUCTURED)
+    for name in (
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    )
+}
+_OPENAI = {
+    "logit_bias": Refused(ENGINE, noop=({},)),
+    "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
+    "response_format": Refused(STRUCTURED, noop=({"type": "text"},)),
+    **_STRUCTURED,
+    "min_tokens": Refused(ENGINE, noop=(0,)),
+    "allowed_token_ids": Refused(ENGINE),
+    "bad_words": Refused(ENGINE, noop=([],)),
+    "prompt_logprobs": Refused(ENGINE),
+    "use_beam_search": Refused(BEAM, noop=(False,)),
+    "length_penalty": Refused(BEAM, noop=(1, 1.0)),
+    "include_stop_str_in_output": Refused(ENGINE, noop=(False,)),
+    "skip_special_tokens": Refused(
+        "is not supported: special tokens are always left out of the text", noop=(True,)
+    ),
+    "spaces_between_special_tokens": Refused(ENGINE, noop=(True,)),
+    "return_tokens_as_token_ids": Refused(ENGINE, noop=(False,)),
+    "priority": Refused("is not supported: requests are served first come first served", (0,)),
+    "logits_processors": Refused(ENGINE, noop=([],)),
+}
+_TOOLS = {"tools": Refused(TOOLS, noop=([],)), "tool_choice": Refused(TOOLS, noop=("none", "auto"))}
+
+RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
+    ChatCompletionRequest: {
+        **_OPENAI,
+        **_TOOLS,
+        "parallel_tool_calls": Refused(TOOLS, noop=(True,)),
+        "functions": Refused(TOOLS, noop=([],)),
+        "function_call": Refused(TOOLS, noop=("none", "auto")),
+        "audio": Refused("is not supported: astrai generates text only"),
+        "modalities": Refused("is not supported: astrai generates text only", noop=(["text"],)),
+        "prediction": Refused(ENGINE),
+        "reasoning_effort": Refused(ENGINE),
+        "verbosity": Refused(ENGINE),
+        "web_search_options": Refused(HOSTED),
+        "moderation": Refused(HOSTED),
+        "metadata": NoOp("tags for the hosted API's stored completions; astrai stores nothing"),
+        "store": Refused(HOSTED, noop=(False,)),
+        "service_tier": Refused(HOSTED, noop=("auto", "default")),
+        "safety_identifier": NoOp("an end-user id for the hosted API's abuse monitoring"),
+        "prompt_cache_key": NoOp("a routing hint; astrai's prefix cache serves every request"),
+        "prompt_cache_retention": Refused(HOSTED, noop=("in_memory",)),
+        "prompt_cache_options": Refused(HOSTED),
+        "echo": Refused(ENGINE, noop=(False,)),
+        "continue_final_message": Refused(ENGINE, noop=(False,)),
+        "add_generation_prompt": Refused(ENGINE, noop=(True,)),
+        "add_special_tokens": Refused(TEMPLATE, noop=(False,)),
+        "chat_template": Refused(TEMPLATE),
+        "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
+        "documents": Refused(TEMPLATE, noop=([],)),
+    },
+    CompletionRequest: {
+        **_OPENAI,
+        "best_of": Refused(ENGINE, noop=(1,)),
+        "suffix": Refused("is not supported: astrai has no fill-in-the-middle", noop=("",)),
+    },
+    ChatMessage: {
+        "name": Refused("is not supported: chat templates take no participant names"),
+        "tool_calls": Refused(TOOLS, noop=([],)),
+        "tool_call_id": Refused(TOOLS),
+        "function_call": Refused(TOOLS),
+        "refusal": Refused("is not supported: a refusal is no text the chat template knows"),
+        "audio": Refused("is not supported: astrai takes text only"),
+        "annotations": Refused("is not supported: astrai takes text only", noop=([],)),
+    },
+    StreamOptions: {
+        "include_obfuscation": Refused("is not supported: astrai does not pad its chunks", (False,))
+    },
+    AnthropicMessage: {},
+    MessagesRequest: {
+        **_TOOLS,
+        "tool_choice": Refused(TOOLS, noop=({"type": "none"}, {"type": "auto"})),
+        "thinking": Refused(ENGINE, noop=({"type": "disabled"},)),
+        "output_config": Refused(STRUCTURED),
+        "cache_control": NoOp("astrai's prefix cache caches every prompt without being asked"),
+        "speed": Refused(ENGINE, noop=("standard",)),
+        "user_profile_id": NoOp("attribution in the hosted API; astrai keeps no accounts"),
+        "workspace_id": NoOp("a workspace of the hosted API; astrai has none"),
+        "metadata": NoOp("an end-user id for the hosted API's abuse monitoring"),
+        "service_tier": Refused(HOSTED, noop=("auto", "standard_only")),
+        "container": Refused(HOSTED),
+        "context_management": Refused(HOSTED),
+        "mcp_servers": Refused(HOSTED, noop=([],)),
+        "inference_geo": Refused(HOSTED),
+        "diagnostics": Refused(HOSTED),
+    },
+    TokenizeRequest: {
+        "continue_final_message": Refused(ENGINE, noop=(False,)),
+        "chat_template": Refused(TEMPLATE),
+        "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
+        "tools": Refused(TOOLS, noop=([],)),
+        "mm_processor_kwargs": Refused("is not supported: astrai takes text only", noop=({},)),
+        "media_io_kwargs": Refused("is not supported: astrai takes text only", noop=({},)),
+    },
+    DetokenizeRequest: {},
+}
+RULES[CountTokensRequest] = {
+    name: rule
+    for name, rule in RULES[MessagesRequest].items()
+    if name in CountTokensRequest.model_fields
+}
+
+
+def refuse_unsupported(body: BaseModel, path: str = "") -> None:
+    """Raise a 400 naming the first field of body (or of a model inside it) astrai refuses."""
+    rules = RULES.get(type(body), {})
+    for name in type(body).model_fields:
+        if name not in body.model_fields_set:
+            continue
+        value = getattr(body, name)
+        where = f"{path}{name}"
+        rule = rules.get(name)
+        if isinstance(rule, Refused) and rule.refuses(value):
+            raise APIError(400, f"{where} {rule.why}", param=where)
+        if isinstance(value, BaseModel):
+            refuse_unsupported(value, f"{where}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    refuse_unsupported(item, f"{where}.{i}.")

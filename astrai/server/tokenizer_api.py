@@ -1,0 +1,43 @@
+"""vLLM's tokenizer endpoints: /tokenize (a prompt or chat messages) and /detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from astrai.server.fields import refuse_unsupported
+from astrai.server.generation import GenerationService
+from astrai.server.protocol import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter()
+
+
+def _service(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """The ids the engine would run for a completion prompt or a chat, as vLLM answers them."""
+    service = _service(request)
+    service.check_model(body.model)
+    refuse_unsupported(body)
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = await service.text_prompt(body.prompt, add_special)
+    else:
+        messages = [m.template_message() for m in body.messages]
+        tokens = await service.chat_prompt(
+            messages, body.add_generation_prompt, bool(body.add_special_tokens)
+        )
+    reply = {"count": len(tokens), "max_model_len": service.engine.max_seq_len, "tokens": tokens}
+    if body.return_token_strs:
+        reply["token_strs"] = [service.tokenizer.id_to_token(t) for t in tokens]
+    return reply
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    service = _service(request)
+    service.check_model(body.model)
+    service.check_token_ids(body.tokens, "tokens")
+    return {"prompt": service.tokenizer.decode(body.tokens)}
