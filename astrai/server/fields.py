@@ -60,6 +60,10 @@ TOOLS = "is not supported by astrai yet (tool calls are on its way); leave it ou
 TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
 HOSTED = "is a feature of the hosted API that a local server does not have; leave it out"
 BEAM = "is not supported: astrai has no beam search; leave it out"
+PROMPT = (
+    "is not supported by astrai yet: a chat prompt always ends with the template's generation "
+    "prompt; leave it out"
+)
 
 _STRUCTURED = {
     name: Refused(STRUCTURED)
@@ -105,8 +109,8 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "audio": Refused("is not supported: astrai generates text only"),
         "modalities": Refused("is not supported: astrai generates text only", noop=(["text"],)),
         "prediction": Refused(ENGINE),
-        "reasoning_effort": Refused(ENGINE),
-        "verbosity": Refused(ENGINE),
+        "reasoning_effort": Refused("is not supported: astrai passes no effort to the model"),
+        "verbosity": Refused("is not supported: astrai passes no verbosity to the model"),
         "web_search_options": Refused(HOSTED),
         "moderation": Refused(HOSTED),
         "metadata": NoOp("tags for the hosted API's stored completions; astrai stores nothing"),
@@ -116,9 +120,9 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "prompt_cache_key": NoOp("a routing hint; astrai's prefix cache serves every request"),
         "prompt_cache_retention": Refused(HOSTED, noop=("in_memory",)),
         "prompt_cache_options": Refused(HOSTED),
-        "echo": Refused(ENGINE, noop=(False,)),
-        "continue_final_message": Refused(ENGINE, noop=(False,)),
-        "add_generation_prompt": Refused(ENGINE, noop=(True,)),
+        "echo": Refused(PROMPT, noop=(False,)),
+        "continue_final_message": Refused(PROMPT, noop=(False,)),
+        "add_generation_prompt": Refused(PROMPT, noop=(True,)),
         "add_special_tokens": Refused(TEMPLATE, noop=(False,)),
         "chat_template": Refused(TEMPLATE),
         "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
@@ -145,10 +149,12 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
     MessagesRequest: {
         **_TOOLS,
         "tool_choice": Refused(TOOLS, noop=({"type": "none"}, {"type": "auto"})),
-        "thinking": Refused(ENGINE, noop=({"type": "disabled"},)),
+        "thinking": Refused(
+            "is not supported: astrai sets the model no thinking budget", ({"type": "disabled"},)
+        ),
         "output_config": Refused(STRUCTURED),
         "cache_control": NoOp("astrai's prefix cache caches every prompt without being asked"),
-        "speed": Refused(ENGINE, noop=("standard",)),
+        "speed": Refused("is not supported: astrai has one speed", noop=("standard",)),
         "user_profile_id": NoOp("attribution in the hosted API; astrai keeps no accounts"),
         "workspace_id": NoOp("a workspace of the hosted API; astrai has none"),
         "metadata": NoOp("an end-user id for the hosted API's abuse monitoring"),
@@ -160,7 +166,7 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "diagnostics": Refused(HOSTED),
     },
     TokenizeRequest: {
-        "continue_final_message": Refused(ENGINE, noop=(False,)),
+        "continue_final_message": Refused(PROMPT, noop=(False,)),
         "chat_template": Refused(TEMPLATE),
         "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
         "tools": Refused(TOOLS, noop=([],)),
