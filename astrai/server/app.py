@@ -113,7 +113,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         name = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
         fields.append(name)
         if error["type"] == "extra_forbidden":
-            parts.append(f"{name}: astrai does not know this field (docs/api.md lists them)")
+            parts.append(f"{name}: astrai does not know this field; leave it out (docs/api.md)")
         else:
             parts.append(f"{name}: {error['msg']}")
     return "invalid request: " + "; ".join(parts), fields[0] if fields else None

@@ -232,6 +232,26 @@ def test_the_openai_client_s_no_op_forms_are_served(openai_client, server):
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+def test_anthropic_cache_control_is_a_no_op_and_other_block_keys_are_refused(
+    anthropic_client, server
+):
+    block = {"type": "text", "text": "Hello", "cache_control": {"type": "ephemeral"}}
+    kwargs = dict(model=server.model_name, max_tokens=4, extra_body={"temperature": 0})
+    cached = anthropic_client.messages.create(
+        messages=[{"role": "user", "content": [block]}], **kwargs
+    )
+    plain = anthropic_client.messages.create(messages=USER, **kwargs)
+    assert cached.content[0].text == plain.content[0].text
+    cited = {**block, "citations": [{"type": "char_location"}]}
+    response = post(
+        server,
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": [cited]}], "max_tokens": 4},
+    )
+    assert response.status_code == 400
+    assert "citations" in response.json()["error"]["message"]
+
+
 # Implemented fields and their effect
 
 
