@@ -284,8 +284,8 @@ class GenerationService:
             stream = self.engine.submit_all_async(prompts, params)
         except (RequestError, RuntimeError) as exc:
             raise _api_error(exc) from exc
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         prompt_tokens = sum(len(p) for p in prompts)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         generation = Generation(stream, params.n, prompt_tokens, self.metrics, arrival)
         self._running.add(generation)
         return generation

@@ -59,7 +59,9 @@ def _continuous_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.continuous_usage_stats
 
 
-def _check_request(service: GenerationService, body: ChatCompletionRequest | CompletionRequest):
+def _check_request(
+    service: GenerationService, body: ChatCompletionRequest | CompletionRequest
+) -> None:
     """The checks both endpoints share: the model, refused fields, stream options, token ids."""
     service.check_model(body.model)
     refuse_unsupported(body)
