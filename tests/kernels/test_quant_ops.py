@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
 from kernel_switch import requires_compiler
 from tiny_models import real_gguf
-from torch import Tensor
+from torch import Tensor, nn
 
-from astrai.kernels import LinearPath, native, quant_blocks
+from astrai.kernels import Arena, LinearPath, StepGraph, native, quant_blocks
 from astrai.kernels import quant_ops as quant_module
 from astrai.kernels.quant_blocks import BLOCK_TYPES, pack_blocks
 from astrai.kernels.quant_ops import (
@@ -337,3 +337,38 @@ def test_real_smollm2_tensors(isa, name):
     check_product(
         kernel_product(x, weight), x, dense_weight(tensor.data, tensor.tensor_type, shape)
     )
+
+
+class QuantizedLayer(nn.Module):
+    """One quantized linear, [rows, 64] -> [rows, 64]: kernel calls only."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        shape, qtype = (64, 64), GGMLQuantizationType.Q4_1
+        self.proj = QuantizedLinear(
+            QuantizedWeight.from_gguf(random_blocks(qtype, shape, seed), qtype, shape)
+        )
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_a_recorded_step_replays_the_kernel_on_new_inputs():
+    layers = nn.ModuleList(QuantizedLayer(seed) for seed in range(3))
+    static = torch.randn(3, 64)
+    graph = StepGraph(Arena(max_rows=4))
+    with graph.record(layers):
+        out = static
+        for layer in layers:
+            out = layer(out)
+    assert graph.valid and len(graph.calls) == 3
+    for _ in range(2):
+        new = torch.randn(3, 64)
+        static.copy_(new)
+        graph.replay(backend=None)
+        want = new
+        for layer in layers:
+            want = layer(want)
+        assert torch.equal(out, want)
