@@ -235,6 +235,11 @@ VECTOR_CLONES static void quantize_bf16(struct xblock *out, const void *x, int64
     quantize(out, x, in, c, halves, 1);
 }
 
+static void quantize_generic(struct xblock *out, const void *x, int64_t in, int c, int halves,
+                             int is_bf16) {
+    (is_bf16 ? quantize_bf16 : quantize_fp32)(out, x, in, c, halves);
+}
+
 /* What every path reads: the packed W, the quantized x and where results go. */
 struct call {
     void *out;
@@ -409,6 +414,43 @@ TARGET_VNNI INLINE void vnni_group(const struct call *c, int64_t g, const int qt
     int64_t m = 0;
     for (; m + VNNI_X <= c->rows; m += VNNI_X) vnni_tile(c, recs, g, m, VNNI_X, qtype);
     for (; m < c->rows; m++) vnni_tile(c, recs, g, m, 1, qtype);
+}
+
+/* quantize() in AVX-512, the same arithmetic (vcvtps2dq rounds to nearest even, as the
+ * generic code's add and subtract of 1.5 * 2^23 does) in a quarter of the instructions: a
+ * one-row step quantizes x once per linear. */
+TARGET_VNNI static void quantize_vnni(struct xblock *out, const void *x, int64_t in, int c,
+                                      int halves, int is_bf16) {
+    const __m128i ones = _mm_set1_epi8(1), minus_c = _mm_set1_epi32(-c);
+    for (int64_t b = 0; b < in / QK; b++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            if (is_bf16) {
+                const bf16 *halfs = (const bf16 *)x + b * QK + 16 * h;
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)halfs);
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v[h] = _mm512_loadu_ps((const float *)x + b * QK + 16 * h);
+            }
+        }
+        const float max =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float dx = max / 127.0f, scale = max != 0.0f ? 127.0f / max : 0.0f;
+        __m128i q[2], fours[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(scale)));
+            q[h] = _mm512_cvtepi32_epi8(rounded);
+            _mm_storeu_si128((__m128i *)(out[b].q + 16 * h), q[h]);
+            fours[h] = _mm_dpbusd_epi32(_mm_setzero_si128(), ones, q[h]); /* sums of 4 */
+        }
+        const __m128i both = _mm_add_epi32(fours[0], fours[1]);
+        out[b].dx = dx;
+        out[b].sx = dx * (float)((_mm_extract_epi32(both, 0) + _mm_extract_epi32(both, 1)) +
+                                 (_mm_extract_epi32(both, 2) + _mm_extract_epi32(both, 3)));
+        const __m128i first = halves ? fours[0] : both;
+        _mm_storeu_si128((__m128i *)out[b].lanes, _mm_mullo_epi32(first, minus_c));
+        _mm_storeu_si128((__m128i *)(out[b].lanes + 4), _mm_mullo_epi32(fours[1], minus_c));
+    }
 }
 
 TARGET_VNNI static void group_vnni(const struct call *c, int64_t g) {
@@ -610,18 +652,21 @@ static PyObject *linear(PyObject *module, PyObject *args) {
 #endif
     const size_t x_row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
-    void (*const quantize_row)(struct xblock *, const void *, int64_t, int, int) =
-        is_bf16 ? quantize_bf16 : quantize_fp32;
+    void (*quantize_row)(struct xblock *, const void *, int64_t, int, int, int) =
+        quantize_generic;
+#if X86
+    if (current_isa == AVX512VNNI) quantize_row = quantize_vnni;
+#endif
     /* A few rows are quantized on this thread: cheaper than the threads meeting at a barrier. */
     if (rows > 8) {
 #pragma omp parallel for schedule(static)
         for (int64_t m = 0; m < rows; m++)
             quantize_row(xq + m * blocks, (const char *)x + m * x_row_bytes, in_features,
-                         code_offset(qtype), qtype == Q6_K);
+                         code_offset(qtype), qtype == Q6_K, is_bf16);
     } else {
         for (int64_t m = 0; m < rows; m++)
             quantize_row(xq + m * blocks, (const char *)x + m * x_row_bytes, in_features,
-                         code_offset(qtype), qtype == Q6_K);
+                         code_offset(qtype), qtype == Q6_K, is_bf16);
     }
 #pragma omp parallel
     {
