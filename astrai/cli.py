@@ -144,7 +144,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
         help="weight and KV-cache dtype; auto is bfloat16 on CUDA, float32 on CPU "
-        "(default: %(default)s)",
+        "(default: %(default)s); a GGUF file's quantized linears keep their blocks",
+    )
+    group.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="dequantize a GGUF file's quantized linears to --dtype at load, instead of running "
+        "them on astrai's quantized kernels (slower; products without int8 activations)",
     )
     group.add_argument(
         "--device",
@@ -327,7 +333,9 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    model = AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
+    model = AutoModel.from_pretrained(
+        model_dir, dtype=dtype, device=device, dequantize=args.dequantize
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=args.chat_template)
     return InferenceEngine(model, tokenizer, config)
 

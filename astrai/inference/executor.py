@@ -21,6 +21,7 @@ from astrai.kernels import (
     data_addresses,
     tune_linears,
 )
+from astrai.kernels.quant_ops import QuantizedLinear, tune_quant_linears
 
 
 @dataclass
@@ -140,7 +141,12 @@ class ModelExecutor:
         self.device = next(model.parameters()).device
         self.recorded: RecordedLayers | None = None
         if self.device.type == "cpu":
-            tune_linears([m.weight for m in model.modules() if isinstance(m, Linear)])
+            dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
+            if dense:
+                tune_linears(dense)
+            quantized = [m.weight for m in model.modules() if isinstance(m, QuantizedLinear)]
+            if quantized:
+                tune_quant_linears(quantized, model.tok_embeddings.weight.dtype)
             self.recorded = RecordedLayers(model)
             release_openmp_workers()  # after the timing, which ran on this thread's pool
 

@@ -81,12 +81,15 @@ class AutoModel:
         path: str | Path,
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
+        dequantize: bool = False,
     ) -> Transformer:
         """Build the Transformer of a native or Hugging Face directory, or of a .gguf file,
         and load its weights.
 
         Every tensor's shape is checked against the config; missing, unexpected and
-        mis-shaped tensors are all reported by name in one CheckpointError.
+        mis-shaped tensors are all reported by name in one CheckpointError. A GGUF file's
+        quantized linears keep their blocks on the CPU (dtype is then that of the activations)
+        unless dequantize.
         """
         directory = Path(path)
         dtype = resolve_dtype(dtype)
@@ -95,7 +98,7 @@ class AutoModel:
             # Imported here: the GGUF reader builds on this module's checkpoint layout.
             from astrai.model.weights.gguf import load_gguf
 
-            return load_gguf(directory, dtype, device)
+            return load_gguf(directory, dtype, device, dequantize)
         config = ModelConfig.from_pretrained(directory)
         raw_config = json.loads((directory / "config.json").read_text())
         native = raw_config.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE

@@ -15,10 +15,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny_models import LLAMA3_ROPE, real_gguf, write_hf_model
 
 from astrai.config import ConfigError
+from astrai.kernels import Linear
 from astrai.model import AutoModel, CheckpointError, Transformer
 from astrai.model.weights import gguf as gguf_weights
 
@@ -48,7 +49,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    return AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE, dtype=torch.float32)
+    return AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE, dtype=torch.float32, dequantize=True)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_greedy_matches_transformers(model, hf_greedy):
 def test_unpermuted_qk_rows_are_needed_for_parity(monkeypatch, hf_greedy):
     # Loading with the q/k rows left in GGUF's order must visibly break the model.
     monkeypatch.setattr(gguf_weights, "unpermute_rotary_rows", lambda weight, n_heads: weight)
-    broken = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
+    broken = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE, dequantize=True)
     choices, expected = greedy_choices(broken, hf_greedy), hf_greedy[2]
     wrong = sum(
         a != b
@@ -132,7 +133,7 @@ def test_unpermuted_qk_rows_are_needed_for_parity(monkeypatch, hf_greedy):
 
 
 def test_bf16_load(model):
-    half = AutoModel.from_pretrained(str(MODEL_DIR / MODEL_FILE), dtype="bf16")
+    half = AutoModel.from_pretrained(str(MODEL_DIR / MODEL_FILE), dtype="bf16", dequantize=True)
     assert half.tok_embeddings.weight.dtype == torch.bfloat16
     assert torch.equal(
         half.layers[3].attention.wqkv.weight, model.layers[3].attention.wqkv.weight.bfloat16()
@@ -164,9 +165,15 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(
-    path: Path, hf_dir: Path, arch: str, extra_tensors: dict | None = None, **metadata_overrides
+    path: Path,
+    hf_dir: Path,
+    arch: str,
+    extra_tensors: dict | None = None,
+    types: dict | None = None,
+    **metadata_overrides,
 ) -> Path:
-    """Write hf_dir's checkpoint (and extra_tensors) as an F32 GGUF file of architecture arch."""
+    """Write hf_dir's checkpoint (and extra_tensors) as a GGUF file of architecture arch, each
+    tensor F32 unless types maps the end of its GGUF name to a block type."""
     import json
 
     hf = json.loads((hf_dir / "config.json").read_text())
@@ -209,7 +216,11 @@ def write_gguf(
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = hf["num_attention_heads" if "q_proj" in module else "num_key_value_heads"]
                 array = llama_cpp_permute(array, heads)
-        writer.add_tensor(gguf_name, array)
+        qtype = next((t for end, t in (types or {}).items() if gguf_name.endswith(end)), None)
+        if qtype is None:
+            writer.add_tensor(gguf_name, array)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     for name, array in (extra_tensors or {}).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -345,3 +356,83 @@ def test_llama31_rope_freqs_tensor_matches_transformers_llama3_scaling(tmp_path)
     )
     with pytest.raises(ConfigError, match="both 'linear' rope scaling and a rope_freqs"):
         AutoModel.from_pretrained(both)
+
+
+Q = gguf.GGMLQuantizationType
+# q and k in one type, v in another: the fused qkv is kept as two quantized parts.
+MIXED_TYPES = {
+    "attn_q.weight": Q.Q4_0,
+    "attn_k.weight": Q.Q4_0,
+    "attn_v.weight": Q.Q8_0,
+    "attn_output.weight": Q.Q4_1,
+    "ffn_gate.weight": Q.Q8_0,
+    "ffn_up.weight": Q.Q8_0,
+    "ffn_down.weight": Q.Q5_0,  # no kernel: dequantized at load
+    "token_embd.weight": Q.Q8_0,
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
+    tmp_path, monkeypatch, arch
+):
+    from astrai.kernels.quant_ops import QuantizedLinear
+
+    hf_dir = write_hf_model(tmp_path / "hf", arch, seed=6, intermediate_size=256)
+    tensors = load_file(hf_dir / "model.safetensors")
+    for name in tensors:
+        if name.endswith("bias"):  # random, not the zeros of a fresh init
+            tensors[name] = torch.randn(tensors[name].shape)
+    save_file(tensors, hf_dir / "model.safetensors")
+    path = write_gguf(tmp_path / "mixed.gguf", hf_dir, arch, types=MIXED_TYPES)
+    quantized = AutoModel.from_pretrained(path)
+    dense = AutoModel.from_pretrained(path, dequantize=True)
+    layer = quantized.layers[0]
+    assert isinstance(layer.feed_forward.w13, QuantizedLinear)
+    assert isinstance(layer.attention.wo, QuantizedLinear)
+    assert isinstance(layer.feed_forward.w2, Linear)
+    assert [type(part) for part in layer.attention.wqkv.parts] == [QuantizedLinear] * 3
+    if arch == "qwen2":  # the q/k/v bias survives the swap
+        torch.testing.assert_close(layer.attention.wqkv.bias, dense.layers[0].attention.wqkv.bias)
+    # F32 lm_head here, unless tied: qwen2's tiny model ties it to the Q8_0 embedding.
+    assert isinstance(quantized.output, QuantizedLinear) == quantized.config.tie_weight
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.modules())
+    ids = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64]])
+    # Along the GEMM path the blocks are dequantized exactly, so both models compute the same.
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")
+    with torch.no_grad():
+        expected = dense.forward_dense(ids)
+        torch.testing.assert_close(quantized.forward_dense(ids), expected, atol=1e-4, rtol=1e-4)
+        # The kernel quantizes the activations to int8 blocks too: close, not equal.
+        monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")
+        close = quantized.forward_dense(ids)
+    assert (close - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+# llama.cpp's greedy continuations of these prompts from the same file (llama-server built from
+# the llama-cpp-python 0.3.36 sdist, --no-repack, temperature 0): astrai's quantized kernels
+# give the same tokens. (On other prompts the two part after a few tokens: llama.cpp rounds
+# the int8 activations and keeps its KV cache in fp16 differently.)
+LLAMA_CPP_GREEDY = {
+    "def fibonacci(n):": "\n    if n == 0:\n        return 1\n    return n * fib",
+    "The three primary colors are": (
+        " the primary colors of the RGB color model, which are:\n\n* Red"
+    ),
+}
+
+
+@pytest.mark.parametrize("prompt", sorted(LLAMA_CPP_GREEDY))
+def test_quantized_greedy_equals_llama_cpp(monkeypatch, prompt):
+    from astrai.kernels.quant_ops import QuantizedLinear
+    from astrai.tokenize import AutoTokenizer
+
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")  # int8 activations, as llama.cpp
+    model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
+    assert isinstance(model.layers[0].feed_forward.w13, QuantizedLinear)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        for _ in range(16):
+            ids = torch.cat([ids, model.forward_dense(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    new = ids[0, -16:].tolist()
+    assert tokenizer.decode(new) == LLAMA_CPP_GREEDY[prompt]

@@ -27,6 +27,7 @@ def base_url() -> Iterator[str]:
     command = [
         sys.executable, "-m", "astrai", "serve", "--model", str(real_gguf()),
         "--port", str(port), "--max-seq-len", "512", "--kv-cache-memory", "64000000",
+        "--dequantize",  # the reference's weights: llama.cpp's int8 activations say L'Étoile
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ASTRAI_API_KEY": ""}
     server = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)

@@ -17,6 +17,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from astrai.config import ConfigError, ModelConfig
+from astrai.kernels.quant_blocks import BLOCK_TYPES
+from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
 from astrai.model.automodel import CheckpointError, _sources, loading
 from astrai.model.transformer import Transformer
 
@@ -50,8 +52,12 @@ GGUF_TOP_NAMES = {
 }
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """The Transformer of a GGUF file, every tensor dequantized to dtype on device."""
+def load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, dequantize: bool = False
+) -> Transformer:
+    """The Transformer of a GGUF file. On the CPU a linear whose blocks have a kernel (Q8_0,
+    Q4_0, Q4_1, Q4_K, Q6_K) keeps them, unless dequantize; every other tensor is dequantized
+    to dtype on device."""
     reader = open_gguf(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = gguf_model_config(reader)
@@ -64,14 +70,73 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Transform
     }
     _check(path, layout, tensors, config)
     permuted = reader_architecture(reader) == "llama"
+    quantize = not dequantize and device.type == "cpu"
     state = {}
     for name, parts in loading(layout.items(), path):
-        loaded = [_dequantized(tensors[src], config, dtype, permuted) for src, _ in parts]
-        state[name] = (loaded[0] if len(loaded) == 1 else torch.cat(loaded)).to(device)
+        sources = [tensors[source] for source, _ in parts]
+        if quantize and _is_linear(model, name) and _has_kernel(sources):
+            module = name.removesuffix(".weight")
+            # The bias, still on the meta device, is loaded below like any dense tensor.
+            bias = model.get_submodule(module).bias
+            model.set_submodule(module, _quantized_linear(sources, config, permuted, bias))
+        elif quantize and name == "tok_embeddings.weight" and _has_kernel(sources):
+            table = _quantized_linear(sources, config, permuted)
+            state[name] = table.weight.dequantize(dtype)  # rows are looked up, not streamed
+            if config.tie_weight:  # the tied head streams the whole table: from its blocks
+                model.output = table
+        else:
+            loaded = [_dequantized(tensor, config, dtype, permuted) for tensor in sources]
+            state[name] = (loaded[0] if len(loaded) == 1 else torch.cat(loaded)).to(device)
     model.load_state_dict(state, strict=True, assign=True)
     # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
     model.to(device)
     return model.requires_grad_(False).eval()
+
+
+def _is_linear(model: Transformer, name: str) -> bool:
+    return name.endswith(".weight") and isinstance(
+        model.get_submodule(name.removesuffix(".weight")), torch.nn.Linear
+    )
+
+
+def _has_kernel(sources: list) -> bool:
+    return all(tensor.tensor_type in BLOCK_TYPES for tensor in sources)
+
+
+def _quantized_linear(
+    sources: list, config: ModelConfig, permuted: bool, bias: torch.Tensor | None = None
+) -> torch.nn.Module:
+    """One QuantizedLinear over the sources' rows, stacked; sources of different block types
+    (a Q4_K_M file's Q4_K q and k beside a Q6_K v) stay apart, their outputs concatenated."""
+    if len({tensor.tensor_type for tensor in sources}) > 1:
+        parts = [_quantized_linear([tensor], config, permuted) for tensor in sources]
+        return ConcatenatedLinear(parts, bias)
+    rows = [_raw_rows(tensor, config, permuted) for tensor in sources]
+    blocks = rows[0] if len(rows) == 1 else np.concatenate(rows)
+    shape = (blocks.shape[0], _shape(sources[0])[1])
+    return QuantizedLinear(QuantizedWeight.from_gguf(blocks, sources[0].tensor_type, shape), bias)
+
+
+def _raw_rows(tensor, config: ModelConfig, permuted: bool) -> np.ndarray:
+    """A quantized tensor's bytes, one row of blocks per output feature, q/k rows unpermuted."""
+    if permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = config.n_heads if tensor.name.endswith("attn_q.weight") else config.n_kv_heads
+        return unpermute_rotary_rows(tensor.data, heads)
+    return tensor.data
+
+
+class ConcatenatedLinear(torch.nn.Module):
+    """Linears over one input whose outputs are concatenated (plus a bias): a fused projection
+    whose parts are quantized in different block types."""
+
+    def __init__(self, parts: list[torch.nn.Module], bias: torch.Tensor | None):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
 
 
 def open_gguf(path: Path) -> GGUFReader:
