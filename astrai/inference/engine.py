@@ -221,7 +221,7 @@ class InferenceEngine:
             device=weight.device,
             enable_prefix_cache=self.config.enable_prefix_cache,
         )
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = model.weight_bytes()
         log.info(
             "weights %.0f MB %s on %s; KV cache %.0f MB: %d pages of %d tokens (%d tokens)",
             weight_bytes / 1e6,

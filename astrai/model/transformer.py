@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from astrai.config import ModelConfig
 from astrai.kernels import Linear, add_rms_norm, apply_rope, linear, rms_norm, silu_and_mul
+from astrai.kernels.quant_ops import QuantizedLinear
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -293,8 +294,18 @@ class Transformer(nn.Module):
         valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
         return logprobs.masked_fill(~valid, 0.0)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights, quantized blocks (which are not parameters) included."""
+        blocks = sum(m.weight.nbytes() for m in self.modules() if isinstance(m, QuantizedLinear))
+        return blocks + sum(p.numel() * p.element_size() for p in self.parameters())
+
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the native format: config.json and model.safetensors with native names."""
+        if any(isinstance(m, QuantizedLinear) for m in self.modules()):
+            raise ValueError(
+                "the native format holds dense weights only; load the GGUF file with "
+                "dequantize=True to save it"
+            )
         directory = Path(directory)
         self.config.save(directory)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}

@@ -436,3 +436,12 @@ def test_quantized_greedy_equals_llama_cpp(monkeypatch, prompt):
             ids = torch.cat([ids, model.forward_dense(ids)[:, -1].argmax(-1, keepdim=True)], 1)
     new = ids[0, -16:].tolist()
     assert tokenizer.decode(new) == LLAMA_CPP_GREEDY[prompt]
+
+
+def test_quantized_model_reports_its_bytes_and_refuses_the_native_format(tmp_path):
+    model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
+    dense = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE, dequantize=True)
+    # Q4_1 blocks: 20 bytes per 32 weights, beside fp32's 128
+    assert model.weight_bytes() < 0.4 * dense.weight_bytes()
+    with pytest.raises(ValueError, match="dense weights only.*dequantize=True"):
+        model.save_pretrained(tmp_path / "native")
