@@ -23,6 +23,7 @@ import astrai
 from astrai.cli import DEMO_MODEL_DIR, _parser, add_flags, from_flags, main
 from astrai.config import EngineConfig, parse_kv_cache_memory
 from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
+from astrai.inference.constraints import Constraint
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -279,6 +280,10 @@ def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
         return [flag, "a", flag, "b"], ("a", "b")
     if kind == tuple[int, ...]:
         return [flag, "1", flag, "2"], (1, 2)
+    if kind == dict[int, float] | None:
+        return [flag, "1=-100,2=5"], {1: -100.0, 2: 5.0}
+    if kind == Constraint | None:
+        return [flag, '{"type": "object"}'], Constraint.json_schema({"type": "object"})
     if kind in (float, float | None):
         value = default / 2 if default else 0.5
     elif kind in (int, int | None):

@@ -162,13 +162,23 @@ _STRUCTURED_OUTPUT_KINDS = {
 }
 
 
+# JSON laid out as json.dumps does (", " and ": ", no other whitespace) unless a schema's own
+# "x-guidance" says otherwise: free whitespace carries nothing, and a model can spend every
+# token it has on it (a small one stuck in a run of newlines never closes the object).
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _grammar_text(constraint: Constraint) -> str:
     """llguidance's grammar for a constraint (it reports errors when a matcher is built)."""
     try:
         if constraint.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=_JSON_LAYOUT
+            )
         if constraint.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(constraint.spec)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                constraint.spec, defaults=_JSON_LAYOUT
+            )
         if constraint.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
         if constraint.kind == "choice":
@@ -373,6 +383,10 @@ class BatchMasker:
         rows = [i for i, state in enumerate(states) if state is not None]
         if not rows:
             return None
+        if len(rows) > self._bitmask.shape[0]:  # llguidance writes through a raw pointer
+            raise ValueError(
+                f"{len(rows)} constrained rows, but the masker holds {self._bitmask.shape[0]}"
+            )
         bitmask = self._bitmask[: len(rows)]  # [R, W], contiguous
         # What llguidance.torch.fill_next_token_bitmask_par does; importing that module would
         # import torch._dynamo (2 s) for a decorator astrai does not use.

@@ -14,12 +14,14 @@ from typing import Any
 import torch
 
 from astrai.config import ConfigError, EngineConfig
+from astrai.inference.constraints import CompiledConstraint, Constraint, ConstraintCompiler
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.task import (
     STOP,
     GenerationParams,
+    InvalidParamsError,
     PromptTooLongError,
     RequestError,
     Task,
@@ -233,9 +235,10 @@ class InferenceEngine:
             self.cache.n_pages * page_size,
         )
         self.manager = TaskManager(self.config.max_waiting)
-        self.scheduler = InferenceScheduler(
-            ModelExecutor(model, self.cache), self.cache, self.manager, self.config
-        )
+        executor = ModelExecutor(model, self.cache, max_batch_size=self.config.max_batch_size)
+        self.scheduler = InferenceScheduler(executor, self.cache, self.manager, self.config)
+        self._compiler: ConstraintCompiler | None = None  # made with the first constraint
+        self._compiler_lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astrai-scheduler", daemon=True)
         self._thread.start()
@@ -295,9 +298,10 @@ class InferenceEngine:
         """
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
-        groups = [
-            self._sample_tasks(self._checked(ids, params), params, callback) for ids in prompts
-        ]
+        prompts = [self._checked(ids, params) for ids in prompts]
+        self._check_token_ids(params)
+        compiled = None if params.constraint is None else self.compile(params.constraint)
+        groups = [self._sample_tasks(ids, params, callback, compiled) for ids in prompts]
         self.manager.add_tasks([task for group in groups for task in group])
         return groups
 
@@ -307,6 +311,34 @@ class InferenceEngine:
         """Queue params.n tasks of one prompt; callback(task, TaskDelta | STOP) runs on the loop."""
         [tasks] = self.submit_all([prompt_ids], params, callback)
         return tasks
+
+    def compile(self, constraint: Constraint) -> CompiledConstraint:
+        """The constraint compiled for this model (cached); raises ConstraintError, a
+        ValueError, for one the grammar library refuses.
+
+        submit compiles too; a server calls this first off its event loop (asyncio.to_thread):
+        a new schema takes milliseconds, and the first constraint of an engine indexes the
+        vocabulary (about half a second per 50k tokens).
+        """
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = ConstraintCompiler(self.tokenizer, self.model.config.vocab_size)
+        return self._compiler.compile(constraint)
+
+    def _check_token_ids(self, params: GenerationParams) -> None:
+        """Token ids in the params must be the model's, or indexing its logits would fail."""
+        vocab = self.model.config.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            outside = sorted(t for t in ids if t >= vocab)
+            if outside:
+                raise InvalidParamsError(
+                    f"{name} holds token ids {outside[:5]} outside the model's vocabulary "
+                    f"[0, {vocab})"
+                )
 
     def _checked(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
         """The prompt as a list; a request that could never run is refused now, not truncated."""
@@ -325,8 +357,13 @@ class InferenceEngine:
         return prompt_ids
 
     def _sample_tasks(
-        self, prompt_ids: list[int], params: GenerationParams, callback: TaskCallback
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        callback: TaskCallback,
+        compiled: CompiledConstraint | None,
     ) -> list[Task]:
+        """The n tasks of one prompt; each sample has its own constraint state."""
         tasks: list[Task] = []
         for i in range(params.n):
             sample_params = params
@@ -340,6 +377,7 @@ class InferenceEngine:
                     self.tokenizer.detokenizer(),
                     self.tokenizer.stop_token_ids,
                     parent=tasks[0] if tasks else None,
+                    constraint=None if compiled is None else compiled.new_state(),
                 )
             )
         return tasks

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from astrai.inference.constraints import TokenMask
     from astrai.inference.task import GenerationParams
 
 _MASK64 = (1 << 64) - 1
@@ -69,6 +70,11 @@ class TokenOccurrences:
         """Positions in the flattened [B * V] logits, one per occurrence."""
         return self.rows * vocab_size + self.ids
 
+    @property
+    def index(self) -> tuple[Tensor, Tensor]:
+        """The occurrences as an index of [B, V] logits."""
+        return self.rows, self.ids
+
 
 @dataclass
 class SamplingBatch:
@@ -77,7 +83,7 @@ class SamplingBatch:
     A field is None when no row uses its feature, so strategies skip it for the whole batch.
     Greedy rows (temperature below MIN_TEMPERATURE, or top_k 1, which keeps only the argmax)
     hold neutral filter values, so the argmax of the processed logits is their argmax after
-    penalties.
+    penalties, biases, allowed tokens and masks.
     """
 
     greedy: Tensor  # [B] bool
@@ -93,6 +99,12 @@ class SamplingBatch:
     presence_penalty: Tensor | None  # [B] float32, set (maybe all 0) when output is
     frequency_penalty: Tensor | None  # [B] float32, set (maybe all 0) when output is
     output: TokenOccurrences | None  # what presence and frequency penalties look at
+    logit_bias: TokenOccurrences | None  # the biased tokens of every row
+    logit_bias_values: Tensor | None  # [N] float32, the bias of each of them
+    allowed: TokenOccurrences | None  # the tokens rows with allowed_token_ids may sample
+    allowed_rows: Tensor | None  # [R] int64, the rows with allowed_token_ids
+    banned: TokenOccurrences | None  # stop tokens of rows short of their min_tokens
+    mask: TokenMask | None  # the constrained rows' grammar masks
     seeded_rows: Tensor | None  # [S] int64, random rows with a seed
     seeded_uniforms: Tensor | None  # [S] float32, seeded_uniform(seed, len(output_ids))
     logprobs: list[int | None]  # per row: None, or how many alternatives besides the chosen
@@ -104,7 +116,12 @@ class SamplingBatch:
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
         device: torch.device | str,
+        stop_token_ids: Sequence[Collection[int]] | None = None,
+        mask: TokenMask | None = None,
     ) -> SamplingBatch:
+        """stop_token_ids: per row, what min_tokens bans (the task's, EOS included; default
+        each row's params.stop_token_ids); mask: the step's grammar masks of its rows."""
+
         def per_row(values: list, neutral: float, dtype=torch.float32) -> Tensor | None:
             if all(v == neutral for v in values):
                 return None
@@ -139,6 +156,28 @@ class SamplingBatch:
             presence_penalty = torch.tensor(presence, device=device)
             frequency_penalty = torch.tensor(frequency, device=device)
 
+        logit_bias = logit_bias_values = None
+        if any(p.logit_bias for p in params):
+            biases = [p.logit_bias or {} for p in params]
+            logit_bias = TokenOccurrences.build([list(b) for b in biases], device)
+            logit_bias_values = torch.tensor(
+                [v for b in biases for v in b.values()], dtype=torch.float32, device=device
+            )
+        allowed = allowed_rows = None
+        if any(p.allowed_token_ids for p in params):
+            allowed = TokenOccurrences.build([p.allowed_token_ids for p in params], device)
+            rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+            allowed_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        banned = None
+        if stop_token_ids is None:
+            stop_token_ids = [p.stop_token_ids for p in params]
+        short = [len(ids) < p.min_tokens for p, ids in zip(params, output_ids, strict=True)]
+        if any(short):
+            banned = TokenOccurrences.build(
+                [sorted(s) if b else [] for s, b in zip(stop_token_ids, short, strict=True)],
+                device,
+            )
+
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         uniforms = [seeded_uniform(params[i].seed, len(output_ids[i])) for i in seeded]
         return cls(
@@ -155,6 +194,12 @@ class SamplingBatch:
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
             output=output,
+            logit_bias=logit_bias,
+            logit_bias_values=logit_bias_values,
+            allowed=allowed,
+            allowed_rows=allowed_rows,
+            banned=banned,
+            mask=mask,
             seeded_rows=torch.tensor(seeded, dtype=torch.long, device=device) if seeded else None,
             seeded_uniforms=torch.tensor(uniforms, device=device) if seeded else None,
             logprobs=[p.logprobs for p in params],
@@ -199,6 +244,50 @@ class PenaltyStrategy(BaseSamplingStrategy):
                 flat[index] - batch.frequency_penalty[rows] * counts - batch.presence_penalty[rows]
             )
         return logits
+
+
+class LogitBiasStrategy(BaseSamplingStrategy):
+    """OpenAI's logit_bias: each row's biases added to its tokens' logits."""
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.logit_bias is None:
+            return logits
+        return logits.index_put(batch.logit_bias.index, batch.logit_bias_values, accumulate=True)
+
+
+class AllowedTokensStrategy(BaseSamplingStrategy):
+    """vLLM's allowed_token_ids: a row that names them samples among them alone."""
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.allowed is None:
+            return logits
+        kept = logits[batch.allowed.index]
+        limited = logits.index_fill(0, batch.allowed_rows, float("-inf"))
+        limited[batch.allowed.index] = kept
+        return limited
+
+
+class MinTokensStrategy(BaseSamplingStrategy):
+    """vLLM's min_tokens: a row's stop tokens (EOS, stop_token_ids) are banned until it has
+    generated that many tokens."""
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.banned is None:
+            return logits
+        return logits.index_put(batch.banned.index, logits.new_tensor(float("-inf")))
+
+
+class ConstraintMaskStrategy(BaseSamplingStrategy):
+    """The constrained rows' grammar masks: every token the grammar forbids goes to -inf.
+
+    After the penalties and biases, before temperature and the filters, so each filter keeps
+    tokens among the allowed ones (constraints.py says more).
+    """
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.mask is None:
+            return logits
+        return batch.mask.apply(logits.clone())
 
 
 class TemperatureStrategy(BaseSamplingStrategy):
@@ -283,6 +372,10 @@ class SamplingPipeline:
         if strategies is None:
             strategies = [
                 PenaltyStrategy(),
+                LogitBiasStrategy(),
+                AllowedTokensStrategy(),
+                MinTokensStrategy(),
+                ConstraintMaskStrategy(),
                 TemperatureStrategy(),
                 TopKStrategy(),
                 TopPStrategy(),

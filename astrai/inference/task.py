@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any, Protocol
 
 from astrai.config import setting
+from astrai.inference.constraints import Constraint, ConstraintState
 from astrai.inference.stop_strings import StopStringMatcher
 
 
@@ -68,10 +69,46 @@ def _check_range(
 
 
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit bias; larger values are clamped to it, as vLLM does.
+MAX_LOGIT_BIAS = 100.0
 # Generous for any real use (OpenAI allows 4 stop strings), and they bound the stop matcher a
 # request can make the engine build: about 0.3 KB and 10 us of CPU per character.
 MAX_STOP_STRINGS = 256
 MAX_STOP_CHARS = 4096
+
+
+def _checked_logit_bias(logit_bias: Any) -> dict[int, float] | None:
+    """The bias map with its values clamped to MAX_LOGIT_BIAS; None when empty."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise InvalidParamsError(
+            f"logit_bias must map token ids to numbers, got {type(logit_bias).__name__}"
+        )
+    checked = {}
+    for token_id, bias in logit_bias.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise InvalidParamsError(
+                f"logit_bias keys must be non-negative token ids, got {token_id!r}"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or math.isnan(bias):
+            raise InvalidParamsError(f"logit_bias[{token_id}] must be a number, got {bias!r}")
+        checked[token_id] = min(max(float(bias), -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)
+    return checked or None
+
+
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """A logit_bias from text such as "123=-100,456=5" (the command line's form)."""
+    logit_bias = {}
+    for item in text.split(","):
+        token_id, _, bias = item.partition("=")
+        try:
+            logit_bias[int(token_id)] = float(bias)
+        except ValueError:
+            raise InvalidParamsError(
+                f"expected ID=BIAS pairs separated by commas, such as 123=-100, got {text!r}"
+            ) from None
+    return logit_bias
 
 
 @dataclass(frozen=True)
@@ -80,6 +117,8 @@ class GenerationParams:
 
     temperature 0 is greedy. top_k 0 and top_p 1 switch those filters off. logprobs None
     returns none, 0 returns the chosen token's logprob, k > 0 adds the top-k alternatives.
+    logit_bias, allowed_token_ids and stop_token_ids are checked against the model's vocabulary
+    when the engine takes the request; a constraint is compiled then too.
     """
 
     max_tokens: int = setting(128, "most tokens to generate")
@@ -113,6 +152,27 @@ class GenerationParams:
         None, "log probabilities to return: 0 for the chosen token, k for top k"
     )
     n: int = setting(1, "samples to generate per prompt")
+    logit_bias: dict[int, float] | None = setting(
+        None,
+        "add BIAS to token ID's logit before sampling, clamped to [-100, 100]: -100 bans it, "
+        "100 forces it",
+        metavar="ID=BIAS[,ID=BIAS...]",
+        parse=parse_logit_bias,
+    )
+    allowed_token_ids: tuple[int, ...] = setting(
+        (), "sample only these token ids; repeatable; none means any"
+    )
+    min_tokens: int = setting(
+        0, "generate at least this many tokens before EOS, a stop token or a stop string ends"
+    )
+    constraint: Constraint | None = setting(
+        None,
+        "constrain the output to this JSON schema (JSON text); the API also takes regexes, "
+        "choices and grammars",
+        flag="--json-schema",
+        metavar="SCHEMA",
+        parse=Constraint.json_schema,
+    )
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
@@ -147,6 +207,19 @@ class GenerationParams:
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True)
         _check_range("n", self.n, 1, 128, integer=True)
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        allowed = tuple(self.allowed_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in allowed):
+            raise InvalidParamsError(
+                f"allowed_token_ids must be non-negative integers, got {self.allowed_token_ids!r}"
+            )
+        object.__setattr__(self, "allowed_token_ids", allowed)
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens, integer=True)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidParamsError(
+                "constraint must be a Constraint (Constraint.json_schema(...), .regex(...), "
+                f".choice(...), .grammar(...), .json_object()), got {self.constraint!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -243,6 +316,7 @@ class Task:
         detokenizer: Detokenizer,
         stop_token_ids: frozenset[int] = frozenset(),
         parent: Task | None = None,
+        constraint: ConstraintState | None = None,
     ) -> None:
         self.id = next(_task_ids)
         self.prompt_ids = list(prompt_ids)
@@ -256,6 +330,10 @@ class Task:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        # Where the output is in its constraint; it moves only with a token appended, so a
+        # preempted task recomputes its K/V and keeps its state, and a step that is rerun
+        # samples from the same masks.
+        self.constraint = constraint
         self._detokenizer = detokenizer
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else stop_token_ids
@@ -278,16 +356,29 @@ class Task:
     def is_finished(self) -> bool:
         return self.status in (TaskStatus.FINISHED, TaskStatus.ABORTED, TaskStatus.FAILED)
 
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The token ids that end this task: its own and, unless ignore_eos, the model's EOS."""
+        return self._stop_ids
+
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> TaskDelta:
-        """Add a sampled token, check the stop conditions and return the text it releases."""
+        """Add a sampled token, check the stop conditions and return the text it releases.
+
+        A constrained task ends (reason "stop") as soon as its output is complete.
+        """
+        stop_token = token_id in self._stop_ids
+        if self.constraint is not None and not stop_token:
+            self.constraint.advance(token_id)  # raises, changing nothing, on a disallowed token
         self.output_ids.append(token_id)
-        if token_id in self._stop_ids:
+        if stop_token:
             self.end(TaskStatus.FINISHED, "stop", stop_reason=token_id)
         else:
             text = self._detokenizer.add(token_id)
             self._text += text
             stopped = self._cut_at_stop_string(text)
-            if not stopped and len(self.output_ids) >= self.params.max_tokens:
+            if not stopped and self.constraint is not None and self.constraint.is_finished():
+                self.end(TaskStatus.FINISHED, "stop")
+            elif not stopped and len(self.output_ids) >= self.params.max_tokens:
                 self.end(TaskStatus.FINISHED, "length")
         end = len(self._text) if self.is_finished else len(self._text) - self._held_back()
         piece = self._text[self._emitted : end]
@@ -298,12 +389,13 @@ class Task:
     def _cut_at_stop_string(self, text: str) -> bool:
         """Finish at the earliest stop string that the new text completes, if there is one.
 
-        Only the new text is fed to the matcher: what came before is in its state.
+        Only the new text is fed to the matcher: what came before is in its state. Before
+        min_tokens tokens a stop string is passed over, as vLLM does.
         """
         if self._stop_matcher is None:
             return False
         self._stop_state, found = self._stop_matcher.feed(self._stop_state, text)
-        if found is None:
+        if found is None or len(self.output_ids) < self.params.min_tokens:
             return False
         start, stop = found
         self._text = self._text[: len(self._text) - len(text) + start]
