@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from astrai.inference.attention import CacheView
+from astrai.inference.constraints import BatchMasker, TokenMask
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import Task, TokenLogprob
@@ -133,11 +134,17 @@ class ModelExecutor:
     """Owns the model's forward pass; knows tensors, not scheduling policy."""
 
     def __init__(
-        self, model: torch.nn.Module, cache: PagedCache, pipeline: SamplingPipeline | None = None
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        pipeline: SamplingPipeline | None = None,
+        max_batch_size: int = 256,
     ) -> None:
         self.model = model
         self.cache = cache
         self.pipeline = pipeline or SamplingPipeline()
+        self.max_batch_size = max_batch_size  # the most rows a step samples
+        self.masker: BatchMasker | None = None  # made with the first constrained row
         self.device = next(model.parameters()).device
         self.recorded: RecordedLayers | None = None
         if self.device.type == "cpu":
@@ -176,6 +183,8 @@ class ModelExecutor:
             [t.prompt_ids for t in tasks],
             [t.output_ids for t in tasks],
             self.device,
+            stop_token_ids=[t.stop_token_ids for t in tasks],
+            mask=self._constraint_mask(tasks),
         )
         out = sample(logits, batch, self.pipeline)
         results = []
@@ -186,3 +195,12 @@ class ModelExecutor:
                 logprob = TokenLogprob(out.token_ids[row], out.logprobs[row], top)
             results.append(SampledToken(task, out.token_ids[row], logprob))
         return results
+
+    def _constraint_mask(self, tasks: Sequence[Task]) -> TokenMask | None:
+        """The grammar masks of the sampling rows whose tasks are constrained, or None."""
+        states = [task.constraint for task in tasks]
+        if all(state is None for state in states):
+            return None
+        if self.masker is None:
+            self.masker = BatchMasker(self.max_batch_size, self.model.config.vocab_size)
+        return self.masker.fill(states)
