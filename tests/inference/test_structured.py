@@ -16,10 +16,17 @@ from dataclasses import replace
 
 import jsonschema
 import pytest
+import torch
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
-from astrai.inference.constraints import Constraint, ConstraintError
-from astrai.inference.sample import BaseSamplingStrategy, SamplingPipeline
+from astrai.inference import executor as executor_module
+from astrai.inference.constraints import (
+    BatchMasker,
+    Constraint,
+    ConstraintCompiler,
+    ConstraintError,
+)
+from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import InvalidParamsError
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
@@ -320,6 +327,21 @@ def test_json_object_regex_and_choice(engine):
     assert {text for group in texts for text in group} <= set(options)
 
 
+def test_a_complete_output_ends_the_request_without_eos(engine, tokenizer):
+    """Once the grammar is complete the request ends, reason "stop", with no EOS sampled:
+    even with ignore_eos, which would otherwise run it to max_tokens."""
+    for ignore_eos in (False, True):
+        result = engine.generate_results(
+            "Hello",
+            max_tokens=50,
+            temperature=0,
+            ignore_eos=ignore_eos,
+            constraint=Constraint.choice(["alpha", "beta"]),
+        )
+        assert (result.text, result.finish_reason) in (("alpha", "stop"), ("beta", "stop"))
+        assert not set(result.token_ids) & tokenizer.stop_token_ids
+
+
 def test_n_samples_each_follow_the_constraint(engine):
     schema = SCHEMAS[1]
     samples = engine.generate_results("Hello", schema_params(schema, temperature=1.0, seed=3, n=4))
@@ -361,21 +383,20 @@ def test_a_mixed_batch_keeps_every_greedy_output(model, tokenizer):
     )
 
 
-class FailBatchedSteps(BaseSamplingStrategy):
-    """Fails every step that samples more than one row, so the scheduler reruns each alone."""
-
-    def apply(self, logits, batch):
-        if len(batch.greedy) > 1:
-            raise RuntimeError("batched step failed")
-        return logits
-
-
-def test_rerun_steps_advance_each_constraint_once(model, tokenizer):
+def test_rerun_steps_advance_each_constraint_once(model, tokenizer, monkeypatch):
+    """Every batched step fails after its tokens are drawn, so the scheduler reruns each
+    request alone: a state moved by the failed step would be one token ahead."""
     prompts, params = mixed_requests(tokenizer)
     with make_engine(model, tokenizer) as engine:
         expected = run_together(engine, prompts, params)
-        executor = engine.scheduler.executor
-        executor.pipeline = SamplingPipeline([*executor.pipeline.strategies, FailBatchedSteps()])
+
+        def fail_batched(logits, batch, pipeline=None):
+            drawn = sample(logits, batch, pipeline)
+            if len(drawn.token_ids) > 1:
+                raise RuntimeError("batched step failed")
+            return drawn
+
+        monkeypatch.setattr(executor_module, "sample", fail_batched)
         results = run_together(engine, prompts, params)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert all(r.finish_reason in ("stop", "length") for r in results)
@@ -501,3 +522,42 @@ def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(engine, tokenize
         GenerationParams(max_tokens=4, min_tokens=5)
     with pytest.raises(InvalidParamsError, match="min_tokens"):
         GenerationParams(min_tokens=-1)
+
+
+def test_rows_without_the_fields_keep_their_logits_bit_for_bit(tokenizer, model):
+    """In one batch, rows with a bias, allowed tokens, min_tokens or a grammar mask change
+    where they should and the plain rows between them come back as they went in."""
+    vocab = model.config.vocab_size
+    state = ConstraintCompiler(tokenizer, vocab).compile(Constraint.regex("[0-9]+")).new_state()
+    plain = GenerationParams(temperature=0.0)
+    params = [
+        plain,
+        GenerationParams(temperature=0.0, logit_bias={7: 100.0, 9: -100.0}),
+        plain,
+        GenerationParams(temperature=0.0, allowed_token_ids=(7, 8)),
+        GenerationParams(temperature=0.0, min_tokens=2, stop_token_ids=(5,)),
+        plain,
+        plain,  # its grammar mask
+    ]
+    rows = len(params)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    mask = BatchMasker(rows, vocab).fill([None] * (rows - 1) + [state])
+    batch = SamplingBatch.build(
+        params,
+        [[]] * rows,
+        [[]] * rows,
+        "cpu",
+        stop_token_ids=[{1, 3, 5}] * rows,
+        mask=mask,
+    )
+    processed = SamplingPipeline()(logits, batch)
+    for row in (0, 2, 5):
+        assert torch.equal(processed[row], logits[row])
+    assert processed[1, 7] == logits[1, 7] + 100 and processed[1, 9] == logits[1, 9] - 100
+    assert torch.isfinite(processed[3]).nonzero()[:, 0].tolist() == [7, 8]
+    assert torch.isinf(processed[4]).nonzero()[:, 0].tolist() == [1, 3, 5]
+    digits = {tokenizer.encode(d, add_special_tokens=False)[0] for d in "0123456789"}
+    assert set(torch.isfinite(processed[6]).nonzero()[:, 0].tolist()) >= digits
+    assert torch.isinf(processed[6]).sum() > vocab // 2
+    assert not torch.equal(processed, logits)  # nor are the inputs changed in place
+    assert torch.equal(logits, torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)))
