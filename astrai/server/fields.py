@@ -78,12 +78,9 @@ _STRUCTURED = {
     )
 }
 _OPENAI = {
-    "logit_bias": Refused(ENGINE, noop=({},)),
     "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
     "response_format": Refused(STRUCTURED, noop=({"type": "text"},)),
     **_STRUCTURED,
-    "min_tokens": Refused(ENGINE, noop=(0,)),
-    "allowed_token_ids": Refused(ENGINE),
     "bad_words": Refused(ENGINE, noop=([],)),
     "prompt_logprobs": Refused(ENGINE),
     "use_beam_search": Refused(BEAM, noop=(False,)),

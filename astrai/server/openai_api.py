@@ -38,6 +38,9 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict:
         "stop": body.stop,
         "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
+        "min_tokens": body.min_tokens,
+        "logit_bias": body.logit_bias,
+        "allowed_token_ids": body.allowed_token_ids,
         "n": body.n,
     }
 
@@ -62,7 +65,9 @@ def _continuous_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
 def _check_request(
     service: GenerationService, body: ChatCompletionRequest | CompletionRequest
 ) -> None:
-    """The checks both endpoints share: the model, refused fields, stream options, token ids."""
+    """The checks both endpoints share: the model, refused fields, stream options.
+
+    Token ids in stop_token_ids, logit_bias and allowed_token_ids are the engine's to check."""
     service.check_model(body.model)
     refuse_unsupported(body)
     if body.stream_options is not None and not body.stream:
@@ -75,8 +80,6 @@ def _check_request(
             "stream_options.continuous_usage_stats needs stream_options.include_usage set to true",
             param="stream_options.continuous_usage_stats",
         )
-    if body.stop_token_ids:
-        service.check_token_ids(body.stop_token_ids, "stop_token_ids")
 
 
 @router.get("/v1/models")

@@ -121,7 +121,7 @@ class _OpenAISampling(_Request):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: Any = None
+    logit_bias: dict[int, float] | None = None  # JSON's keys are strings: "50256" is token 50256
     user: Any = None
     response_format: Any = None
     # vLLM's extensions.
@@ -131,8 +131,8 @@ class _OpenAISampling(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    min_tokens: Any = None
-    allowed_token_ids: Any = None
+    min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
     bad_words: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None

@@ -208,9 +208,9 @@ def test_an_unknown_field_gets_400_naming_it(openai_client, server):
             },
             "tools",
         ),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"extra_body": {"guided_regex": "[a-z]+"}}, "guided_regex"),
-        ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ],
 )
 def test_the_openai_client_sees_refusals(openai_client, server, request_fields, named):
@@ -319,17 +319,69 @@ def test_stop_token_ids_end_the_output(openai_client, server):
     assert reply.choices[0].text == server.engine.tokenizer.decode(ids[:at])
 
 
-@pytest.mark.parametrize("field", ["stop_token_ids"])
-def test_token_ids_outside_the_vocabulary_are_refused(openai_client, server, field):
+def test_min_tokens_hold_back_the_stop(openai_client, server):
+    prompt_ids = server.engine.tokenizer.encode(PROMPT)
+    ids = greedy_ids(server.engine, prompt_ids, 12)
+    at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    kwargs = dict(model=server.model_name, prompt=prompt_ids, max_tokens=12, temperature=0)
+    stop = {"ignore_eos": True, "stop_token_ids": [ids[at]]}
+    plain = openai_client.completions.create(**kwargs, extra_body=stop)
+    assert plain.usage.completion_tokens == at + 1
+    # The stop token cannot be sampled before min_tokens, so greedy takes another there.
+    held = openai_client.completions.create(**kwargs, extra_body={**stop, "min_tokens": at + 3})
+    assert held.usage.completion_tokens >= at + 3
+
+
+def test_logit_bias_forces_and_bans_tokens(openai_client, server):
+    prompt_ids = server.engine.tokenizer.encode(PROMPT)
+    first = greedy_ids(server.engine, prompt_ids, 1)[0]
+    forced = next(t for t in range(10, 100) if t != first)
+    kwargs = dict(model=server.model_name, prompt=prompt_ids, temperature=0)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    reply = openai_client.completions.create(**kwargs, max_tokens=4, logit_bias={str(forced): 100})
+    assert reply.choices[0].text == server.engine.tokenizer.decode([forced] * 4)
+    # Tokens compared by their bytes: the text of two partial characters is the same U+FFFD.
+    banned = openai_client.completions.create(
+        **kwargs, max_tokens=1, logprobs=0, logit_bias={str(first): -100}
+    )
+    first_bytes = server.engine.tokenizer.token_bytes(first)
+    assert banned.choices[0].logprobs.tokens[0] != first_bytes.decode("utf-8", "backslashreplace")
+
+
+def test_allowed_token_ids_limit_the_output(openai_client, server):
+    prompt_ids = server.engine.tokenizer.encode(PROMPT)
+    first = greedy_ids(server.engine, prompt_ids, 1)[0]
+    only = next(t for t in range(10, 100) if t != first)
+    reply = openai_client.completions.create(
+        model=server.model_name,
+        prompt=prompt_ids,
+        max_tokens=5,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [only]},
+    )
+    assert reply.choices[0].text == server.engine.tokenizer.decode([only] * 5)
+
+
+@pytest.mark.parametrize(
+    ("field", "as_sent"),
+    [
+        ("stop_token_ids", lambda ids: ids),
+        ("allowed_token_ids", lambda ids: ids),
+        ("logit_bias", lambda ids: {str(t): 1 for t in ids}),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused(openai_client, server, field, as_sent):
     vocab = server.engine.model.config.vocab_size
     for bad in ([vocab], [-1], [0, vocab + 7]):
         with pytest.raises(openai.BadRequestError) as caught:
             openai_client.completions.create(
-                model=server.model_name, prompt="Hi", max_tokens=1, extra_body={field: bad}
+                model=server.model_name,
+                prompt="Hi",
+                max_tokens=1,
+                extra_body={field: as_sent(bad)},
             )
-        assert caught.value.body["message"].startswith(field), caught.value.message
+        assert field in caught.value.body["message"], caught.value.message
     reply = openai_client.completions.create(
-        model=server.model_name, prompt="Hi", max_tokens=1, extra_body={field: [vocab - 1]}
+        model=server.model_name, prompt="Hi", max_tokens=1, extra_body={field: as_sent([vocab - 1])}
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
 
