@@ -11,10 +11,12 @@ from astrai.kernels import linear_ops
 
 
 @pytest.fixture(autouse=True)
-def untuned_linears(monkeypatch):
+def untuned_linears(monkeypatch, tmp_path):
     """Each test starts on the linear paths used before any timing; an engine it builds
-    applies its own (timed once a process), and they end with the test."""
+    applies its own (timed once a process), and they end with the test. Timings are kept in
+    a cache of the test's own, never the user's, so a faked timing stays in its test."""
     monkeypatch.setattr(linear_ops, "_paths", {})
+    monkeypatch.setenv("ASTRAI_CACHE_DIR", str(tmp_path / "astrai-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from astrai.kernels import native
+from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
 
 SKINNY_MAX_ROWS = 64
@@ -161,38 +161,46 @@ KERNEL_PREFERENCE = 1.1
 
 @torch.inference_mode()
 def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
-    """Time the paths on these weights (one model's linears, in order; once per process), use
-    the fastest per row bucket for their dtype from now on, and return them {bucket: path}."""
+    """Time the paths on these weights (one model's linears, in order; once per machine, as
+    tuning_cache keeps the answer), use the fastest per row bucket for their dtype from now on,
+    and return them {bucket: path}."""
     dtype = weights[0].dtype
     key = (dtype, tuple(tuple(w.shape) for w in weights))
     if dtype in native.KERNEL_DTYPES and key not in _timed and forced_path() is None:
-        streamed, size = [], 0
-        for w in weights:
-            if size >= STREAMED_BYTES:
-                break
-            streamed.append(w)
-            size += w.numel() * w.element_size()
-        paths = []
-        for bucket in ROW_BUCKETS:
-            sample = torch.empty(bucket, weights[0].shape[1], dtype=dtype)
-            if all(kernel_takes(sample, w, None) for w in weights):
-                # A few-row product streams the weights, so it is timed on as many as a step
-                # reads, up to more than a large L3 holds (a subset in the cache would flatter
-                # the GEMM), and no more, so a big model's start stays short.
-                candidates, timed = [LinearPath.KERNEL, LinearPath.GEMM], streamed
-            else:
-                # A prefill-sized product is compute-bound: a layer's weights time it.
-                candidates, timed = [LinearPath.GEMM], weights[:4]
-                if dtype == torch.bfloat16:
-                    candidates.append(LinearPath.UPCAST)
-            best = {path: float("inf") for path in candidates}
-            for _ in range(2):  # alternated, so a slow moment does not pick for one path
-                for path in candidates:
-                    limit = min(best.values()) * KERNEL_PREFERENCE
-                    best[path] = min(best[path], _time_path(path, timed, bucket, limit))
-            best[LinearPath.KERNEL] = best.get(LinearPath.KERNEL, float("inf")) / KERNEL_PREFERENCE
-            paths.append(min(best, key=best.get))
-        _timed[key] = paths
+        paths = tuning_cache.remembered("linear", dtype, key[1], lambda: _fastest_paths(weights))
+        _timed[key] = [LinearPath(path) for path in paths]
     if key in _timed:
         _paths[dtype] = _timed[key]
     return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))
+
+
+def _fastest_paths(weights: Sequence[Tensor]) -> list[LinearPath]:
+    """The fastest path at each row bucket, timed on these weights."""
+    dtype = weights[0].dtype
+    streamed, size = [], 0
+    for w in weights:
+        if size >= STREAMED_BYTES:
+            break
+        streamed.append(w)
+        size += w.numel() * w.element_size()
+    paths = []
+    for bucket in ROW_BUCKETS:
+        sample = torch.empty(bucket, weights[0].shape[1], dtype=dtype)
+        if all(kernel_takes(sample, w, None) for w in weights):
+            # A few-row product streams the weights, so it is timed on as many as a step
+            # reads, up to more than a large L3 holds (a subset in the cache would flatter
+            # the GEMM), and no more, so a big model's start stays short.
+            candidates, timed = [LinearPath.KERNEL, LinearPath.GEMM], streamed
+        else:
+            # A prefill-sized product is compute-bound: a layer's weights time it.
+            candidates, timed = [LinearPath.GEMM], weights[:4]
+            if dtype == torch.bfloat16:
+                candidates.append(LinearPath.UPCAST)
+        best = {path: float("inf") for path in candidates}
+        for _ in range(2):  # alternated, so a slow moment does not pick for one path
+            for path in candidates:
+                limit = min(best.values()) * KERNEL_PREFERENCE
+                best[path] = min(best[path], _time_path(path, timed, bucket, limit))
+        best[LinearPath.KERNEL] = best.get(LinearPath.KERNEL, float("inf")) / KERNEL_PREFERENCE
+        paths.append(min(best, key=best.get))
+    return paths

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
-from astrai.kernels import native
+from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
 from astrai.kernels.linear_ops import (
     KERNEL_PREFERENCE,
@@ -204,40 +204,50 @@ def tune_quant_linears(
     weights: Sequence[QuantizedWeight], dtype: torch.dtype
 ) -> dict[int, LinearPath]:
     """Time the paths for x of dtype on these weights (one model's quantized linears, in
-    order; once per process) -- first the kernel's CPU paths at one row, keeping the fastest
-    -- use the fastest path per row bucket from now on, and return them {bucket: path}.
+    order; once per machine, as tuning_cache keeps the answer) -- first the kernel's CPU paths
+    at one row, keeping the fastest -- use the fastest path per row bucket from now on, and
+    return them {bucket: path}."""
+    key = (dtype, tuple((w.qtype, w.shape) for w in weights))
+    if native.quant_linear is not None and key not in _timed and forced_path() is None:
+        isa, *paths = tuning_cache.remembered(
+            "quant_linear", dtype, key[1], lambda: _fastest_isa_and_paths(weights, dtype)
+        )
+        native.quant_linear.set_isa(isa)
+        _timed[key] = [LinearPath(path) for path in paths]
+    if key in _timed:
+        _paths[dtype] = _timed[key]
+    return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))
+
+
+def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtype) -> list:
+    """[the kernel's fastest CPU path, then the fastest path of each row bucket], timed.
 
     The kernel quantizes x and a GEMM does not, so their results differ by more than rounding:
     the kernel keeps every bucket up to the first a GEMM wins, and none beyond, so that a
     sequence's decode steps change path at one batch size, not back and forth."""
-    key = (dtype, tuple((w.qtype, w.shape) for w in weights))
-    if native.quant_linear is not None and key not in _timed and forced_path() is None:
-        streamed, size = [], 0
-        for w in weights:  # as many as a step reads, up to past the largest L3s
-            if size >= STREAMED_BYTES:
-                break
-            streamed.append(w)
-            size += w.nbytes()
-        isas = native.quant_linear.isas()[::-1]  # the widest first: it wins ties
+    streamed, size = [], 0
+    for w in weights:  # as many as a step reads, up to past the largest L3s
+        if size >= STREAMED_BYTES:
+            break
+        streamed.append(w)
+        size += w.nbytes()
+    isas = native.quant_linear.isas()[::-1]  # the widest first: it wins ties
 
-        def kernel_on(isa: str, limit: float) -> float:
-            native.quant_linear.set_isa(isa)
-            return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
+    def kernel_on(isa: str, limit: float) -> float:
+        native.quant_linear.set_isa(isa)
+        return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
 
-        widest = isas[0]
-        native.quant_linear.set_isa(_fastest({i: partial(kernel_on, i) for i in isas}, widest))
-        paths = []
-        for bucket in ROW_BUCKETS:
-            # few rows stream the weights; many are bound by arithmetic: a layer's weights
-            timed = streamed if bucket <= SKINNY_MAX_ROWS else weights[:4]
-            candidates = [LinearPath.GEMM]
-            if dtype == torch.bfloat16:
-                candidates.append(LinearPath.UPCAST)
-            if all(path is LinearPath.KERNEL for path in paths):
-                candidates.append(LinearPath.KERNEL)
-            timings = {p: partial(_time_path, p, timed, dtype, bucket) for p in candidates}
-            paths.append(_fastest(timings, LinearPath.KERNEL))
-        _timed[key] = paths
-    if key in _timed:
-        _paths[dtype] = _timed[key]
-    return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))
+    isa = _fastest({i: partial(kernel_on, i) for i in isas}, isas[0])
+    native.quant_linear.set_isa(isa)
+    paths = []
+    for bucket in ROW_BUCKETS:
+        # few rows stream the weights; many are bound by arithmetic: a layer's weights
+        timed = streamed if bucket <= SKINNY_MAX_ROWS else weights[:4]
+        # the kernel first, so that a slower GEMM's pass is cut short at the kernel's time
+        candidates = [LinearPath.KERNEL] if all(p is LinearPath.KERNEL for p in paths) else []
+        candidates.append(LinearPath.GEMM)
+        if dtype == torch.bfloat16:
+            candidates.append(LinearPath.UPCAST)
+        timings = {p: partial(_time_path, p, timed, dtype, bucket) for p in candidates}
+        paths.append(_fastest(timings, LinearPath.KERNEL))
+    return [isa, *paths]

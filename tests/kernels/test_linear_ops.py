@@ -195,6 +195,11 @@ def test_tuning_keeps_the_fastest_path_of_each_row_bucket(monkeypatch, dtype):
     linear_module._paths.clear()
     assert tune_linears(weights) == chosen
     assert timed == []
+    # and once per machine: a new process reads them from the tuning cache
+    linear_module._timed.clear()
+    linear_module._paths.clear()
+    assert tune_linears(weights) == chosen
+    assert timed == []
 
 
 def test_tuning_leaves_the_callers_random_state_alone(monkeypatch):

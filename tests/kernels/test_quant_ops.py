@@ -317,6 +317,16 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     quant_module._paths.clear()
     assert tune_quant_linears(weights, dtype) == chosen
     assert timed == []
+    # and once per machine: a new process reads the paths and the CPU path from the cache
+    quant_module._timed.clear()
+    quant_module._paths.clear()
+    try:
+        native.quant_linear.set_isa("scalar")
+        assert tune_quant_linears(weights, dtype) == chosen
+        assert native.quant_linear.isa() == fastest
+    finally:
+        native.quant_linear.set_isa(before)
+    assert timed == []
 
 
 @functools.cache
