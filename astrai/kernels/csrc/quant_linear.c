@@ -416,7 +416,7 @@ TARGET_VNNI INLINE void vnni_group(const struct call *c, int64_t g, const int qt
     for (; m < c->rows; m++) vnni_tile(c, recs, g, m, 1, qtype);
 }
 
-/* quantize() in AVX-512, the same arithmetic (vcvtps2dq rounds to nearest even, as the
+/* quantize() in AVX-512: the same arithmetic (vcvtps2dq rounds to nearest even, as the
  * generic code's add and subtract of 1.5 * 2^23 does) in a quarter of the instructions: a
  * one-row step quantizes x once per linear. */
 TARGET_VNNI static void quantize_vnni(struct xblock *out, const void *x, int64_t in, int c,
@@ -605,6 +605,51 @@ TARGET_AVX2 INLINE void avx2_group(const struct call *c, int64_t g, const int qt
     for (; m < c->rows; m++) avx2_tile(c, recs, g, m, 1, qtype);
 }
 
+/* quantize() in AVX2, as quantize_vnni() is in AVX-512 */
+TARGET_AVX2 static void quantize_avx2(struct xblock *out, const void *x, int64_t in, int c,
+                                      int halves, int is_bf16) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m128i minus_c = _mm_set1_epi32(-c);
+    for (int64_t b = 0; b < in / QK; b++) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            if (is_bf16) {
+                const bf16 *halfs = (const bf16 *)x + b * QK + LANES * k;
+                const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)halfs));
+                v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+            } else {
+                v[k] = _mm256_loadu_ps((const float *)x + b * QK + LANES * k);
+            }
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[k], magnitude));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        const float max = _mm_cvtss_f32(m);
+        const float dx = max / 127.0f, scale = max != 0.0f ? 127.0f / max : 0.0f;
+        __m256i q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(scale)));
+        /* int32 -> int8 packs within 128-bit lanes; the permute puts the 4-byte runs in order */
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                  _mm256_packs_epi32(q[2], q[3]));
+        const __m256i bytes =
+            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)out[b].q, bytes);
+        const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes),
+                                                _mm256_set1_epi16(1)); /* sums of 4 */
+        const __m128i low = _mm256_castsi256_si128(fours);
+        const __m128i high = _mm256_extracti128_si256(fours, 1);
+        const __m128i both = _mm_add_epi32(low, high);
+        out[b].dx = dx;
+        out[b].sx = dx * (float)((_mm_extract_epi32(both, 0) + _mm_extract_epi32(both, 1)) +
+                                 (_mm_extract_epi32(both, 2) + _mm_extract_epi32(both, 3)));
+        const __m128i first = halves ? low : both;
+        _mm_storeu_si128((__m128i *)out[b].lanes, _mm_mullo_epi32(first, minus_c));
+        _mm_storeu_si128((__m128i *)(out[b].lanes + 4), _mm_mullo_epi32(high, minus_c));
+    }
+}
+
 TARGET_AVX2 static void group_avx2(const struct call *c, int64_t g) {
     switch (c->qtype) {
     case Q4_0: avx2_group(c, g, Q4_0); break;
@@ -656,6 +701,7 @@ static PyObject *linear(PyObject *module, PyObject *args) {
         quantize_generic;
 #if X86
     if (current_isa == AVX512VNNI) quantize_row = quantize_vnni;
+    if (current_isa == AVX2) quantize_row = quantize_avx2;
 #endif
     /* A few rows are quantized on this thread: cheaper than the threads meeting at a barrier. */
     if (rows > 8) {
