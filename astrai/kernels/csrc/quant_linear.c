@@ -37,8 +37,9 @@
  * Threads split the groups into contiguous ranges; each group is read from memory once and
  * serves every row of x from the L1 cache. Each output is summed in the same order whatever
  * the number of rows or threads, and each row of x is quantized on its own, so a row's result
- * never depends on the batch. The paths (scalar, avx2, avx512vnni) may round differently from
- * one another; set_isa() picks one for tests and timing.
+ * never depends on the batch. The paths (scalar, avx2, avx512vnni) quantize x alike, bit for
+ * bit, and may round their float sums differently from one another; the widest the CPU runs
+ * is the default, set_isa() picks one for tests and timing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
