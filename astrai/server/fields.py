@@ -127,7 +127,6 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
     },
     CompletionRequest: {
         **_OPENAI,
-        "best_of": Refused(ENGINE, noop=(1,)),
         "suffix": Refused("is not supported: astrai has no fill-in-the-middle", noop=("",)),
     },
     ChatMessage: {

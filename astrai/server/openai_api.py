@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from astrai.inference import TaskDelta, TaskResult
 from astrai.server.errors import APIError, openai_error_body
 from astrai.server.fields import refuse_unsupported
-from astrai.server.generation import Generation, GenerationService, Usage
+from astrai.server.generation import ChoiceOutput, Generation, GenerationService, Usage
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest
 from astrai.server.sse import EventStreamResponse, sse_data
@@ -250,6 +250,53 @@ async def _completion_prompts(
     return ids, texts
 
 
+def _best_of(body: CompletionRequest) -> int:
+    """How many samples to draw per prompt: best_of, or n without it."""
+    if body.best_of is None:
+        return body.n
+    if body.best_of < body.n:
+        raise APIError(
+            400, f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of"
+        )
+    if body.best_of > body.n and body.stream:
+        raise APIError(
+            400,
+            "best_of above n cannot stream: the best samples are known only once all have "
+            "finished; leave out stream or best_of",
+            param="best_of",
+        )
+    return body.best_of
+
+
+def _best(outputs: list[ChoiceOutput], best_of: int, n: int) -> list[ChoiceOutput]:
+    """Each prompt's n samples of highest cumulative logprob out of its best_of, best first."""
+    if best_of == n:
+        return outputs
+    kept = []
+    for start in range(0, len(outputs), best_of):
+        samples = outputs[start : start + best_of]
+        samples.sort(key=lambda out: sum(entry.logprob for entry in out.logprobs), reverse=True)
+        kept.extend(samples[:n])
+    return kept
+
+
+def _echoes(
+    service: GenerationService,
+    body: CompletionRequest,
+    encoded: list[list[int]],
+    prompts: list[list[int]],
+    texts: list[str | None],
+) -> list[str]:
+    """Each prompt's text to put before its choices: empty without echo; the prompt as it was
+    sent, or its ids (or truncated text) as the tokenizer decodes them."""
+    if not body.echo:
+        return [""] * len(prompts)
+    return [
+        text if text is not None and kept == ids else service.tokenizer.decode(kept)
+        for ids, kept, text in zip(encoded, prompts, texts, strict=True)
+    ]
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
@@ -261,16 +308,15 @@ async def completions(body: CompletionRequest, request: Request):
             "send echo or logprobs, not both",
             param="echo",
         )
+    best_of = _best_of(body)
     encoded, texts = await _completion_prompts(service, body)
     prompts = service.truncate(encoded, body.truncate_prompt_tokens)
-    params = service.params(prompts, body.max_tokens, logprobs=body.logprobs, **_sampling(body))
+    # Ranking best_of samples needs every token's logprob, asked for or not.
+    logprobs = 0 if best_of > body.n and body.logprobs is None else body.logprobs
+    sampling = {**_sampling(body), "n": best_of}
+    params = service.params(prompts, body.max_tokens, logprobs=logprobs, **sampling)
     generation = service.submit(prompts, params)
-    echoes = [""] * generation.num_choices
-    if body.echo:
-        # The prompt as it was sent; ids, or a truncated text, as the tokenizer decodes them.
-        for i, (ids, kept, text) in enumerate(zip(encoded, prompts, texts, strict=True)):
-            echo = text if text is not None and kept == ids else service.tokenizer.decode(kept)
-            echoes[i * body.n : (i + 1) * body.n] = [echo] * body.n
+    echoes = _echoes(service, body, encoded, prompts, texts)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     want_logprobs = body.logprobs is not None
@@ -280,12 +326,12 @@ async def completions(body: CompletionRequest, request: Request):
         )
     outputs = await generation.collect(request)
     choices = []
-    for i, out in enumerate(outputs):
+    for i, out in enumerate(_best(outputs, best_of, body.n)):
         lp = completion_logprobs(service.tokenizer, out.logprobs)[0] if want_logprobs else None
         choices.append(
             {
                 "index": i,
-                "text": echoes[i] + out.result.text,
+                "text": echoes[i // body.n] + out.result.text,
                 "logprobs": lp,
                 "finish_reason": out.result.finish_reason,
             }
@@ -323,9 +369,9 @@ def _completion_chunks(
         }
 
     opening = [
-        {"index": i, "text": echo, "logprobs": None, "finish_reason": None}
-        for i, echo in enumerate(echoes)
-        if echo
+        {"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None}
+        for i in range(generation.num_choices)
+        if echoes[i // body.n]
     ]
     return _stream_chunks(
         generation, head, "text_completion", body, render_delta, render_finish, opening

@@ -192,7 +192,7 @@ class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
-    best_of: Any = None
+    best_of: int | None = Field(default=None, ge=1)
     suffix: Any = None
     add_special_tokens: bool = True  # vLLM's: False encodes a text prompt without BOS
 

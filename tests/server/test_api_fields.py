@@ -319,6 +319,30 @@ def test_stop_token_ids_end_the_output(openai_client, server):
     assert reply.choices[0].text == server.engine.tokenizer.decode(ids[:at])
 
 
+def test_best_of_returns_the_most_likely_samples(openai_client, server):
+    kwargs = dict(model=server.model_name, prompt=PROMPT, max_tokens=4)
+    kwargs["extra_body"] = {"ignore_eos": True}
+
+    def score(choice) -> float:
+        return sum(choice.logprobs.token_logprobs)
+
+    # A seed whose most likely sample is not the first, so keeping the first samples fails.
+    for seed in range(20):
+        samples = openai_client.completions.create(**kwargs, n=4, seed=seed, logprobs=0).choices
+        if max(samples, key=score) is not samples[0]:
+            break
+    best = openai_client.completions.create(**kwargs, n=2, best_of=4, seed=seed)
+    ranked = sorted(samples, key=score, reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == 16  # every sample drawn counts
+    for refused in [dict(n=3, best_of=2), dict(best_of=2, stream=True)]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            openai_client.completions.create(**kwargs, **refused)
+        assert caught.value.body["message"].startswith("best_of")
+
+
 def test_min_tokens_hold_back_the_stop(openai_client, server):
     prompt_ids = server.engine.tokenizer.encode(PROMPT)
     ids = greedy_ids(server.engine, prompt_ids, 12)
