@@ -85,7 +85,6 @@ _OPENAI = {
     "prompt_logprobs": Refused(ENGINE),
     "use_beam_search": Refused(BEAM, noop=(False,)),
     "length_penalty": Refused(BEAM, noop=(1, 1.0)),
-    "include_stop_str_in_output": Refused(ENGINE, noop=(False,)),
     "skip_special_tokens": Refused(
         "is not supported: special tokens are always left out of the text", noop=(True,)
     ),
@@ -119,8 +118,6 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "prompt_cache_options": Refused(HOSTED),
         "echo": Refused(PROMPT, noop=(False,)),
         "continue_final_message": Refused(PROMPT, noop=(False,)),
-        "add_generation_prompt": Refused(PROMPT, noop=(True,)),
-        "add_special_tokens": Refused(TEMPLATE, noop=(False,)),
         "chat_template": Refused(TEMPLATE),
         "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
         "documents": Refused(TEMPLATE, noop=([],)),

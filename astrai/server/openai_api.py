@@ -54,6 +54,13 @@ def _usage(usage: Usage) -> dict:
     }
 
 
+def _stop_text(body: ChatCompletionRequest | CompletionRequest, result: TaskResult) -> str:
+    """vLLM's include_stop_str_in_output: the stop string that ended the text, put back."""
+    if body.include_stop_str_in_output and isinstance(result.stop_reason, str):
+        return result.stop_reason
+    return ""
+
+
 def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
@@ -111,7 +118,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     messages = [m.template_message() for m in body.messages]
-    [prompt] = service.truncate([await service.chat_prompt(messages)], body.truncate_prompt_tokens)
+    prompt = await service.chat_prompt(
+        messages, body.add_generation_prompt, body.add_special_tokens
+    )
+    [prompt] = service.truncate([prompt], body.truncate_prompt_tokens)
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -130,7 +140,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": out.result.text},
+            "message": {
+                "role": "assistant",
+                "content": out.result.text + _stop_text(body, out.result),
+            },
             "logprobs": chat_logprobs(service.tokenizer, out.logprobs) if body.logprobs else None,
             "finish_reason": out.result.finish_reason,
         }
@@ -202,9 +215,10 @@ def _chat_chunks(
         }
 
     def render_finish(choice: int, result: TaskResult) -> dict:
+        stop_text = _stop_text(body, result)
         return {
             "index": choice,
-            "delta": {},
+            "delta": {"content": stop_text} if stop_text else {},
             "logprobs": None,
             "finish_reason": result.finish_reason,
         }
@@ -331,7 +345,7 @@ async def completions(body: CompletionRequest, request: Request):
         choices.append(
             {
                 "index": i,
-                "text": echoes[i // body.n] + out.result.text,
+                "text": echoes[i // body.n] + out.result.text + _stop_text(body, out.result),
                 "logprobs": lp,
                 "finish_reason": out.result.finish_reason,
             }
@@ -363,7 +377,7 @@ def _completion_chunks(
     def render_finish(choice: int, result: TaskResult) -> dict:
         return {
             "index": choice,
-            "text": "",
+            "text": _stop_text(body, result),
             "logprobs": None,
             "finish_reason": result.finish_reason,
         }

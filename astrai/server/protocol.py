@@ -137,7 +137,7 @@ class _OpenAISampling(_Request):
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    include_stop_str_in_output: Any = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
@@ -181,8 +181,8 @@ class ChatCompletionRequest(_OpenAISampling):
     # vLLM's extensions.
     echo: Any = None
     continue_final_message: Any = None
-    add_generation_prompt: Any = None
-    add_special_tokens: Any = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template holds the special tokens already
     chat_template: Any = None
     chat_template_kwargs: Any = None
     documents: Any = None

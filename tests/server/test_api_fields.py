@@ -496,6 +496,55 @@ def test_add_special_tokens_false_leaves_out_the_bos(openai_client, server):
     assert reply.usage.prompt_tokens == len(without)
 
 
+def stop_within(text: str) -> str:
+    """Two ASCII letters or digits after the start of text: a stop string that ends it early."""
+    pieces = [text[i : i + 2] for i in range(1, len(text) - 1)]
+    return next(p for p in pieces if p.isascii() and p.isalnum())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string(openai_client, server, stream):
+    kwargs = dict(model=server.model_name, max_tokens=12, temperature=0, stream=stream)
+    full = openai_client.completions.create(
+        model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0
+    )
+    text = full.choices[0].text
+    stop = stop_within(text)
+
+    def reply_text(**extra) -> str:
+        reply = openai_client.completions.create(**kwargs, prompt=PROMPT, stop=[stop], **extra)
+        return "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+
+    assert reply_text() == text[: text.index(stop)]
+    kept = reply_text(extra_body={"include_stop_str_in_output": True})
+    assert kept == text[: text.index(stop)] + stop
+    chat = openai_client.chat.completions.create(**{**kwargs, "stream": False}, messages=CHAT)
+    answer = chat.choices[0].message.content
+    chat_stop = stop_within(answer)
+    chat_kwargs = dict(**kwargs, messages=CHAT, stop=[chat_stop])
+    chat_kwargs["extra_body"] = {"include_stop_str_in_output": True}
+    reply = openai_client.chat.completions.create(**chat_kwargs)
+    if stream:
+        content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+    else:
+        content = reply.choices[0].message.content
+    assert content == answer[: answer.index(chat_stop)] + chat_stop
+
+
+def test_chat_add_generation_prompt_and_add_special_tokens(openai_client, server):
+    tokenizer = server.engine.tokenizer
+    kwargs = dict(model=server.model_name, messages=CHAT, max_tokens=1)
+    open_turn = openai_client.chat.completions.create(
+        **kwargs, extra_body={"add_generation_prompt": False}
+    )
+    expected = tokenizer.apply_chat_template(CHAT, add_generation_prompt=False)
+    assert open_turn.usage.prompt_tokens == len(expected)
+    with_bos = openai_client.chat.completions.create(
+        **kwargs, extra_body={"add_special_tokens": True}
+    )
+    assert with_bos.usage.prompt_tokens == len(tokenizer.apply_chat_template(CHAT)) + 1
+
+
 def test_the_developer_role_is_the_system_role(openai_client, server):
     kwargs = dict(model=server.model_name, max_tokens=6, temperature=0)
     as_system = openai_client.chat.completions.create(messages=CHAT, **kwargs)
