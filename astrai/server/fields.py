@@ -60,10 +60,7 @@ TOOLS = "is not supported by astrai yet (tool calls are on its way); leave it ou
 TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
 HOSTED = "is a feature of the hosted API that a local server does not have; leave it out"
 BEAM = "is not supported: astrai has no beam search; leave it out"
-PROMPT = (
-    "is not supported by astrai yet: a chat prompt always ends with the template's generation "
-    "prompt; leave it out"
-)
+PROMPT = "is not supported by astrai yet: it cannot continue the chat's last message; leave it out"
 
 _STRUCTURED = {
     name: Refused(STRUCTURED)

@@ -134,6 +134,9 @@ def test_each_status_in_the_table_is_the_code_s():
             rule = RULES.get(model, {}).get(name)
             noop = list(rule.noop) if isinstance(rule, Refused) else []
             assert accepted_values(notes) == noop, f"the accepted values of {model.__name__}.{name}"
+            if rule is not None:  # the reason the server gives, up to what to do instead
+                reason = rule.why.removeprefix("is ").split(";")[0]
+                assert reason in notes, f"the reason of {model.__name__}.{name}"
 
 
 def test_every_rule_names_a_field_of_its_model():
