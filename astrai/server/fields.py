@@ -53,8 +53,8 @@ Rule = Refused | NoOp
 
 ENGINE = "is not supported by astrai yet (the engine has no such setting); leave it out"
 STRUCTURED = (
-    "is not supported by astrai yet (constrained decoding is on its way); describe the format "
-    "in the prompt instead, or leave it out"
+    "is not supported by astrai's Anthropic API yet (the OpenAI API's response_format is); "
+    "describe the format in the prompt instead, or leave it out"
 )
 TOOLS = "is not supported by astrai yet (tool calls are on its way); leave it out"
 TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
@@ -62,22 +62,14 @@ HOSTED = "is a feature of the hosted API that a local server does not have; leav
 BEAM = "is not supported: astrai has no beam search; leave it out"
 PROMPT = "is not supported by astrai yet: it cannot continue the chat's last message; leave it out"
 
-_STRUCTURED = {
-    name: Refused(STRUCTURED)
-    for name in (
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-    )
-}
 _OPENAI = {
     "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
-    "response_format": Refused(STRUCTURED, noop=({"type": "text"},)),
-    **_STRUCTURED,
+    "guided_decoding_backend": Refused(
+        "is not supported: astrai has one grammar backend, llguidance; leave it out"
+    ),
+    "guided_whitespace_pattern": Refused(
+        "is not supported: JSON output is laid out as Python's json.dumps does; leave it out"
+    ),
     "bad_words": Refused(ENGINE, noop=([],)),
     "prompt_logprobs": Refused(ENGINE),
     "use_beam_search": Refused(BEAM, noop=(False,)),

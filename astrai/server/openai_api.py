@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 
 from astrai.inference import TaskDelta, TaskResult
+from astrai.inference.constraints import Constraint, ConstraintError
 from astrai.server.errors import APIError, openai_error_body
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import ChoiceOutput, Generation, GenerationService, Usage
@@ -43,6 +45,48 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict:
         "allowed_token_ids": body.allowed_token_ids,
         "n": body.n,
     }
+
+
+# The fields that constrain the output, each with how it becomes a Constraint (None: free).
+_CONSTRAINT_FIELDS = {
+    "response_format": Constraint.from_response_format,
+    "structured_outputs": Constraint.from_structured_outputs,
+    **{
+        name: lambda value, name=name: Constraint.from_guided({name: value})
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    },
+}
+
+
+async def _constraint(
+    service: GenerationService, body: ChatCompletionRequest | CompletionRequest
+) -> Constraint | None:
+    """The output constraint the request asks for, compiled off the event loop (the engine
+    caches it for the submit); a bad one, or two, is a 400 naming the field."""
+    asked = []
+    for name, build in _CONSTRAINT_FIELDS.items():
+        value = getattr(body, name)
+        if value is None:
+            continue
+        if name in ("response_format", "structured_outputs") and not isinstance(value, Mapping):
+            raise APIError(400, f"{name} must be an object", param=name)
+        try:
+            constraint = build(value)
+        except ConstraintError as exc:
+            raise APIError(400, f"{name}: {exc}", param=name) from exc
+        if constraint is not None:
+            asked.append((name, constraint))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = " and ".join(name for name, _ in asked)
+        raise APIError(400, f"{names} both constrain the output; give one", param=asked[1][0])
+    [(name, constraint)] = asked
+    try:
+        await asyncio.to_thread(service.engine.compile, constraint)
+    except ConstraintError as exc:
+        raise APIError(400, f"{name}: {exc}", param=name) from exc
+    return constraint
 
 
 def _usage(usage: Usage) -> dict:
@@ -129,6 +173,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         [prompt],
         max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        constraint=await _constraint(service, body),
         **_sampling(body),
     )
     generation = service.submit([prompt], params)
@@ -328,7 +373,10 @@ async def completions(body: CompletionRequest, request: Request):
     # Ranking best_of samples needs every token's logprob, asked for or not.
     logprobs = 0 if best_of > body.n and body.logprobs is None else body.logprobs
     sampling = {**_sampling(body), "n": best_of}
-    params = service.params(prompts, body.max_tokens, logprobs=logprobs, **sampling)
+    constraint = await _constraint(service, body)
+    params = service.params(
+        prompts, body.max_tokens, logprobs=logprobs, constraint=constraint, **sampling
+    )
     generation = service.submit(prompts, params)
     echoes = _echoes(service, body, encoded, prompts, texts)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time())}
