@@ -7,16 +7,15 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import typing
 from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import astrai_serve
 from tiny_models import add_snapshot, write_hf_model
 
 import astrai
@@ -155,36 +154,8 @@ def test_bench_reports_a_summary_table(llama_dir):
     assert "6/6 requests done" in run.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_answers_then_shuts_down_on_sigterm(llama_dir):
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ASTRAI_API_KEY": "secret"}
-    args = ["serve", "--model", str(llama_dir), "--port", str(port), *SMALL_ENGINE]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "astrai", *args],
-        env=env,
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    with astrai_serve(llama_dir, *SMALL_ENGINE, api_key="secret") as (process, base):
         body = {"model": llama_dir.name, "prompt": "Hello", "max_tokens": 3}
         headers = {"Authorization": "Bearer secret"}
         reply = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=30)
@@ -211,10 +182,6 @@ def test_serve_answers_then_shuts_down_on_sigterm(llama_dir):
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=30)
         client.join(timeout=10)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr
 

@@ -3,25 +3,19 @@ internals in errors, and a SIGTERM in the middle of running streams."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
 import pytest
 from live_server import API_KEY, MODEL_NAME, make_engine, start_server, stop_server
+from serve_process import astrai_serve
 
-import astrai
 from astrai.server import create_app
 from astrai.server.limits import HeaderDeadlineH11Protocol
 
@@ -310,7 +304,6 @@ def test_a_crash_is_logged_but_its_text_is_not_sent(engine, serve_app, caplog):
 
 # -- shutdown -----------------------------------------------------------------------------------
 
-REPO_ROOT = Path(astrai.__file__).resolve().parent.parent
 GRACE = 3
 
 
@@ -368,40 +361,6 @@ def _ended_properly(kind: str, ending: dict) -> str:
     assert lines[-2] == "event: error", lines[-3:]
     assert "shutting down" in json.loads(lines[-1].removeprefix("data: "))["error"]["message"]
     return "stopped"
-
-
-@contextlib.contextmanager
-def astrai_serve(llama_dir, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`astrai serve` in a process of its own, keyless on a free port: (process, base URL)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "astrai", "serve", "--model", str(llama_dir), "--port", str(port)]
-        + list(flags),
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "ASTRAI_API_KEY": ""},
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
-        yield process, base
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
 
 
 def test_serve_flags_reach_the_server(llama_dir):
