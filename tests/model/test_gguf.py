@@ -374,7 +374,7 @@ MIXED_TYPES = {
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
-    tmp_path, monkeypatch, arch
+    tmp_path, monkeypatch, caplog, arch
 ):
     from astrai.kernels.quant_ops import QuantizedLinear
 
@@ -385,7 +385,9 @@ def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
             tensors[name] = torch.randn(tensors[name].shape)
     save_file(tensors, hf_dir / "model.safetensors")
     path = write_gguf(tmp_path / "mixed.gguf", hf_dir, arch, types=MIXED_TYPES)
-    quantized = AutoModel.from_pretrained(path)
+    with caplog.at_level("INFO", logger="astrai.model.weights.gguf"):
+        quantized = AutoModel.from_pretrained(path)
+    assert "no kernel runs them: Q5_0 tensors" in caplog.text
     dense = AutoModel.from_pretrained(path, dequantize=True)
     layer = quantized.layers[0]
     assert isinstance(layer.feed_forward.w13, QuantizedLinear)

@@ -9,6 +9,7 @@ put back in the order astrai's rotate-half RoPE expects.
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
 from astrai.model.automodel import CheckpointError, _sources, loading
 from astrai.model.transformer import Transformer
 
+log = logging.getLogger(__name__)
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # The block types astrai dequantizes at load; the quantization issue keeps some as they are.
 TENSOR_TYPES = tuple(
@@ -31,6 +33,7 @@ TENSOR_TYPES = tuple(
         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     )
 )  # fmt: skip
+QUANTIZED = frozenset(TENSOR_TYPES) - {GGMLQuantizationType[n] for n in ("F32", "F16", "BF16")}
 # Hugging Face tensor name (below model.layers.N.) -> GGUF name (below blk.N.).
 GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -71,7 +74,7 @@ def load_gguf(
     _check(path, layout, tensors, config)
     permuted = reader_architecture(reader) == "llama"
     quantize = not dequantize and device.type == "cpu"
-    state = {}
+    state, dequantized = {}, set()
     for name, parts in loading(layout.items(), path):
         sources = [tensors[source] for source, _ in parts]
         if quantize and _is_linear(model, name) and _has_kernel(sources):
@@ -87,6 +90,15 @@ def load_gguf(
         else:
             loaded = [_dequantized(tensor, config, dtype, permuted) for tensor in sources]
             state[name] = (loaded[0] if len(loaded) == 1 else torch.cat(loaded)).to(device)
+            if quantize:
+                dequantized.update(
+                    t.tensor_type.name for t in sources if t.tensor_type in QUANTIZED
+                )
+    if dequantized:
+        log.info(
+            "dequantized to %s at load, no kernel runs them: %s tensors (kernels: %s)",
+            dtype, "/".join(sorted(dequantized)), "/".join(t.name for t in BLOCK_TYPES),
+        )  # fmt: skip
     model.load_state_dict(state, strict=True, assign=True)
     # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
     model.to(device)
