@@ -293,8 +293,9 @@ class InferenceEngine:
         """Queue params.n tasks of every prompt, all or none; callback(task, TaskDelta | STOP)
         runs on the loop.
 
-        Every prompt is checked and the tasks go into the queue in one step, so a refused
-        prompt or a queue without room for all of them raises before any task could run.
+        Every prompt is checked, params.constraint compiled (ConstraintError) and the tasks go
+        into the queue in one step, so a refused prompt, a bad constraint or a queue without
+        room for all of them raises before any task could run.
         """
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
