@@ -275,7 +275,8 @@ def kv_bytes(model):
 
 
 def run_together(engine, prompts, params):
-    """Submit every (prompt ids, params) before the loop can take any; one result per task."""
+    """Submit each (prompt ids, params) right after the last, so they share steps; one result
+    per task."""
     events = queue.SimpleQueue()
     tasks = [
         task
