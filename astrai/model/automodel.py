@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from astrai.config import NATIVE_MODEL_TYPE, ConfigError, ModelConfig
 from astrai.model.transformer import WEIGHTS_FILE, Transformer
+from astrai.model.weights.quantize import quantization_type, quantize_into
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,6 +83,7 @@ class AutoModel:
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
         dequantize: bool = False,
+        quantization: str | None = None,
     ) -> Transformer:
         """Build the Transformer of a native or Hugging Face directory, or of a .gguf file,
         and load its weights.
@@ -89,12 +91,16 @@ class AutoModel:
         Every tensor's shape is checked against the config; missing, unexpected and
         mis-shaped tensors are all reported by name in one CheckpointError. A GGUF file's
         quantized linears keep their blocks on the CPU (dtype is then that of the activations)
-        unless dequantize.
+        unless dequantize. A directory's linears are quantized at load to quantization's
+        blocks ("q8_0", "q4_0" or "q4_1"), for the CPU's quantized kernels, if it is given.
         """
         directory = Path(path)
         dtype = resolve_dtype(dtype)
         device = torch.device(device)
-        if directory.suffix == ".gguf" and directory.is_file():
+        qtype = None if quantization is None else quantization_type(quantization)
+        gguf_file = directory.suffix == ".gguf" and directory.is_file()
+        _check_quantization(quantization, dequantize, device, gguf_file)
+        if gguf_file:
             # Imported here: the GGUF reader builds on this module's checkpoint layout.
             from astrai.model.weights.gguf import load_gguf
 
@@ -115,12 +121,37 @@ class AutoModel:
             _check(layout, files, handles, config, native)
             state = {}
             for name, parts in loading(layout.items(), directory):
-                tensors = [handles[files[src]].get_tensor(src).to(dtype) for src, _ in parts]
-                state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)
+                tensors = [handles[files[src]].get_tensor(src) for src, _ in parts]
+                tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+                if qtype is None or not quantize_into(model, name, tensor, qtype):
+                    state[name] = tensor.to(dtype).to(device)
         model.load_state_dict(state, strict=True, assign=True)
         # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
         model.to(device)
         return model.requires_grad_(False).eval()
+
+
+def _check_quantization(
+    quantization: str | None, dequantize: bool, device: torch.device, gguf_file: bool
+) -> None:
+    """Refuse a quantization that cannot apply: to a GGUF file, with dequantize, off the CPU."""
+    if quantization is None:
+        return
+    if dequantize:
+        raise ConfigError(
+            f"quantization={quantization!r} and dequantize=True ask for opposite things; "
+            "pass one or the other"
+        )
+    if gguf_file:
+        raise ConfigError(
+            f"quantization={quantization!r} applies to dense checkpoints only; a GGUF file's "
+            "linears keep the blocks they were written in (or pass dequantize=True for dense)"
+        )
+    if device.type != "cpu":
+        raise ConfigError(
+            f"quantization={quantization!r} needs device cpu, where the quantized kernels run, "
+            f"not {device}"
+        )
 
 
 def loading(items: Collection[T], source: Path) -> Iterable[T]:

@@ -22,6 +22,7 @@ from astrai.kernels.quant_blocks import BLOCK_TYPES
 from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
 from astrai.model.automodel import CheckpointError, _sources, loading
 from astrai.model.transformer import Transformer
+from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -77,11 +78,10 @@ def load_gguf(
     state, dequantized = {}, set()
     for name, parts in loading(layout.items(), path):
         sources = [tensors[source] for source, _ in parts]
-        if quantize and _is_linear(model, name) and _has_kernel(sources):
-            module = name.removesuffix(".weight")
-            # The bias, still on the meta device, is loaded below like any dense tensor.
-            bias = model.get_submodule(module).bias
-            model.set_submodule(module, _quantized_linear(sources, config, permuted, bias))
+        if quantize and is_linear_weight(model, name) and _has_kernel(sources):
+            replace_linear(
+                model, name, functools.partial(_quantized_linear, sources, config, permuted)
+            )
         elif quantize and name == "tok_embeddings.weight" and _has_kernel(sources):
             table = _quantized_linear(sources, config, permuted)
             state[name] = table.weight.dequantize(dtype)  # rows are looked up, not streamed
@@ -103,12 +103,6 @@ def load_gguf(
     # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
     model.to(device)
     return model.requires_grad_(False).eval()
-
-
-def _is_linear(model: Transformer, name: str) -> bool:
-    return name.endswith(".weight") and isinstance(
-        model.get_submodule(name.removesuffix(".weight")), torch.nn.Linear
-    )
 
 
 def _has_kernel(sources: list) -> bool:
