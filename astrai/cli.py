@@ -153,6 +153,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "them on astrai's quantized kernels (slower; products without int8 activations)",
     )
     group.add_argument(
+        "--quantization",
+        type=_quantization,
+        metavar="TYPE",
+        help="quantize a dense checkpoint's linears at load to GGUF blocks for astrai's "
+        "quantized CPU kernels: q8_0, q4_0 or q4_1 (by the gguf package's quantizer, which "
+        "has no K types: for q4_k load a Q4_K_M GGUF file)",
+    )
+    group.add_argument(
         "--device",
         default="auto",
         metavar="DEVICE",
@@ -164,6 +172,17 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template (a file or its text) to use instead of the model's",
     )
     add_flags(parser, "engine", EngineConfig)
+
+
+def _quantization(text: str) -> str:
+    """An argparse type: a --quantization name, refused with the choices unless known."""
+    from astrai.model.weights.quantize import quantization_type
+
+    try:
+        quantization_type(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text
 
 
 def _positive(kind: type):
@@ -334,7 +353,11 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
     model = AutoModel.from_pretrained(
-        model_dir, dtype=dtype, device=device, dequantize=args.dequantize
+        model_dir,
+        dtype=dtype,
+        device=device,
+        dequantize=args.dequantize,
+        quantization=args.quantization,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=args.chat_template)
     return InferenceEngine(model, tokenizer, config)

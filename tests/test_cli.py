@@ -515,3 +515,24 @@ def test_generate_from_a_gguf_file_in_a_hub_repo_equals_the_file(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout == from_file.stdout
     assert "Paris" in run.stdout
+
+
+def test_quantization_flag_reaches_the_loader(llama_dir, monkeypatch, capsys):
+    from astrai.kernels.quant_ops import QuantizedLinear
+
+    built = []
+    init = InferenceEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(InferenceEngine, "__init__", recording_init)
+    flags = ["--quantization", "q4_0", "--device", "cpu", *SMALL_ENGINE, *GREEDY, "Hello"]
+    assert main(["generate", "--model", str(llama_dir), *flags]) == 0
+    (engine,) = built
+    w13 = engine.model.layers[0].feed_forward.w13
+    assert isinstance(w13, QuantizedLinear) and w13.weight.qtype.name == "Q4_0"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["generate", "--quantization", "q4_k", "Hello"])
+    assert "no quantizer for it" in capsys.readouterr().err
