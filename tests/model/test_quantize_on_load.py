@@ -109,6 +109,7 @@ def test_engine_generates_greedily_with_quantized_linears(checkpoint, quantizati
 
     monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")  # one path for the engine and the loop
     model = AutoModel.from_pretrained(checkpoint, quantization=quantization)
+    assert isinstance(model.layers[0].feed_forward.w13, QuantizedLinear)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     with InferenceEngine(model, tokenizer, max_seq_len=128, kv_cache_memory=8 << 20) as engine:
         prompt = engine.encode("Hello world")
