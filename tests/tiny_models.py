@@ -160,3 +160,12 @@ def real_gguf() -> Path:
             allow_module_level=True,
         )
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def make_engine(model, tokenizer, **config):
+    """An engine small enough for tests (a 64 MB KV pool) that checks its page accounting."""
+    from astrai.inference import InferenceEngine
+
+    config.setdefault("check_invariants", True)
+    config.setdefault("kv_cache_memory", 64 << 20)
+    return InferenceEngine(model, tokenizer, **config)

@@ -9,35 +9,18 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import make_engine
 
-from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
+from astrai.inference import STOP, GenerationParams, GenerationRequest
 from astrai.inference import scheduler as scheduler_module
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.kernels import native
-from astrai.model import AutoModel
-from astrai.tokenize import AutoTokenizer
-
-
-@pytest.fixture(scope="module")
-def model(llama_dir):
-    return AutoModel.from_pretrained(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(llama_dir):
-    return AutoTokenizer.from_pretrained(llama_dir)
 
 
 @pytest.fixture(scope="module")
 def hf_model(llama_dir):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
-
-
-def make_engine(model, tokenizer, **config):
-    config.setdefault("check_invariants", True)
-    config.setdefault("kv_cache_memory", 64 << 20)
-    return InferenceEngine(model, tokenizer, **config)
 
 
 def kv_bytes(model):

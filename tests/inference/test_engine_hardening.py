@@ -10,18 +10,16 @@ import time
 
 import pytest
 import torch
+from tiny_models import make_engine
 
 from astrai.inference import (
     STOP,
     EngineClosedError,
     GenerationParams,
-    InferenceEngine,
     RequestAbortedError,
     SamplingPipeline,
 )
 from astrai.inference.sample import BaseSamplingStrategy, SamplingBatch, sample
-from astrai.model import AutoModel
-from astrai.tokenize import AutoTokenizer
 
 # In the documented ranges, yet a tiny top_p rounds to 0 in float32 and a tiny repetition
 # penalty divides a positive logit to inf.
@@ -32,22 +30,6 @@ HOSTILE = [
 ]
 HEALTHY = 6
 TIMEOUT = 60
-
-
-@pytest.fixture(scope="module")
-def model(llama_dir):
-    return AutoModel.from_pretrained(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(llama_dir):
-    return AutoTokenizer.from_pretrained(llama_dir)
-
-
-def make_engine(model, tokenizer, **config):
-    return InferenceEngine(
-        model, tokenizer, check_invariants=True, kv_cache_memory=64 << 20, **config
-    )
 
 
 def run_together(engine, tokenizer, params: list[GenerationParams], before_start=None):

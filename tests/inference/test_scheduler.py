@@ -12,15 +12,8 @@ from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler, StepPlan, schedule
 from astrai.inference.task import GenerationParams, Task, TaskManager, TaskStatus
-from astrai.model import AutoModel
-from astrai.tokenize import AutoTokenizer
 
 PAGE = 4
-
-
-@pytest.fixture(scope="module")
-def tokenizer(llama_dir):
-    return AutoTokenizer.from_pretrained(llama_dir)
 
 
 @pytest.fixture
@@ -261,11 +254,6 @@ def test_a_hit_undone_in_its_step_is_not_counted(make_task):
     assert plan.admitted == [] and plan.preempted == [] and loop.waiting == [hit]
     assert chunks_of(plan) == [(decoding[0], 4, 1), (decoding[1], 4, 1)]
     assert (cache.stats().hit_tokens, cache.stats().lookup_tokens) == (0, lookups)
-
-
-@pytest.fixture(scope="module")
-def model(llama_dir):
-    return AutoModel.from_pretrained(llama_dir)
 
 
 def real_scheduler(model, n_pages, **config) -> InferenceScheduler:

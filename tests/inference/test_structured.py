@@ -17,8 +17,9 @@ from dataclasses import replace
 import jsonschema
 import pytest
 import torch
+from tiny_models import make_engine
 
-from astrai.inference import STOP, GenerationParams, InferenceEngine
+from astrai.inference import STOP, GenerationParams
 from astrai.inference import executor as executor_module
 from astrai.inference.constraints import (
     BatchMasker,
@@ -28,8 +29,6 @@ from astrai.inference.constraints import (
 )
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import InvalidParamsError
-from astrai.model import AutoModel
-from astrai.tokenize import AutoTokenizer
 
 SCHEMAS = [
     {
@@ -245,22 +244,6 @@ SCHEMAS = [
 ]
 PROMPTS = ["Hello", "The quick brown fox", "你好世界", "def add(a, b):", "Numbers 0 1 2"]
 REGEXES = [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-Z][a-z]{2,5}( [A-Z][a-z]{2,5})?", r"[ab]{5}"]
-
-
-@pytest.fixture(scope="module")
-def model(llama_dir):
-    return AutoModel.from_pretrained(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(llama_dir):
-    return AutoTokenizer.from_pretrained(llama_dir)
-
-
-def make_engine(model, tokenizer, **config):
-    config.setdefault("check_invariants", True)
-    config.setdefault("kv_cache_memory", 64 << 20)
-    return InferenceEngine(model, tokenizer, **config)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,18 @@
+"""The tiny Llama checkpoint loaded once per test module, and its tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
+
+
+@pytest.fixture(scope="module")
+def model(llama_dir):
+    return AutoModel.from_pretrained(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
