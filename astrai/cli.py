@@ -21,6 +21,7 @@ from astrai.inference import (
     InvalidParamsError,
     RequestError,
 )
+from astrai.server.tool_parsers import PARSERS
 
 log = logging.getLogger("astrai")
 
@@ -268,6 +269,12 @@ def _parser() -> argparse.ArgumentParser:
         help="model name clients must send (default: the hub id, or the model directory's or "
         "file's name)",
     )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help="the format the model writes tool calls in (default: the one its chat template "
+        "shows; without either, chat requests with tools are refused)",
+    )
     _add_serve_limits(serve)
     _add_engine_flags(serve)
     serve.set_defaults(command=_serve, parser=serve, settings=(EngineConfig,))
@@ -383,6 +390,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
             max_request_bytes=args.max_request_bytes,
             read_timeout=args.read_timeout,
             docs=args.docs,
+            tool_call_parser=args.tool_call_parser,
         )
         log.info("serving model %r%s", name, " (API key required)" if args.api_key else "")
         # SIGINT and SIGTERM drain the server, which then returns here.

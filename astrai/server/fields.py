@@ -56,7 +56,8 @@ STRUCTURED = (
     "is not supported by astrai's Anthropic API yet (the OpenAI API's response_format is); "
     "describe the format in the prompt instead, or leave it out"
 )
-TOOLS = "is not supported by astrai yet (tool calls are on its way); leave it out"
+TOOLS = "is not supported by astrai's Anthropic API yet (the OpenAI API's tools are); leave it out"
+FUNCTIONS = "is OpenAI's deprecated form of tools and is not supported; send tools instead"
 TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
 HOSTED = "is a feature of the hosted API that a local server does not have; leave it out"
 BEAM = "is not supported: astrai has no beam search; leave it out"
@@ -82,15 +83,12 @@ _OPENAI = {
     "priority": Refused("is not supported: requests are served first come first served", (0,)),
     "logits_processors": Refused(ENGINE, noop=([],)),
 }
-_TOOLS = {"tools": Refused(TOOLS, noop=([],)), "tool_choice": Refused(TOOLS, noop=("none", "auto"))}
 
 RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
     ChatCompletionRequest: {
         **_OPENAI,
-        **_TOOLS,
-        "parallel_tool_calls": Refused(TOOLS, noop=(True,)),
-        "functions": Refused(TOOLS, noop=([],)),
-        "function_call": Refused(TOOLS, noop=("none", "auto")),
+        "functions": Refused(FUNCTIONS, noop=([],)),
+        "function_call": Refused(FUNCTIONS, noop=("none", "auto")),
         "audio": Refused("is not supported: astrai generates text only"),
         "modalities": Refused("is not supported: astrai generates text only", noop=(["text"],)),
         "prediction": Refused(ENGINE),
@@ -117,9 +115,7 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
     },
     ChatMessage: {
         "name": Refused("is not supported: chat templates take no participant names"),
-        "tool_calls": Refused(TOOLS, noop=([],)),
-        "tool_call_id": Refused(TOOLS),
-        "function_call": Refused(TOOLS),
+        "function_call": Refused(FUNCTIONS),
         "refusal": Refused("is not supported: a refusal is no text the chat template knows"),
         "audio": Refused("is not supported: astrai takes text only"),
         "annotations": Refused("is not supported: astrai takes text only", noop=([],)),
@@ -129,7 +125,7 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
     },
     AnthropicMessage: {},
     MessagesRequest: {
-        **_TOOLS,
+        "tools": Refused(TOOLS, noop=([],)),
         "tool_choice": Refused(TOOLS, noop=({"type": "none"}, {"type": "auto"})),
         "thinking": Refused(
             "is not supported: astrai sets the model no thinking budget", ({"type": "disabled"},)
@@ -151,7 +147,6 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "continue_final_message": Refused(PROMPT, noop=(False,)),
         "chat_template": Refused(TEMPLATE),
         "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
-        "tools": Refused(TOOLS, noop=([],)),
         "mm_processor_kwargs": Refused("is not supported: astrai takes text only", noop=({},)),
         "media_io_kwargs": Refused("is not supported: astrai takes text only", noop=({},)),
     },

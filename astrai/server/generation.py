@@ -9,6 +9,7 @@ import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -16,7 +17,6 @@ from astrai.inference import (
     EngineClosedError,
     GenerationError,
     GenerationParams,
-    GenerationRequest,
     InferenceEngine,
     PromptTooLongError,
     QueueFullError,
@@ -29,6 +29,7 @@ from astrai.inference import (
 )
 from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
+from astrai.server.tool_parsers import ToolCallParser
 from astrai.tokenize import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -170,12 +171,19 @@ async def _client_disconnected(request: Request) -> None:
 class GenerationService:
     """What the API routers need from the engine: model names, prompts, params, submission."""
 
-    def __init__(self, engine: InferenceEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        model_name: str,
+        metrics: ServerMetrics,
+        tool_parser: ToolCallParser | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
         self.stopping = False
+        self.tool_parser = tool_parser
         self._running: weakref.WeakSet[Generation] = weakref.WeakSet()
 
     def stop_running(self) -> None:
@@ -230,27 +238,29 @@ class GenerationService:
 
     async def chat_prompt(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The same encoding as InferenceEngine.generate by default, so greedy results match it.
 
+        tools (OpenAI function definitions) go to the template as transformers hands them.
         add_special_tokens adds the tokenizer's own (a bos) on top of the template's. Encoding
         runs in a worker thread: a prompt of megabytes takes seconds to tokenize, and the event
         loop must keep serving other clients meanwhile.
         """
         tokenizer = self.tokenizer
 
-        def encode(request: GenerationRequest) -> list[int]:
+        def encode() -> list[int]:
             text = tokenizer.apply_chat_template(
-                list(request.messages), add_generation_prompt, tokenize=False
+                messages, add_generation_prompt, tokenize=False, tools=tools
             )
             return tokenizer.encode(text, add_special_tokens)
 
         try:
-            return await asyncio.to_thread(encode, GenerationRequest(tuple(messages)))
-        except (RequestError, ChatTemplateError) as exc:
+            return await asyncio.to_thread(encode)
+        except ChatTemplateError as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
     async def text_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
@@ -16,8 +17,9 @@ from astrai.server.errors import APIError, openai_error_body
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import ChoiceOutput, Generation, GenerationService, Usage
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
-from astrai.server.protocol import ChatCompletionRequest, CompletionRequest
+from astrai.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from astrai.server.sse import EventStreamResponse, sse_data
+from astrai.server.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser, ToolCallStream
 
 router = APIRouter()
 
@@ -59,11 +61,15 @@ _CONSTRAINT_FIELDS = {
 
 
 async def _constraint(
-    service: GenerationService, body: ChatCompletionRequest | CompletionRequest
+    service: GenerationService,
+    body: ChatCompletionRequest | CompletionRequest,
+    forced_call: Constraint | None = None,
 ) -> Constraint | None:
     """The output constraint the request asks for, compiled off the event loop (the engine
-    caches it for the submit); a bad one, or two, is a 400 naming the field."""
-    asked = []
+    caches it for the submit); a bad one, or two, is a 400 naming the field.
+
+    forced_call is the grammar of a tool call that tool_choice demands."""
+    asked = [] if forced_call is None else [("tools", forced_call)]
     for name, build in _CONSTRAINT_FIELDS.items():
         value = getattr(body, name)
         if value is None:
@@ -87,6 +93,82 @@ async def _constraint(
     except ConstraintError as exc:
         raise APIError(400, f"{name}: {exc}", param=name) from exc
     return constraint
+
+
+@dataclass(frozen=True)
+class _ToolUse:
+    """What a chat request's tools ask for: the definitions the template shows the model, the
+    parser that reads calls out of its answer (None: the answer is plain text), and the grammar
+    that forces a call."""
+
+    definitions: list[dict] | None = None
+    parser: ToolCallParser | None = None
+    forced_call: Constraint | None = None
+
+
+def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> _ToolUse:
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
+        return _ToolUse()
+    definitions = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    if choice == "none":
+        return _ToolUse(definitions)
+    parser = service.tool_parser
+    if parser is None:
+        raise APIError(
+            400,
+            "tools need to know how this model writes tool calls, and its chat template shows "
+            "no known format; start astrai serve with --tool-call-parser hermes, llama3_json "
+            "or mistral",
+            param="tools",
+        )
+    functions = [tool.function for tool in body.tools]
+    if choice in (None, "auto"):
+        for i, function in enumerate(functions):
+            if function.strict:
+                raise APIError(
+                    400,
+                    f"tools.{i}.function.strict is honoured only when tool_choice forces a call "
+                    "('required' or a named function): the arguments are then constrained to "
+                    "the schema; send such a tool_choice, or strict false",
+                    param=f"tools.{i}.function.strict",
+                )
+        return _ToolUse(definitions, parser)
+    if isinstance(choice, NamedToolChoice):
+        functions = [f for f in functions if f.name == choice.function.name]
+        if not functions:
+            names = ", ".join(repr(tool.function.name) for tool in body.tools)
+            raise APIError(
+                400,
+                f"tool_choice names the function {choice.function.name!r}, which is not one "
+                f"of the tools ({names})",
+                param="tool_choice",
+            )
+    parallel = body.parallel_tool_calls and choice == "required"
+    grammar = parser.grammar([f.model_dump(exclude_none=True) for f in functions], parallel)
+    return _ToolUse(definitions, parser, Constraint.grammar(grammar))
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_call(call: ToolCall) -> dict:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": _call_id(), "type": "function", "function": function}
+
+
+def _chat_message(text: str, tools: _ToolUse, parallel: bool) -> tuple[dict, bool]:
+    """The assistant message of an answer, and whether it calls tools."""
+    if tools.parser is not None:
+        content, calls = tools.parser.parse(text)
+        if calls:
+            calls = calls if parallel else calls[:1]
+            message = {"role": "assistant", "content": content or None}
+            return {**message, "tool_calls": [_tool_call(call) for call in calls]}, True
+    return {"role": "assistant", "content": text}, False
 
 
 def _usage(usage: Usage) -> dict:
@@ -161,9 +243,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_request(service, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    tools = _tool_use(service, body)
     messages = [m.template_message() for m in body.messages]
     prompt = await service.chat_prompt(
-        messages, body.add_generation_prompt, body.add_special_tokens
+        messages, body.add_generation_prompt, body.add_special_tokens, tools.definitions
     )
     [prompt] = service.truncate([prompt], body.truncate_prompt_tokens)
     max_tokens = body.max_tokens
@@ -173,27 +256,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         [prompt],
         max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        constraint=await _constraint(service, body),
+        constraint=await _constraint(service, body, tools.forced_call),
         **_sampling(body),
     )
     generation = service.submit([prompt], params)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     if body.stream:
-        return EventStreamResponse(_chat_chunks(generation, head, service.tokenizer, body))
+        return EventStreamResponse(_chat_chunks(generation, head, service.tokenizer, body, tools))
     outputs = await generation.collect(request)
-    choices = [
-        {
-            "index": i,
-            "message": {
-                "role": "assistant",
-                "content": out.result.text + _stop_text(body, out.result),
-            },
-            "logprobs": chat_logprobs(service.tokenizer, out.logprobs) if body.logprobs else None,
-            "finish_reason": out.result.finish_reason,
-        }
-        for i, out in enumerate(outputs)
-    ]
+    choices = []
+    for i, out in enumerate(outputs):
+        text = out.result.text + _stop_text(body, out.result)
+        message, called = _chat_message(text, tools, body.parallel_tool_calls)
+        lp = chat_logprobs(service.tokenizer, out.logprobs) if body.logprobs else None
+        finish_reason = "tool_calls" if called else out.result.finish_reason
+        choices.append(
+            {"index": i, "message": message, "logprobs": lp, "finish_reason": finish_reason}
+        )
     usage = generation.usage([out.result for out in outputs])
     return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(usage)}
 
@@ -203,15 +283,15 @@ async def _stream_chunks(
     head: dict,
     obj: str,
     body: ChatCompletionRequest | CompletionRequest,
-    render_delta: Callable[[int, TaskDelta], dict | None],
-    render_finish: Callable[[int, TaskResult], dict],
+    render_delta: Callable[[int, TaskDelta], list[dict]],
+    render_finish: Callable[[int, TaskResult], list[dict]],
     opening: Sequence[dict] = (),
 ) -> AsyncIterator[str]:
     """The SSE frames of one streamed OpenAI response, for chat and completions alike.
 
-    Each choice entry comes from the endpoint's renderers; this owns the usage of every chunk
-    under include_usage (null, or the counts so far under continuous_usage_stats), the final
-    usage chunk, errors and the closing [DONE].
+    The choice entries, one a chunk, come from the endpoint's renderers; this owns the usage of
+    every chunk under include_usage (null, or the counts so far under continuous_usage_stats),
+    the final usage chunk, errors and the closing [DONE].
     """
     include_usage, continuous_usage = _include_usage(body), _continuous_usage(body)
 
@@ -227,8 +307,7 @@ async def _stream_chunks(
     async with aclosing(generation.events()) as events:
         async for event in events:
             if event.delta is not None:
-                entry = render_delta(event.index, event.delta)
-                if entry is not None:
+                for entry in render_delta(event.index, event.delta):
                     yield chunk(entry)
             if event.result is not None:
                 try:
@@ -238,7 +317,8 @@ async def _stream_chunks(
                     yield sse_data("[DONE]")
                     return
                 results[event.index] = event.result
-                yield chunk(render_finish(event.index, event.result))
+                for entry in render_finish(event.index, event.result):
+                    yield chunk(entry)
     if include_usage:
         usage = generation.usage([results[i] for i in range(generation.num_choices)])
         yield sse_data({**head, "object": obj, "choices": [], "usage": _usage(usage)})
@@ -246,37 +326,30 @@ async def _stream_chunks(
 
 
 def _chat_chunks(
-    generation: Generation, head: dict, tokenizer, body: ChatCompletionRequest
+    generation: Generation, head: dict, tokenizer, body: ChatCompletionRequest, tools: _ToolUse
 ) -> AsyncIterator[str]:
-    def render_delta(choice: int, delta: TaskDelta) -> dict | None:
-        if not (delta.text or (body.logprobs and delta.logprobs)):
-            return None
-        lp = chat_logprobs(tokenizer, delta.logprobs or []) if body.logprobs else None
-        return {
-            "index": choice,
-            "delta": {"content": delta.text},
-            "logprobs": lp,
-            "finish_reason": None,
-        }
+    choices = range(generation.num_choices)
+    calls = [_StreamedCalls(tools.parser, body.parallel_tool_calls) for _ in choices]
 
-    def render_finish(choice: int, result: TaskResult) -> dict:
-        stop_text = _stop_text(body, result)
-        return {
-            "index": choice,
-            "delta": {"content": stop_text} if stop_text else {},
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }
+    def entry(choice: int, delta: dict, logprobs: dict | None = None) -> dict:
+        return {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
-    opening = [
-        {
-            "index": i,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        for i in range(generation.num_choices)
-    ]
+    def render_delta(choice: int, delta: TaskDelta) -> list[dict]:
+        entries = [entry(choice, d) for d in calls[choice].feed(delta.text)]
+        if body.logprobs and delta.logprobs:
+            if not entries:
+                entries = [entry(choice, {})]
+            entries[0]["logprobs"] = chat_logprobs(tokenizer, delta.logprobs)
+        return entries
+
+    def render_finish(choice: int, result: TaskResult) -> list[dict]:
+        deltas = calls[choice].feed(_stop_text(body, result)) + calls[choice].finish()
+        last = deltas.pop() if deltas and "content" in deltas[-1] else {}
+        finish_reason = "tool_calls" if calls[choice].called else result.finish_reason
+        closing = {**entry(choice, last), "finish_reason": finish_reason}
+        return [entry(choice, d) for d in deltas] + [closing]
+
+    opening = [entry(i, {"role": "assistant", "content": ""}) for i in choices]
     return _stream_chunks(
         generation,
         head,
@@ -286,6 +359,40 @@ def _chat_chunks(
         render_finish,
         opening,
     )
+
+
+class _StreamedCalls:
+    """One choice's streamed text as chat deltas: content, or tool calls as OpenAI streams them
+    (a call's index, id, type and name first, then fragments of its arguments)."""
+
+    def __init__(self, parser: ToolCallParser | None, parallel: bool) -> None:
+        self._stream: ToolCallStream | None = None if parser is None else parser.stream()
+        self._parallel = parallel
+        self.called = False
+
+    def feed(self, text: str) -> list[dict]:
+        if self._stream is None:
+            return [{"content": text}] if text else []
+        content, calls = self._stream.feed(text)
+        return self._deltas(content, calls)
+
+    def finish(self) -> list[dict]:
+        return [] if self._stream is None else self._deltas(self._stream.finish(), [])
+
+    def _deltas(self, content: str, calls: list[ToolCallDelta]) -> list[dict]:
+        deltas = [{"content": content}] if content else []
+        for call in calls:
+            if call.index > 0 and not self._parallel:
+                continue
+            if call.name is not None:
+                self.called = True
+                function = {"name": call.name, "arguments": ""}
+                piece = {"index": call.index, "id": _call_id(), "type": "function"}
+                deltas.append({"tool_calls": [{**piece, "function": function}]})
+            if call.arguments:
+                piece = {"index": call.index, "function": {"arguments": call.arguments}}
+                deltas.append({"tool_calls": [piece]})
+        return deltas
 
 
 async def _completion_prompts(
@@ -412,23 +519,19 @@ def _completion_chunks(
     want_logprobs = body.logprobs is not None
     offsets = [0] * generation.num_choices  # text_offset carries on across chunks
 
-    def render_delta(choice: int, delta: TaskDelta) -> dict | None:
+    def render_delta(choice: int, delta: TaskDelta) -> list[dict]:
         if not (delta.text or (want_logprobs and delta.logprobs)):
-            return None
+            return []
         lp = None
         if want_logprobs:
             lp, offsets[choice] = completion_logprobs(
                 tokenizer, delta.logprobs or [], offsets[choice]
             )
-        return {"index": choice, "text": delta.text, "logprobs": lp, "finish_reason": None}
+        return [{"index": choice, "text": delta.text, "logprobs": lp, "finish_reason": None}]
 
-    def render_finish(choice: int, result: TaskResult) -> dict:
-        return {
-            "index": choice,
-            "text": _stop_text(body, result),
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }
+    def render_finish(choice: int, result: TaskResult) -> list[dict]:
+        text, finish_reason = _stop_text(body, result), result.finish_reason
+        return [{"index": choice, "text": text, "logprobs": None, "finish_reason": finish_reason}]
 
     opening = [
         {"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None}

@@ -10,6 +10,7 @@ server refuse the same values with the same messages.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -77,12 +78,25 @@ def _text_of(content: Any) -> str:
 # OpenAI
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # a JSON object, as the model wrote it
+
+
+class MessageToolCall(_Request):
+    """A call an assistant message made, as OpenAI's responses give it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["developer", "system", "user", "assistant"]
+    role: Literal["developer", "system", "user", "assistant", "tool"]
     content: str | list[Any] | None = None
     name: Any = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -93,12 +107,69 @@ class ChatMessage(_Request):
     def _only_text(cls, content: str | list[Any] | None) -> str:
         return _text_of(content)
 
-    def template_message(self) -> dict[str, str]:
-        """The message as chat templates take it: OpenAI's developer role is their system."""
-        return {
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may carry tool_calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("a tool message needs a tool_call_id, and only a tool message has one")
+        for call in self.tool_calls or ():
+            if not isinstance(_json_or_none(call.function.arguments), dict):
+                raise ValueError(
+                    f"the arguments of tool call {call.id!r} must be a JSON object in a string"
+                )
+        return self
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it, as transformers hands it: OpenAI's developer
+        role is their system, and a call's arguments are an object, not JSON text."""
+        message: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
             "content": self.content,
         }
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Request):
@@ -159,9 +230,9 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -275,7 +346,7 @@ class TokenizeRequest(_Request):
     continue_final_message: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    tools: Any = None
+    tools: list[ChatTool] | None = None
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
 

@@ -26,8 +26,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         tokens = await service.text_prompt(body.prompt, add_special)
     else:
         messages = [m.template_message() for m in body.messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
         tokens = await service.chat_prompt(
-            messages, body.add_generation_prompt, bool(body.add_special_tokens)
+            messages, body.add_generation_prompt, bool(body.add_special_tokens), tools
         )
     reply = {"count": len(tokens), "max_model_len": service.engine.max_seq_len, "tokens": tokens}
     if body.return_token_strs:

@@ -15,6 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# JSON laid out as json.dumps does, like astrai's other JSON constraints: whitespace the grammar
+# leaves free is where a random-weight (or a confused) model wanders off.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -98,6 +102,7 @@ class ToolCallParser(ABC):
                 },
                 "required": ["name", key],
                 "additionalProperties": False,
+                "x-guidance": _JSON_LAYOUT,
             }
             rules.append(f"tool_{i}: %json {json.dumps(schema)}")
         return "\n".join(rules)

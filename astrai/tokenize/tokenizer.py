@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import tokenizers
@@ -114,6 +115,11 @@ class Tokenizer:
             stop.add(self.eos_token_id)
         self.stop_token_ids: frozenset[int] = frozenset(stop)
         self.chat_template: str | None = self._chat_templates.get("default")
+
+    @property
+    def chat_templates(self) -> Mapping[str, str]:
+        """Every chat template by name ("default", "tool_use", ...)."""
+        return MappingProxyType(self._chat_templates)
 
     def _special_token_id(self, name: str) -> int | None:
         token = self._special_tokens.get(name)

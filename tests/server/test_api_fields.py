@@ -203,13 +203,7 @@ def test_an_unknown_field_gets_400_naming_it(openai_client, server):
 @pytest.mark.parametrize(
     ("request_fields", "named"),
     [
-        (
-            {
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                "tool_choice": "required",
-            },
-            "tools",
-        ),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"extra_body": {"guided_decoding_backend": "xgrammar"}}, "guided_decoding_backend"),
         ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),

@@ -58,7 +58,7 @@ CHAT_CASES = [
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, "needs a tool_call_id"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),

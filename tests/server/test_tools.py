@@ -1,0 +1,358 @@
+"""Tool calling: the parsers of each format, and the OpenAI API's tools through the real openai
+SDK against a real server whose (Hermes-style) chat template shows the model its tools.
+
+The model has random weights: only the grammar that tool_choice "required" or a named function
+puts on decoding makes its answer a call, which is what these tests rely on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from live_server import API_KEY, MODEL_NAME, make_engine, start_server, stop_server
+
+from astrai.server import create_app
+from astrai.server.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolCall,
+    ToolCallParser,
+    tool_call_parser_for,
+)
+
+# Qwen2.5's template, cut down: tools in the system turn, calls in <tool_call> tags, results in
+# <tool_response> tags of a user turn.
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+You may call these tools:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' and message.tool_calls is defined %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# The parsers
+
+
+def deltas_of(parser: ToolCallParser, text: str, size: int) -> tuple[str, list[ToolCall]]:
+    """The content and the calls a stream of text in pieces of size characters gives."""
+    stream = parser.stream()
+    content, names, arguments = "", [], []
+    for start in range(0, len(text), size):
+        piece, deltas = stream.feed(text[start : start + size])
+        content += piece
+        for delta in deltas:
+            if delta.name is not None:
+                assert delta.index == len(names) and not delta.arguments
+                names.append(delta.name)
+                arguments.append("")
+            else:
+                assert delta.index == len(names) - 1, "arguments come after their call's name"
+                arguments[delta.index] += delta.arguments
+    content += stream.finish()
+    return content, [ToolCall(n, a) for n, a in zip(names, arguments, strict=True)]
+
+
+HERMES_TEXT = (
+    'Let me look that up. <tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris", "days": 2, "note": "a } and a \\" inside"}}\n</tool_call>\n'
+    '<tool_call>\n{"arguments": {"zone": "CET"}, "name": "get_time"}\n</tool_call>'
+)
+HERMES_CALLS = [
+    ToolCall("get_weather", '{"city": "Paris", "days": 2, "note": "a } and a \\" inside"}'),
+    ToolCall("get_time", '{"zone": "CET"}'),
+]
+LLAMA_TEXT = (
+    '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}; '
+    '{"name": "get_time", "parameters": {}}'
+)
+LLAMA_CALLS = [
+    ToolCall("get_weather", '{"city": "Oslo", "days": 1}'),
+    ToolCall("get_time", "{}"),
+]
+MISTRAL_TEXT = 'Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+MISTRAL_CALLS = [ToolCall("get_time", '{"zone": "UTC"}')]
+CASES = [
+    (HermesParser(), HERMES_TEXT, "Let me look that up. ", HERMES_CALLS),
+    (Llama3JsonParser(), LLAMA_TEXT, "", LLAMA_CALLS),
+    (Llama3JsonParser(), "<|python_tag|>" + LLAMA_TEXT, "", LLAMA_CALLS),
+    (MistralParser(), MISTRAL_TEXT, "Sure.", MISTRAL_CALLS),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_a_parser_reads_the_calls_and_the_text_before_them(parser, text, content, calls):
+    assert parser.parse(text) == (content, calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 16])
+def test_a_call_streamed_in_pieces_is_the_call_parsed_whole(parser, text, content, calls, size):
+    assert deltas_of(parser, text, size) == (content, calls)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (HermesParser(), "No tools needed: <tool and </tool_call> are just text."),
+        (HermesParser(), 'Cut short <tool_call>\n{"name": "get_time", "arguments": {"zo'),
+        (HermesParser(), '<tool_call>\n{"name": "get_time", "arguments": "not an object"}'),
+        (Llama3JsonParser(), 'The JSON {"name": "f", "parameters": {}} is mid-text.'),
+        (MistralParser(), "Plain [TOOL_ text."),
+    ],
+)
+def test_text_without_a_whole_call_is_content(parser, text):
+    assert parser.parse(text) == (text, [])
+
+
+def test_a_stream_holds_back_only_what_may_open_a_call():
+    stream = HermesParser().stream()
+    assert stream.feed("Hello <tool") == ("Hello ", [])
+    assert stream.feed("box> done") == ("<toolbox> done", [])
+    assert stream.finish() == ""
+    stream = HermesParser().stream()
+    assert stream.feed("ends in <tool_ca") == ("ends in ", [])
+    assert stream.finish() == "<tool_ca"
+
+
+def test_the_parser_is_named_or_read_from_the_chat_template():
+    assert isinstance(tool_call_parser_for("mistral", [HERMES_TEMPLATE]), MistralParser)
+    assert isinstance(tool_call_parser_for(None, [HERMES_TEMPLATE]), HermesParser)
+    assert isinstance(tool_call_parser_for(None, ["{{ '<|python_tag|>' }}"]), Llama3JsonParser)
+    assert tool_call_parser_for(None, ["{{ messages }}"]) is None
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        tool_call_parser_for("qwen", [])
+
+
+# The OpenAI API
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, llama_dir) -> Iterator[str]:
+    """A server on the tiny model with HERMES_TEMPLATE, and room in its context for tools."""
+    model_dir = tmp_path_factory.mktemp("hermes")
+    for file in llama_dir.iterdir():
+        (model_dir / file.name).symlink_to(file)
+    (model_dir / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    engine = make_engine(model_dir, max_seq_len=1024)
+    running = start_server(create_app(engine, MODEL_NAME, api_key=API_KEY))
+    try:
+        yield f"http://127.0.0.1:{running.port}"
+    finally:
+        stop_server(running)
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(tool_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tool_server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def ask(client: openai.OpenAI, **kwargs):
+    settings = dict(model=MODEL_NAME, messages=USER, tools=TOOLS, max_tokens=200, temperature=0)
+    return client.chat.completions.create(**{**settings, **kwargs})
+
+
+def assert_valid_calls(message, names: set[str]) -> None:
+    assert message.tool_calls, message.content
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_gives_a_call_with_schema_valid_arguments(client, seed):
+    reply = ask(client, tool_choice="required", temperature=1.0, seed=seed)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert_valid_calls(choice.message, set(SCHEMAS))
+
+
+def test_a_named_function_is_the_one_called(client):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    reply = ask(client, tool_choice=choice, temperature=1.0, seed=3)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert_valid_calls(reply.choices[0].message, {"get_time"})
+    assert len(reply.choices[0].message.tool_calls) == 1
+
+
+def test_without_parallel_calls_there_is_one(client):
+    for seed in range(3):
+        reply = ask(client, tool_choice="required", parallel_tool_calls=False, seed=seed)
+        assert len(reply.choices[0].message.tool_calls) == 1
+
+
+def test_none_gives_plain_text(client):
+    reply = ask(client, tool_choice="none", max_tokens=20)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.choices[0].message.tool_calls is None
+    assert isinstance(reply.choices[0].message.content, str)
+
+
+def test_streamed_call_deltas_add_up_to_the_call(client):
+    whole = ask(client, tool_choice="required").choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in ask(client, tool_choice="required", stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or ():
+            if delta.index not in calls:  # a call's first chunk: its id, type and name
+                assert delta.id.startswith("call_") and delta.type == "function"
+                assert delta.function.name and delta.function.arguments == ""
+                calls[delta.index] = {"name": delta.function.name, "arguments": ""}
+            else:
+                assert delta.id is None and delta.function.name is None
+                calls[delta.index]["arguments"] += delta.function.arguments
+    assert finish == "tool_calls"
+    assert [calls[i] for i in sorted(calls)] == [
+        {"name": call.function.name, "arguments": call.function.arguments} for call in whole
+    ]
+
+
+def test_a_round_trip_renders_the_call_and_its_result(client, tool_server):
+    call = ask(client, tool_choice="required", parallel_tool_calls=False)
+    [made] = call.choices[0].message.tool_calls
+    history = [
+        *USER,
+        call.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": made.id, "content": "Sunny, 21 C"},
+    ]
+    answer = ask(client, messages=history, max_tokens=8)
+    assert answer.choices[0].message.content is not None
+    # The template got the call's arguments as an object and the tool's result, in order.
+    tokenized = httpx.post(
+        f"{tool_server}/tokenize",
+        json={"model": MODEL_NAME, "messages": history, "tools": TOOLS},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert tokenized["count"] == answer.usage.prompt_tokens
+    rendered = httpx.post(
+        f"{tool_server}/detokenize",
+        json={"model": MODEL_NAME, "tokens": tokenized["tokens"]},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()["prompt"]
+    expected_call = f'{{"name": "{made.function.name}", "arguments": {made.function.arguments}}}'
+    assert f"<tool_call>\n{expected_call}\n</tool_call>" in rendered
+    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in rendered
+    assert '"name": "get_weather"' in rendered.split("</tools>")[0]
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "named"),
+    [
+        (
+            {"tools": [{**TIME, "function": {**TIME["function"], "parameters": {"type": "nope"}}}]},
+            "tools",
+        ),
+        ({"tool_choice": {"type": "function", "function": {"name": "send_mail"}}}, "tool_choice"),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tool_choice": "auto",
+                "tools": [{**TIME, "function": {**TIME["function"], "strict": True}}],
+            },
+            "tools.0.function.strict",
+        ),
+    ],
+)
+def test_requests_tools_cannot_honour_are_400s(client, request_fields, named):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, **{"tool_choice": "required", **request_fields})
+    assert caught.value.body["param"] == named, caught.value.message
+
+
+def test_a_tool_message_needs_its_call_id(client):
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        ask(client, messages=[*USER, {"role": "tool", "content": "Sunny"}])
+
+
+def test_tools_without_a_known_format_are_a_400(openai_client, server):
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as caught:
+        openai_client.chat.completions.create(
+            model=server.model_name, messages=USER, tools=TOOLS, max_tokens=2
+        )
+    assert caught.value.body["param"] == "tools"
+
+
+def test_serve_takes_the_parser_by_flag(llama_dir):
+    """The tiny model's own template shows no tool format: --tool-call-parser names one."""
+    from serve_process import astrai_serve
+
+    flags = [
+        "--tool-call-parser",
+        "mistral",
+        "--max-seq-len",
+        "512",
+        "--kv-cache-memory",
+        "8000000",
+    ]
+    with astrai_serve(llama_dir, *flags, api_key=API_KEY) as (_, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+        reply = ask(
+            client,
+            model=llama_dir.name,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert_valid_calls(reply.choices[0].message, {"get_weather"})
