@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -9,11 +11,13 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 
 from astrai.inference import TaskResult
+from astrai.inference.constraints import Constraint, ConstraintError
 from astrai.server.errors import APIError, anthropic_error_body
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import Generation, GenerationService
 from astrai.server.protocol import CountTokensRequest, MessagesRequest
 from astrai.server.sse import EventStreamResponse, sse_event
+from astrai.server.tool_parsers import ToolCallDelta, ToolUse
 
 router = APIRouter()
 
@@ -23,16 +27,83 @@ def _service(request: Request) -> GenerationService:
 
 
 async def _prompt(
-    service: GenerationService, body: MessagesRequest | CountTokensRequest
+    service: GenerationService, body: MessagesRequest | CountTokensRequest, tools: ToolUse
 ) -> list[int]:
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    messages = [message for m in body.messages for message in m.template_messages()]
     if body.system:
         messages.insert(0, {"role": "system", "content": body.system})
-    return await service.chat_prompt(messages)
+    return await service.chat_prompt(messages, tools=tools.definitions)
 
 
-def _stop(result: TaskResult) -> dict:
-    """stop_reason and stop_sequence: a matched stop string, the length limit, or end of turn."""
+def _tool_use(service: GenerationService, body: MessagesRequest | CountTokensRequest) -> ToolUse:
+    """What the request's tools and tool_choice ask for, in OpenAI's terms that chat templates
+    and the parsers share: tools as function definitions, any and tool as forced calls."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice.type in ("any", "tool"):
+            raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
+        return ToolUse()
+    # In the order of OpenAI's definitions, so the template renders both APIs' tools alike.
+    functions = [
+        {"name": t.name, "description": t.description, "parameters": t.input_schema}
+        for t in body.tools
+    ]
+    functions = [{k: v for k, v in f.items() if v is not None} for f in functions]
+    definitions = [{"type": "function", "function": function} for function in functions]
+    if choice is not None and choice.type == "none":
+        return ToolUse(definitions)
+    parser = service.tool_call_parser()
+    parallel = choice is None or not choice.disable_parallel_tool_use
+    if choice is None or choice.type == "auto":
+        return ToolUse(definitions, parser, parallel=parallel)
+    if choice.type == "tool":
+        functions = [f for f in functions if f["name"] == choice.name]
+        if not functions:
+            names = ", ".join(repr(t.name) for t in body.tools)
+            raise APIError(
+                400,
+                f"tool_choice names the tool {choice.name!r}, which is not one of the tools "
+                f"({names})",
+                param="tool_choice",
+            )
+        parallel = False
+    forced = Constraint.grammar(parser.grammar(functions, parallel))
+    return ToolUse(definitions, parser, forced, parallel)
+
+
+async def _compile(service: GenerationService, tools: ToolUse) -> None:
+    """Compile the grammar of a forced call off the event loop; one that fails is a 400."""
+    if tools.forced_call is None:
+        return
+    try:
+        await asyncio.to_thread(service.engine.compile, tools.forced_call)
+    except ConstraintError as exc:
+        raise APIError(400, f"tools: {exc}", param="tools") from exc
+
+
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _content(text: str, tools: ToolUse) -> tuple[list[dict], bool]:
+    """The answer's content blocks, and whether it calls tools."""
+    if tools.parser is not None:
+        before, calls = tools.parser.parse(text)
+        if calls:
+            calls = calls if tools.parallel else calls[:1]
+            blocks = [{"type": "text", "text": before}] if before else []
+            for call in calls:
+                block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name}
+                blocks.append({**block, "input": json.loads(call.arguments)})
+            return blocks, True
+    return [{"type": "text", "text": text}], False
+
+
+def _stop(result: TaskResult, called: bool = False) -> dict:
+    """stop_reason and stop_sequence: a tool call, a matched stop string, the length limit, or
+    end of turn."""
+    if called:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
     if result.finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
     if isinstance(result.stop_reason, str):
@@ -54,7 +125,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     service = _service(request)
     service.check_model(body.model)
     refuse_unsupported(body)
-    return {"input_tokens": len(await _prompt(service, body))}
+    return {"input_tokens": len(await _prompt(service, body, _tool_use(service, body)))}
 
 
 @router.post("/v1/messages")
@@ -69,7 +140,9 @@ async def messages(body: MessagesRequest, request: Request):
             f"temperature must be between 0 and 1 in the Messages API, got {body.temperature}",
             param="temperature",
         )
-    prompt = await _prompt(service, body)
+    tools = _tool_use(service, body)
+    prompt = await _prompt(service, body, tools)
+    await _compile(service, tools)
     params = service.params(
         [prompt],
         body.max_tokens,
@@ -77,6 +150,7 @@ async def messages(body: MessagesRequest, request: Request):
         top_p=body.top_p,
         top_k=body.top_k,
         stop=body.stop_sequences or (),
+        constraint=tools.forced_call,
     )
     generation = service.submit([prompt], params)
     message = {
@@ -86,24 +160,26 @@ async def messages(body: MessagesRequest, request: Request):
         "model": service.model_name,
     }
     if body.stream:
-        return EventStreamResponse(_message_events(generation, message, len(prompt)))
+        return EventStreamResponse(_message_events(generation, message, len(prompt), tools))
     outputs = await generation.collect(request)
     result = outputs[0].result
     usage = _input_usage(result.prompt_tokens, result.cached_tokens)
+    content, called = _content(result.text, tools)
     return {
         **message,
-        "content": [{"type": "text", "text": result.text}],
-        **_stop(result),
+        "content": content,
+        **_stop(result, called),
         "usage": {**usage, "output_tokens": result.completion_tokens},
     }
 
 
 async def _message_events(
-    generation: Generation, message: dict, prompt_tokens: int
+    generation: Generation, message: dict, prompt_tokens: int, tools: ToolUse
 ) -> AsyncIterator[str]:
     # message_start waits for the first engine event: only then is it known how much of the
     # prompt the prefix cache served, so its input usage equals the final one.
     opened = False
+    blocks = _StreamedBlocks(tools)
     async with aclosing(generation.events()) as events:
         async for event in events:
             if not opened:
@@ -112,12 +188,12 @@ async def _message_events(
                 usage = {**_input_usage(prompt_tokens, cached), "output_tokens": 0}
                 started = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
                 yield sse_event("message_start", {"message": {**started, "usage": usage}})
-                block = {"type": "text", "text": ""}
-                yield sse_event("content_block_start", {"index": 0, "content_block": block})
+                for frame in blocks.opening():
+                    yield frame
                 yield sse_event("ping", {})
-            if event.delta is not None and event.delta.text:
-                delta = {"type": "text_delta", "text": event.delta.text}
-                yield sse_event("content_block_delta", {"index": 0, "delta": delta})
+            if event.delta is not None:
+                for frame in blocks.feed(event.delta.text):
+                    yield frame
             if event.result is None:
                 continue
             result = event.result
@@ -127,8 +203,75 @@ async def _message_events(
                 error = anthropic_error_body(exc.status, exc.message)["error"]
                 yield sse_event("error", {"error": error})
                 return
-            yield sse_event("content_block_stop", {"index": 0})
+            for frame in blocks.finish():
+                yield frame
             usage = _input_usage(result.prompt_tokens, result.cached_tokens)
             usage["output_tokens"] = result.completion_tokens
-            yield sse_event("message_delta", {"delta": _stop(result), "usage": usage})
+            delta = _stop(result, blocks.called)
+            yield sse_event("message_delta", {"delta": delta, "usage": usage})
             yield sse_event("message_stop", {})
+
+
+class _StreamedBlocks:
+    """One answer's content blocks as Anthropic streams them: text, then tool_use blocks (each
+    started with an empty input, its arguments then sent as input_json_delta fragments), every
+    block stopped before the next starts."""
+
+    def __init__(self, tools: ToolUse) -> None:
+        self._stream = None if tools.parser is None else tools.parser.stream()
+        self._parallel = tools.parallel
+        self._index = -1  # the open block's, or the last one's
+        self._open: str | None = None  # the open block's type
+        self.called = False
+
+    def opening(self) -> list[str]:
+        """Without tools the text block opens at once, before any text."""
+        return self._start({"type": "text", "text": ""}) if self._stream is None else []
+
+    def feed(self, text: str) -> list[str]:
+        if self._stream is None:
+            return self._text(text)
+        content, calls = self._stream.feed(text)
+        return self._text(content) + self._calls(calls)
+
+    def finish(self) -> list[str]:
+        frames = [] if self._stream is None else self._text(self._stream.finish())
+        if self._index < 0:  # an empty answer is one empty text block
+            frames += self._start({"type": "text", "text": ""})
+        return frames + self._stop()
+
+    def _text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        frames = (
+            [] if self._open == "text" else self._stop() + self._start({"type": "text", "text": ""})
+        )
+        delta = {"type": "text_delta", "text": text}
+        return frames + [sse_event("content_block_delta", {"index": self._index, "delta": delta})]
+
+    def _calls(self, calls: list[ToolCallDelta]) -> list[str]:
+        frames = []
+        for call in calls:
+            if call.index > 0 and not self._parallel:
+                continue
+            if call.name is not None:
+                self.called = True
+                block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": {}}
+                frames += self._stop() + self._start(block)
+            if call.arguments:
+                delta = {"type": "input_json_delta", "partial_json": call.arguments}
+                frames.append(
+                    sse_event("content_block_delta", {"index": self._index, "delta": delta})
+                )
+        return frames
+
+    def _start(self, block: dict) -> list[str]:
+        self._index += 1
+        self._open = block["type"]
+        return [sse_event("content_block_start", {"index": self._index, "content_block": block})]
+
+    def _stop(self) -> list[str]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [sse_event("content_block_stop", {"index": self._index})]

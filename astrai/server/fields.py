@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from astrai.server.errors import APIError
 from astrai.server.protocol import (
     AnthropicMessage,
+    AnthropicTool,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -124,9 +125,10 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "include_obfuscation": Refused("is not supported: astrai does not pad its chunks", (False,))
     },
     AnthropicMessage: {},
+    AnthropicTool: {
+        "cache_control": NoOp("astrai's prefix cache caches every prompt without being asked")
+    },
     MessagesRequest: {
-        "tools": Refused(TOOLS, noop=([],)),
-        "tool_choice": Refused(TOOLS, noop=({"type": "none"}, {"type": "auto"})),
         "thinking": Refused(
             "is not supported: astrai sets the model no thinking budget", ({"type": "disabled"},)
         ),

@@ -196,6 +196,18 @@ class GenerationService:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def tool_call_parser(self) -> ToolCallParser:
+        """The format the model writes tool calls in; a 400 naming tools when none is known."""
+        if self.tool_parser is None:
+            raise APIError(
+                400,
+                "tools need to know how this model writes tool calls, and its chat template "
+                "shows no known format; start astrai serve with --tool-call-parser hermes, "
+                "llama3_json or mistral",
+                param="tools",
+            )
+        return self.tool_parser
+
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise APIError(

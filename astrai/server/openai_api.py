@@ -7,7 +7,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
@@ -19,7 +18,12 @@ from astrai.server.generation import ChoiceOutput, Generation, GenerationService
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from astrai.server.sse import EventStreamResponse, sse_data
-from astrai.server.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser, ToolCallStream
+from astrai.server.tool_parsers import (
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolUse,
+)
 
 router = APIRouter()
 
@@ -95,35 +99,16 @@ async def _constraint(
     return constraint
 
 
-@dataclass(frozen=True)
-class _ToolUse:
-    """What a chat request's tools ask for: the definitions the template shows the model, the
-    parser that reads calls out of its answer (None: the answer is plain text), and the grammar
-    that forces a call."""
-
-    definitions: list[dict] | None = None
-    parser: ToolCallParser | None = None
-    forced_call: Constraint | None = None
-
-
-def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> _ToolUse:
+def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> ToolUse:
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
-        return _ToolUse()
+        return ToolUse()
     definitions = [tool.model_dump(exclude_none=True) for tool in body.tools]
     if choice == "none":
-        return _ToolUse(definitions)
-    parser = service.tool_parser
-    if parser is None:
-        raise APIError(
-            400,
-            "tools need to know how this model writes tool calls, and its chat template shows "
-            "no known format; start astrai serve with --tool-call-parser hermes, llama3_json "
-            "or mistral",
-            param="tools",
-        )
+        return ToolUse(definitions)
+    parser = service.tool_call_parser()
     functions = [tool.function for tool in body.tools]
     if choice in (None, "auto"):
         for i, function in enumerate(functions):
@@ -135,7 +120,7 @@ def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> _ToolU
                     "the schema; send such a tool_choice, or strict false",
                     param=f"tools.{i}.function.strict",
                 )
-        return _ToolUse(definitions, parser)
+        return ToolUse(definitions, parser, parallel=body.parallel_tool_calls)
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]
         if not functions:
@@ -148,7 +133,7 @@ def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> _ToolU
             )
     parallel = body.parallel_tool_calls and choice == "required"
     grammar = parser.grammar([f.model_dump(exclude_none=True) for f in functions], parallel)
-    return _ToolUse(definitions, parser, Constraint.grammar(grammar))
+    return ToolUse(definitions, parser, Constraint.grammar(grammar), body.parallel_tool_calls)
 
 
 def _call_id() -> str:
@@ -160,12 +145,12 @@ def _tool_call(call: ToolCall) -> dict:
     return {"id": _call_id(), "type": "function", "function": function}
 
 
-def _chat_message(text: str, tools: _ToolUse, parallel: bool) -> tuple[dict, bool]:
+def _chat_message(text: str, tools: ToolUse) -> tuple[dict, bool]:
     """The assistant message of an answer, and whether it calls tools."""
     if tools.parser is not None:
         content, calls = tools.parser.parse(text)
         if calls:
-            calls = calls if parallel else calls[:1]
+            calls = calls if tools.parallel else calls[:1]
             message = {"role": "assistant", "content": content or None}
             return {**message, "tool_calls": [_tool_call(call) for call in calls]}, True
     return {"role": "assistant", "content": text}, False
@@ -268,7 +253,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     choices = []
     for i, out in enumerate(outputs):
         text = out.result.text + _stop_text(body, out.result)
-        message, called = _chat_message(text, tools, body.parallel_tool_calls)
+        message, called = _chat_message(text, tools)
         lp = chat_logprobs(service.tokenizer, out.logprobs) if body.logprobs else None
         finish_reason = "tool_calls" if called else out.result.finish_reason
         choices.append(
@@ -326,10 +311,10 @@ async def _stream_chunks(
 
 
 def _chat_chunks(
-    generation: Generation, head: dict, tokenizer, body: ChatCompletionRequest, tools: _ToolUse
+    generation: Generation, head: dict, tokenizer, body: ChatCompletionRequest, tools: ToolUse
 ) -> AsyncIterator[str]:
     choices = range(generation.num_choices)
-    calls = [_StreamedCalls(tools.parser, body.parallel_tool_calls) for _ in choices]
+    calls = [_StreamedCalls(tools) for _ in choices]
 
     def entry(choice: int, delta: dict, logprobs: dict | None = None) -> dict:
         return {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": None}
@@ -365,9 +350,11 @@ class _StreamedCalls:
     """One choice's streamed text as chat deltas: content, or tool calls as OpenAI streams them
     (a call's index, id, type and name first, then fragments of its arguments)."""
 
-    def __init__(self, parser: ToolCallParser | None, parallel: bool) -> None:
-        self._stream: ToolCallStream | None = None if parser is None else parser.stream()
-        self._parallel = parallel
+    def __init__(self, tools: ToolUse) -> None:
+        self._stream: ToolCallStream | None = (
+            None if tools.parser is None else tools.parser.stream()
+        )
+        self._parallel = tools.parallel
         self.called = False
 
     def feed(self, text: str) -> list[dict]:

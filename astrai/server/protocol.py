@@ -284,16 +284,114 @@ class AnthropicMessage(_Request):
 
     @field_validator("content")
     @classmethod
-    def _only_text(cls, content: str | list[Any]) -> str:
-        return _text_of(content)
+    def _blocks(cls, content: str | list[Any]) -> str | list[dict]:
+        """Text, or blocks: text, tool_use (in assistant turns), tool_result (in user turns)."""
+        if isinstance(content, str):
+            return _unicode(content)
+        return [_tool_block(block) if _is_tool_block(block) else block for block in content]
+
+    @model_validator(mode="after")
+    def _tool_blocks_fit_the_role(self) -> AnthropicMessage:
+        kinds = {block["type"] for block in self._tool_blocks()}
+        wrong = "tool_result" if self.role == "assistant" else "tool_use"
+        if wrong in kinds:
+            raise ValueError(f"a {self.role} message cannot hold a {wrong} block")
+        if not isinstance(self.content, str):
+            _text_of([block for block in self.content if not _is_tool_block(block)])
+        return self
+
+    def _tool_blocks(self) -> list[dict]:
+        return [] if isinstance(self.content, str) else list(filter(_is_tool_block, self.content))
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The turn as chat templates take it: tool_use blocks become the assistant's
+        tool_calls, and each tool_result block a tool message ahead of the user's text."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        text = _text_of([block for block in self.content if not _is_tool_block(block)])
+        blocks = self._tool_blocks()
+        if self.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if blocks:
+                message["tool_calls"] = [
+                    {
+                        "id": block["id"],
+                        "type": "function",
+                        "function": {"name": block["name"], "arguments": block["input"]},
+                    }
+                    for block in blocks
+                ]
+            return [message]
+        results = [
+            {"role": "tool", "tool_call_id": block["tool_use_id"], "content": block["content"]}
+            for block in blocks
+        ]
+        return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+def _is_tool_block(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") in ("tool_use", "tool_result")
+
+
+def _tool_block(block: dict) -> dict:
+    """A tool_use or tool_result block, checked, with a result's content as its text."""
+    keys = {
+        "tool_use": {"id", "name", "input"},
+        "tool_result": {"tool_use_id", "content", "is_error"},
+    }
+    allowed = keys[block["type"]] | {"type", "cache_control"}
+    unknown = sorted(key for key, value in block.items() if key not in allowed and value)
+    if unknown:
+        raise ValueError(f"a {block['type']} block's {unknown[0]!r} is not supported by astrai")
+    if block["type"] == "tool_use":
+        if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)):
+            raise ValueError("a tool_use block needs a string 'id' and 'name'")
+        if not isinstance(block.get("input"), dict):
+            raise ValueError("a tool_use block's 'input' must be an object")
+        return {
+            "type": "tool_use",
+            "id": block["id"],
+            "name": block["name"],
+            "input": block["input"],
+        }
+    if not isinstance(block.get("tool_use_id"), str):
+        raise ValueError("a tool_result block needs a string 'tool_use_id'")
+    if block.get("is_error"):
+        raise ValueError(
+            "a tool_result block's is_error is not supported: chat templates have no error "
+            "flag; say in its content that the tool failed"
+        )
+    content = block.get("content")
+    text = content if isinstance(content, str) else _text_of(content)
+    return {"type": "tool_result", "tool_use_id": block["tool_use_id"], "content": _unicode(text)}
+
+
+class AnthropicTool(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: Any = None
+
+
+class AnthropicToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _name_for_tool(self) -> AnthropicToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("tool_choice of type 'tool' needs a name, and only it takes one")
+        return self
 
 
 class _AnthropicPrompt(_Request):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Any] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     thinking: Any = None
     output_config: Any = None
     cache_control: Any = None

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from astrai.inference.constraints import Constraint
+
 # JSON laid out as json.dumps does, like astrai's other JSON constraints: whitespace the grammar
 # leaves free is where a random-weight (or a confused) model wanders off.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -24,6 +26,18 @@ _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 class ToolCall:
     name: str
     arguments: str  # the JSON object as the model wrote it
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request's tools ask for: the definitions the chat template shows the model, the
+    parser that reads calls out of its answer (None: the answer is plain text), the grammar
+    that forces a call, and whether more than one call may be kept."""
+
+    definitions: list[dict] | None = None
+    parser: ToolCallParser | None = None
+    forced_call: Constraint | None = None
+    parallel: bool = True
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,10 @@ def request_with(server, model: str, name: str, value) -> tuple[str, dict, str]:
     if model == "StreamOptions":
         body = {**chat, "stream": True, "stream_options": {name: value}}
         return "/v1/chat/completions", body, f"stream_options.{name}"
+    if model == "AnthropicTool":
+        tool = {"name": "f", "input_schema": {"type": "object"}, name: value}
+        body = {**chat, "tools": [tool], "tool_choice": {"type": "none"}}
+        return "/v1/messages", body, f"tools.0.{name}"
     if model == "AnthropicMessage":
         message = {**USER[0], name: value}
         return "/v1/messages", {**chat, "messages": [message]}, f"messages.0.{name}"

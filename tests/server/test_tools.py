@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -356,3 +357,117 @@ def test_serve_takes_the_parser_by_flag(llama_dir):
         )
     assert reply.choices[0].finish_reason == "tool_calls"
     assert_valid_calls(reply.choices[0].message, {"get_weather"})
+
+
+# The Anthropic API
+
+ANTHROPIC_TOOLS = [
+    {
+        "name": tool["function"]["name"],
+        **(
+            {"description": tool["function"]["description"]}
+            if "description" in tool["function"]
+            else {}
+        ),
+        "input_schema": tool["function"]["parameters"],
+    }
+    for tool in TOOLS
+]
+
+
+@pytest.fixture(scope="module")
+def claude(tool_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=tool_server, api_key=API_KEY, max_retries=0)
+
+
+def ask_claude(claude: anthropic.Anthropic, **kwargs):
+    settings = dict(model=MODEL_NAME, messages=USER, tools=ANTHROPIC_TOOLS, max_tokens=200)
+    return claude.messages.create(**{**settings, "extra_body": {"temperature": 0}, **kwargs})
+
+
+def assert_valid_tool_use(message, names: set[str]) -> list:
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses, message.content
+    for use in uses:
+        assert use.id.startswith("toolu_") and use.name in names
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+    return uses
+
+
+def test_anthropic_any_gives_a_tool_use_block(claude):
+    message = ask_claude(claude, tool_choice={"type": "any"})
+    assert message.stop_reason == "tool_use"
+    assert_valid_tool_use(message, set(SCHEMAS))
+
+
+def test_anthropic_a_named_tool_is_the_one_used(claude):
+    message = ask_claude(claude, tool_choice={"type": "tool", "name": "get_time"})
+    assert message.stop_reason == "tool_use"
+    assert len(assert_valid_tool_use(message, {"get_time"})) == 1
+
+
+def test_anthropic_none_gives_text(claude):
+    message = ask_claude(claude, tool_choice={"type": "none"}, max_tokens=10)
+    assert [block.type for block in message.content] == ["text"]
+    assert message.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_anthropic_streamed_tool_use_is_the_whole_one(claude):
+    choice = {"type": "any", "disable_parallel_tool_use": True}
+    [whole] = assert_valid_tool_use(ask_claude(claude, tool_choice=choice), set(SCHEMAS))
+    events = list(ask_claude(claude, tool_choice=choice, stream=True))
+    kinds = [event.type for event in events]  # the SDK drops the ping
+    assert kinds[:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    start = events[1].content_block
+    assert start.type == "tool_use" and start.name == whole.name and start.input == {}
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
+    assert json.loads(partial) == whole.input
+    assert events[-2].delta.stop_reason == "tool_use"
+
+
+def test_anthropic_a_tool_result_follows_the_tool_use(claude, tool_server):
+    choice = {"type": "any", "disable_parallel_tool_use": True}
+    message = ask_claude(claude, tool_choice=choice)
+    [use] = assert_valid_tool_use(message, set(SCHEMAS))
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}
+    history = [
+        *USER,
+        {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+        {"role": "user", "content": [result, {"type": "text", "text": "Thanks!"}]},
+    ]
+    answer = ask_claude(claude, messages=history, max_tokens=8)
+    assert answer.content[0].type == "text"
+    # It renders as the OpenAI history with the same call and result does.
+    call = {"id": use.id, "type": "function"}
+    call["function"] = {"name": use.name, "arguments": json.dumps(use.input)}
+    openai_history = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 21 C"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    tokenized = httpx.post(
+        f"{tool_server}/tokenize",
+        json={"model": MODEL_NAME, "messages": openai_history, "tools": TOOLS},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == tokenized["count"]
+    counted = claude.messages.count_tokens(
+        model=MODEL_NAME, messages=history, tools=ANTHROPIC_TOOLS
+    )
+    assert counted.input_tokens == tokenized["count"]
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "named"),
+    [
+        ({"tools": [{**ANTHROPIC_TOOLS[1], "input_schema": {"type": "nope"}}]}, "tools"),
+        ({"tool_choice": {"type": "tool", "name": "send_mail"}}, "tool_choice"),
+        ({"tools": [], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ],
+)
+def test_anthropic_requests_tools_cannot_honour_are_400s(claude, request_fields, named):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        ask_claude(claude, **{"tool_choice": {"type": "any"}, **request_fields})
+    assert named in caught.value.message
