@@ -471,3 +471,27 @@ def test_anthropic_requests_tools_cannot_honour_are_400s(claude, request_fields,
     with pytest.raises(anthropic.BadRequestError) as caught:
         ask_claude(claude, **{"tool_choice": {"type": "any"}, **request_fields})
     assert named in caught.value.message
+
+
+# auto: the model's own text is parsed. A random-weight model never writes a call by itself, so
+# a regex (vLLM's guided_regex) makes it write text and then one.
+SPOKEN_CALL = (
+    r'Let me see\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n'
+    r"</tool_call>"
+)
+
+
+def test_auto_reads_the_call_the_model_wrote(client):
+    reply = ask(client, tool_choice="auto", extra_body={"guided_regex": SPOKEN_CALL})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me see. "
+    [call] = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", '{"zone": "UTC"}')
+    content, arguments = "", ""
+    for chunk in ask(client, extra_body={"guided_regex": SPOKEN_CALL}, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or ():
+            arguments += piece.function.arguments
+    assert (content, arguments) == ("Let me see. ", '{"zone": "UTC"}')
