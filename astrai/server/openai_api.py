@@ -100,7 +100,10 @@ async def _constraint(
 
 
 def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> ToolUse:
+    """What the request's tools, tool_choice and parallel_tool_calls ask for; a 400 for what
+    cannot be honoured (no known call format, an unknown function, strict under auto)."""
     choice = body.tool_choice
+    parallel = body.parallel_tool_calls is not False  # OpenAI's default is true
     if not body.tools:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
@@ -120,7 +123,7 @@ def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> ToolUs
                     "the schema; send such a tool_choice, or strict false",
                     param=f"tools.{i}.function.strict",
                 )
-        return ToolUse(definitions, parser, parallel=body.parallel_tool_calls)
+        return ToolUse(definitions, parser, parallel=parallel)
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]
         if not functions:
@@ -131,9 +134,9 @@ def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> ToolUs
                 f"of the tools ({names})",
                 param="tool_choice",
             )
-    parallel = body.parallel_tool_calls and choice == "required"
+    parallel = parallel and choice == "required"
     grammar = parser.grammar([f.model_dump(exclude_none=True) for f in functions], parallel)
-    return ToolUse(definitions, parser, Constraint.grammar(grammar), body.parallel_tool_calls)
+    return ToolUse(definitions, parser, Constraint.grammar(grammar), parallel)
 
 
 def _call_id() -> str:

@@ -232,7 +232,7 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
     functions: Any = None
     function_call: Any = None
     audio: Any = None
