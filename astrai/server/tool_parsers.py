@@ -73,22 +73,23 @@ class ToolCallParser(ABC):
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
 
-    def find_start(self, text: str) -> tuple[int, int] | None:
-        """Where the text before the calls ends and the calls' JSON begins, or None."""
+    def find_start(self, text: str, at_start: bool = True) -> tuple[int, int] | None:
+        """Where the text before the calls ends and the calls' JSON begins, or None; at_start
+        says that text opens the output."""
         starts = []
         for marker in self.markers:
             at = text.find(marker)
             if at >= 0:
                 starts.append((at, at + len(marker)))
-        stripped = text.lstrip()
-        if self.leading_json and stripped.startswith("{"):
+        stripped = text.lstrip() if self.leading_json and at_start else ""
+        if stripped.startswith("{"):
             starts.append((0, len(text) - len(stripped)))
         return min(starts, default=None)
 
-    def safe_content_end(self, text: str) -> int:
+    def safe_content_end(self, text: str, at_start: bool = True) -> int:
         """How much of a text with no calls yet may be sent as content: all but a tail that could
-        still grow into a marker."""
-        if self.leading_json and not text.strip():
+        still grow into a marker (or, at the output's start, into a leading "{")."""
+        if self.leading_json and at_start and not text.strip():
             return 0
         held = 0
         for marker in self.markers:
@@ -185,12 +186,16 @@ def tool_call_parser_for(name: str | None, chat_templates: Sequence[str]) -> Too
 
 class ToolCallStream:
     """Splits streamed text into content and tool-call deltas, holding back text that may yet
-    open a call."""
+    open a call.
+
+    Only the held-back text is searched again as pieces arrive: a marker cannot begin in text
+    already sent, so a long answer costs linear time.
+    """
 
     def __init__(self, parser: ToolCallParser) -> None:
         self._parser = parser
-        self._text = ""  # everything fed before the calls began
-        self._sent = 0  # how much of it went out as content
+        self._pending = ""  # text not sent yet, before the calls began
+        self._at_start = True  # no content sent yet
         self._scanner: ToolCallScanner | None = None
 
     @property
@@ -201,21 +206,23 @@ class ToolCallStream:
         """The content and call deltas that piece adds."""
         if self._scanner is not None:
             return "", self._scanner.feed(piece)
-        self._text += piece
-        found = self._parser.find_start(self._text)
+        self._pending += piece
+        found = self._parser.find_start(self._pending, self._at_start)
         if found is None:
-            end = max(self._sent, self._parser.safe_content_end(self._text))
-            content, self._sent = self._text[self._sent : end], end
+            end = self._parser.safe_content_end(self._pending, self._at_start)
+            content, self._pending = self._pending[:end], self._pending[end:]
+            self._at_start = self._at_start and not content
             return content, []
         content_end, calls_start = found
         self._scanner = ToolCallScanner(self._parser.argument_keys)
-        return self._text[self._sent : content_end], self._scanner.feed(self._text[calls_start:])
+        calls = self._scanner.feed(self._pending[calls_start:])
+        return self._pending[:content_end], calls
 
     def finish(self) -> str:
         """The content held back at the end because it might have opened a call."""
         if self._scanner is not None:
             return ""
-        content, self._sent = self._text[self._sent :], len(self._text)
+        content, self._pending = self._pending, ""
         return content
 
 

@@ -164,6 +164,14 @@ def test_text_without_a_whole_call_is_content(parser, text):
     assert parser.parse(text) == (text, [])
 
 
+@pytest.mark.parametrize("size", [1, 4])
+def test_llama_json_opens_calls_only_at_the_start_of_the_output(size):
+    text = ' The JSON {"name": "f", "parameters": {}} is mid-text.'
+    assert deltas_of(Llama3JsonParser(), text, size) == (text, [])
+    called = '  {"name": "f", "parameters": {"a": 1}}'
+    assert deltas_of(Llama3JsonParser(), called, size) == ("", [ToolCall("f", '{"a": 1}')])
+
+
 def test_a_stream_holds_back_only_what_may_open_a_call():
     stream = HermesParser().stream()
     assert stream.feed("Hello <tool") == ("Hello ", [])
