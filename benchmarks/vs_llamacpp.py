@@ -23,7 +23,7 @@ llama.cpp comes from LLAMA_CPP_BIN (a directory holding llama-bench, llama-serve
 llama-quantize) or is built once into ~/.cache/astrai-bench from the source vendored in the
 llama-cpp-python sdist (pip download --no-binary; CMake, Release, GGML_NATIVE for this CPU).
 
-    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/vs_llamacpp.py  # ~5 min
+    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/vs_llamacpp.py  # ~9 min
     python benchmarks/vs_llamacpp.py --parts decode,prefill --types q4_1,q8_0,q4_0,q4_k_m
 """
 
