@@ -1,9 +1,10 @@
-"""Load a Transformer from a GGUF file: the config from its metadata, the weights dequantized.
+"""Load a Transformer from a GGUF file: the config from its metadata, the weights as blocks.
 
-The file is read memory-mapped with the `gguf` package; each tensor is dequantized once, to
+The file is read memory-mapped with the `gguf` package. On the CPU a linear whose block type
+has a kernel keeps its blocks (a QuantizedLinear); every other tensor is dequantized once, to
 the requested dtype, straight from the mapping. llama.cpp's converter stores the rows of a
 Llama model's attn_q and attn_k permuted (each head's rotary halves interleaved); they are
-put back in the order astrai's rotate-half RoPE expects.
+put back in the order astrai's rotate-half RoPE expects, as rows of blocks or of numbers.
 """
 
 from __future__ import annotations
