@@ -242,6 +242,38 @@ SCHEMAS = [
         "additionalProperties": False,
     },
 ]
+
+
+def generated_schema(seed: int, depth: int = 0) -> dict:
+    """A random object schema whose every value is bounded (the random-weight model never
+    closes an open string or stops a number on its own): ints, enums, booleans, numbers,
+    short strings, small arrays and nested objects, some properties optional."""
+    rng = random.Random(seed)
+    leaves = [
+        {"type": "integer", "minimum": -50, "maximum": 50},
+        {"type": "string", "enum": ["on", "off", "auto"]},
+        {"type": "boolean"},
+        {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 8},
+        {"type": "string", "maxLength": 6},
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+    ]
+    names = rng.sample(["id", "kind", "size", "label", "flag", "rate", "items", "mode"], 4)
+    properties = {}
+    for name in names[: rng.randint(1, 4)]:
+        nest = depth == 0 and rng.random() < 0.25
+        properties[name] = generated_schema(seed * 31 + 7, 1) if nest else rng.choice(leaves)
+    required = [name for name in properties if rng.random() < 0.7]
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+# 23 written by hand above, 27 generated: 50 in all
+SCHEMAS += [generated_schema(seed) for seed in range(27)]
 PROMPTS = ["Hello", "The quick brown fox", "你好世界", "def add(a, b):", "Numbers 0 1 2"]
 REGEXES = [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-Z][a-z]{2,5}( [A-Z][a-z]{2,5})?", r"[ab]{5}"]
 
