@@ -2,8 +2,9 @@
 
 A GGUF file has no tokenizer.json: it stores the vocabulary, merges, token types, special token
 ids and chat template under llama.cpp's `tokenizer.*` keys. This module reads them with the `gguf`
-package and assembles the byte-level BPE tokenizer they describe. Which regexes split the text
-before BPE is not in the file, only its name (`tokenizer.ggml.pre`); the regexes are llama.cpp's.
+package and assembles the tokenizer they describe: byte-level BPE ("gpt2") or SentencePiece BPE
+("llama"). Which regexes split the text before byte-level BPE is not in the file, only its name
+(`tokenizer.ggml.pre`); the regexes are llama.cpp's.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _byte_level_backend(
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab=_byte_level_vocab(tokens, token_types),
-            merges=[tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]],
+            merges=_file_merges(metadata["tokenizer.ggml.merges"]),
             fuse_unk=False,
         )
     )
@@ -112,16 +113,18 @@ def _sentencepiece_backend(metadata: dict[str, Any], tokens: list[str]) -> token
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     merges = metadata.get("tokenizer.ggml.merges")
     merges = (
-        [tuple(merge.split(" ", 1)) for merge in merges]
+        _file_merges(merges)
         if merges
         else _merges_by_score(vocab, metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
     )
-    unknown_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unknown_key = "tokenizer.ggml.unknown_token_id"
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab=vocab,
             merges=merges,
-            unk_token=None if unknown_id is None else tokens[unknown_id],
+            unk_token=_token_at(tokens, metadata[unknown_key], unknown_key)
+            if unknown_key in metadata
+            else None,
             fuse_unk=True,
             byte_fallback=True,
         )
@@ -141,6 +144,11 @@ def _sentencepiece_backend(metadata: dict[str, Any], tokens: list[str]) -> token
 
 
 _SPACE = "\u2581"
+
+
+def _file_merges(merges: list[str]) -> list[tuple[str, str]]:
+    """The file's merges, each written "left right"."""
+    return [tuple(merge.split(" ", 1)) for merge in merges]
 
 
 def _merges_by_score(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
