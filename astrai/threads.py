@@ -53,7 +53,7 @@ def available_cpus(root: Path = CGROUP) -> int:
 
 
 def configure_openmp() -> None:
-    """Default OMP_WAIT_POLICY and OMP_NUM_THREADS as the module docstring says."""
+    """Default GOMP_SPINCOUNT and OMP_NUM_THREADS as the module docstring says."""
     if "torch" in sys.modules:  # its OpenMP runtime has read the environment already
         return
     if "OMP_WAIT_POLICY" not in os.environ:
