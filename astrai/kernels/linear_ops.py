@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Sequence
 from enum import StrEnum
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -196,11 +197,18 @@ def _fastest_paths(weights: Sequence[Tensor]) -> list[LinearPath]:
             candidates, timed = [LinearPath.GEMM], weights[:4]
             if dtype == torch.bfloat16:
                 candidates.append(LinearPath.UPCAST)
-        best = {path: float("inf") for path in candidates}
-        for _ in range(2):  # alternated, so a slow moment does not pick for one path
-            for path in candidates:
-                limit = min(best.values()) * KERNEL_PREFERENCE
-                best[path] = min(best[path], _time_path(path, timed, bucket, limit))
-        best[LinearPath.KERNEL] = best.get(LinearPath.KERNEL, float("inf")) / KERNEL_PREFERENCE
-        paths.append(min(best, key=best.get))
+        timings = {p: partial(_time_path, p, timed, bucket) for p in candidates}
+        paths.append(fastest(timings, LinearPath.KERNEL))
     return paths
+
+
+def fastest(timings: dict, preferred: object, runs: int = 2) -> object:
+    """The key of the fastest of timings' callables (each limit -> seconds), run alternately
+    so that one slow moment does not decide; preferred wins ties within KERNEL_PREFERENCE."""
+    best = dict.fromkeys(timings, float("inf"))
+    for _ in range(runs):
+        for key, timing in timings.items():
+            best[key] = min(best[key], timing(min(best.values()) * KERNEL_PREFERENCE))
+    if preferred in best:
+        best[preferred] /= KERNEL_PREFERENCE
+    return min(best, key=best.get)

@@ -33,11 +33,11 @@ from torch import Tensor, nn
 from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
 from astrai.kernels.linear_ops import (
-    KERNEL_PREFERENCE,
     ROW_BUCKETS,
     SKINNY_MAX_ROWS,
     STREAMED_BYTES,
     LinearPath,
+    fastest,
     forced_path,
 )
 from astrai.kernels.quant_blocks import BLOCK_TYPES, dense_weight, pack_blocks, packed_fields
@@ -187,18 +187,6 @@ def _time_path(
     return time.perf_counter() - start
 
 
-def _fastest(timings: dict, preferred: object, runs: int = 2) -> object:
-    """The key of the fastest of timings' callables (each limit -> seconds), run alternately
-    so that one slow moment does not decide; preferred wins ties within KERNEL_PREFERENCE."""
-    best = dict.fromkeys(timings, float("inf"))
-    for _ in range(runs):
-        for key, timing in timings.items():
-            best[key] = min(best[key], timing(min(best.values()) * KERNEL_PREFERENCE))
-    if preferred in best:
-        best[preferred] /= KERNEL_PREFERENCE
-    return min(best, key=best.get)
-
-
 @torch.inference_mode()
 def tune_quant_linears(
     weights: Sequence[QuantizedWeight], dtype: torch.dtype
@@ -237,7 +225,7 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
         native.quant_linear.set_isa(isa)
         return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
 
-    isa = _fastest({i: partial(kernel_on, i) for i in isas}, isas[0])
+    isa = fastest({i: partial(kernel_on, i) for i in isas}, isas[0])
     native.quant_linear.set_isa(isa)
     paths = []
     for bucket in ROW_BUCKETS:
@@ -249,5 +237,5 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
         if dtype == torch.bfloat16:
             candidates.append(LinearPath.UPCAST)
         timings = {p: partial(_time_path, p, timed, dtype, bucket) for p in candidates}
-        paths.append(_fastest(timings, LinearPath.KERNEL))
+        paths.append(fastest(timings, LinearPath.KERNEL))
     return [isa, *paths]
