@@ -178,12 +178,7 @@ def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
 def _fastest_paths(weights: Sequence[Tensor]) -> list[LinearPath]:
     """The fastest path at each row bucket, timed on these weights."""
     dtype = weights[0].dtype
-    streamed, size = [], 0
-    for w in weights:
-        if size >= STREAMED_BYTES:
-            break
-        streamed.append(w)
-        size += w.numel() * w.element_size()
+    streamed = streamed_weights(weights, lambda w: w.numel() * w.element_size())
     paths = []
     for bucket in ROW_BUCKETS:
         sample = torch.empty(bucket, weights[0].shape[1], dtype=dtype)
@@ -200,6 +195,17 @@ def _fastest_paths(weights: Sequence[Tensor]) -> list[LinearPath]:
         timings = {p: partial(_time_path, p, timed, bucket) for p in candidates}
         paths.append(fastest(timings, LinearPath.KERNEL))
     return paths
+
+
+def streamed_weights(weights: Sequence, nbytes) -> list:
+    """The first weights, as many as a step reads, until nbytes(w) sum past STREAMED_BYTES."""
+    streamed, size = [], 0
+    for w in weights:
+        if size >= STREAMED_BYTES:
+            break
+        streamed.append(w)
+        size += nbytes(w)
+    return streamed
 
 
 def fastest(timings: dict, preferred: object, runs: int = 2) -> object:

@@ -35,10 +35,10 @@ from astrai.kernels.graph import launch, new_output
 from astrai.kernels.linear_ops import (
     ROW_BUCKETS,
     SKINNY_MAX_ROWS,
-    STREAMED_BYTES,
     LinearPath,
     fastest,
     forced_path,
+    streamed_weights,
 )
 from astrai.kernels.quant_blocks import BLOCK_TYPES, dense_weight, pack_blocks, packed_fields
 
@@ -213,12 +213,7 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
     The kernel quantizes x and a GEMM does not, so their results differ by more than rounding:
     the kernel keeps every bucket up to the first a GEMM wins, and none beyond, so that a
     sequence's decode steps change path at one batch size, not back and forth."""
-    streamed, size = [], 0
-    for w in weights:  # as many as a step reads, up to past the largest L3s
-        if size >= STREAMED_BYTES:
-            break
-        streamed.append(w)
-        size += w.nbytes()
+    streamed = streamed_weights(weights, QuantizedWeight.nbytes)
     isas = native.quant_linear.isas()[::-1]  # the widest first: it wins ties
 
     def kernel_on(isa: str, limit: float) -> float:
