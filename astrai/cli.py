@@ -155,7 +155,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--quantization",
-        type=_quantization,
+        type=_flag_parser(_quantization),
         metavar="TYPE",
         help="quantize a dense checkpoint's linears at load to GGUF blocks for astrai's "
         "quantized CPU kernels: q8_0, q4_0 or q4_1 (by the gguf package's quantizer, which "
@@ -176,13 +176,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _quantization(text: str) -> str:
-    """An argparse type: a --quantization name, refused with the choices unless known."""
+    """A --quantization name, refused (a ConfigError, so a ValueError) with the choices unless
+    known; _flag_parser turns that into argparse's error."""
     from astrai.model.weights.quantize import quantization_type
 
-    try:
-        quantization_type(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from error
+    quantization_type(text)
     return text
 
 
