@@ -15,7 +15,7 @@ import sys
 from collections.abc import Collection, Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -49,7 +49,25 @@ HF_LAYER_NAMES = {
     "attention.k_norm.weight": ("self_attn.k_norm.weight",),
     "feed_forward.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "feed_forward.w2.weight": ("mlp.down_proj.weight",),
+    # Mixture of experts: one entry serves every expert, its index written {e}.
+    "feed_forward.router.weight": ("mlp.gate.weight",),
+    "feed_forward.experts.{e}.w13.weight": (
+        "mlp.experts.{e}.gate_proj.weight",
+        "mlp.experts.{e}.up_proj.weight",
+    ),
+    "feed_forward.experts.{e}.w2.weight": ("mlp.experts.{e}.down_proj.weight",),
+    "feed_forward.shared_expert.w13.weight": (
+        "mlp.shared_expert.gate_proj.weight",
+        "mlp.shared_expert.up_proj.weight",
+    ),
+    "feed_forward.shared_expert.w2.weight": ("mlp.shared_expert.down_proj.weight",),
+    "feed_forward.shared_expert_gate.weight": ("mlp.shared_expert_gate.weight",),
 }
+# Mixtral's checkpoints name the experts' projections as the paper does.
+MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# transformers 5's own layout (save_pretrained(save_original_format=False)): each layer's
+# experts in one [n_experts, rows, in_features] tensor, rows split evenly among these parts.
+FUSED_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 HF_TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -61,6 +79,22 @@ IGNORED_HF_TENSOR = re.compile(r".*rotary_emb\.inv_freq$")
 
 class CheckpointError(ValueError):
     """A model directory's weights are missing, unreadable, or do not fit its config."""
+
+
+class StoredTensor(NamedTuple):
+    """Where a checkpoint tensor lies: tensor `name` of file, or the part of it that index
+    picks (one expert's share of a fused experts tensor); shape is that of the part."""
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    index: tuple = ()
+
+    def read(self, handle) -> torch.Tensor:
+        """The tensor, from handle (the safe_open of file)."""
+        return (
+            handle.get_slice(self.name)[self.index] if self.index else handle.get_tensor(self.name)
+        )
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -116,12 +150,12 @@ class AutoModel:
         with ExitStack() as stack:
             handles = {
                 file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                for file in set(files.values())
+                for file in {stored.file for stored in files.values()}
             }
-            _check(layout, files, handles, config, native)
+            _check(layout, files, config, native)
             state = {}
             for name, parts in loading(layout.items(), directory):
-                tensors = [handles[files[src]].get_tensor(src) for src, _ in parts]
+                tensors = [files[src].read(handles[files[src].file]) for src, _ in parts]
                 tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
                 if qtype is None or not quantize_into(model, name, tensor, qtype):
                     state[name] = tensor.to(dtype).to(device)
@@ -177,20 +211,26 @@ def _sources(
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     assert match is not None, f"no HF name for native tensor {name}"
     layer, suffix = match.groups()
-    hf_names = [f"model.layers.{layer}.{hf}" for hf in HF_LAYER_NAMES[suffix]]
+    expert = re.search(r"(?<=experts\.)\d+", suffix)
+    if expert is not None:
+        suffix = suffix.replace(f"experts.{expert[0]}.", "experts.{e}.")
+    index = expert and expert[0]
+    hf_names = [f"model.layers.{layer}.{hf.format(e=index)}" for hf in HF_LAYER_NAMES[suffix]]
     if suffix.startswith("attention.wqkv"):
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim
         rows = [q_size, kv_size, kv_size]
-    elif suffix == "feed_forward.w13.weight":
-        rows = [config.dim_ffn, config.dim_ffn]
+    elif suffix.endswith("w13.weight"):  # an MLP's gate and up projections, fused
+        rows = [shape[0] // 2, shape[0] // 2]
     else:
         rows = [shape[0]]
     return [(hf, (n, *shape[1:])) for hf, n in zip(hf_names, rows, strict=True)]
 
 
-def _tensor_files(directory: Path) -> dict[str, Path]:
-    """Map each tensor name in the directory's safetensors weights to the file holding it."""
+def _tensor_files(directory: Path) -> dict[str, StoredTensor]:
+    """Where each tensor of the directory's safetensors weights lies, by its name; experts
+    under Mixtral's names or fused as transformers 5 writes them are listed per expert, as
+    HF_LAYER_NAMES names them."""
     single = directory / WEIGHTS_FILE
     index = directory / INDEX_FILE
     if single.is_file():
@@ -216,17 +256,49 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
         raise CheckpointError(
             f"no weights in {directory}: expected {WEIGHTS_FILE} or {INDEX_FILE} with its shards"
         )
-    files: dict[str, Path] = {}
+    stored: list[StoredTensor] = []
     for shard in shards:
         try:
             with safe_open(shard, framework="pt", device="cpu") as handle:
-                files.update((name, shard) for name in handle.keys())  # noqa: SIM118
+                stored += [
+                    StoredTensor(shard, name, tuple(handle.get_slice(name).get_shape()))
+                    for name in handle.keys()  # noqa: SIM118
+                ]
         except Exception as error:
             raise CheckpointError(f"cannot read safetensors file {shard}: {error}") from error
-    return files
+    return {name: part for tensor in stored for name, part in _per_expert(tensor).items()}
 
 
-def _check(layout, files, handles, config: ModelConfig, native: bool) -> None:
+def _per_expert(stored: StoredTensor) -> dict[str, StoredTensor]:
+    """A checkpoint tensor by the name(s) HF_LAYER_NAMES reads: a Mixtral expert's or router's
+    renamed, a fused experts tensor split into each expert's parts, any other as it is."""
+    mixtral = re.fullmatch(r"(.+)\.block_sparse_moe\.(.+)", stored.name)
+    if mixtral is not None:
+        prefix, rest = mixtral.groups()
+        rest = re.sub(r"(?<=\.)w[123](?=\.)", lambda w: MIXTRAL_EXPERT_NAMES[w[0]], rest)
+        return {f"{prefix}.mlp.{rest}": stored}
+    fused = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", stored.name)
+    if fused is None:
+        return {stored.name: stored}
+    prefix, kind = fused.groups()
+    parts = FUSED_EXPERT_PARTS[kind]
+    if len(stored.shape) != 3 or stored.shape[1] % len(parts):
+        raise CheckpointError(
+            f"{stored.name} has shape {list(stored.shape)}; fused experts are [n_experts, "
+            f"rows, in_features] with rows holding {' and '.join(parts)}"
+        )
+    n_experts, rows, in_features = stored.shape
+    share = rows // len(parts)
+    return {
+        f"{prefix}.{expert}.{part}.weight": stored._replace(
+            shape=(share, in_features), index=(expert, slice(i * share, (i + 1) * share))
+        )
+        for expert in range(n_experts)
+        for i, part in enumerate(parts)
+    }
+
+
+def _check(layout, files: dict[str, StoredTensor], config: ModelConfig, native: bool) -> None:
     """Raise one CheckpointError naming every missing, unexpected or mis-shaped tensor."""
     wanted = {source: shape for parts in layout.values() for source, shape in parts}
     missing = sorted(set(wanted) - set(files))
@@ -242,7 +314,7 @@ def _check(layout, files, handles, config: ModelConfig, native: bool) -> None:
     misshaped = []
     for source, shape in wanted.items():
         if source in files:
-            found = tuple(handles[files[source]].get_slice(source).get_shape())
+            found = files[source].shape
             if found != shape:
                 misshaped.append(f"{source} has shape {list(found)}, expected {list(shape)}")
     problems = []

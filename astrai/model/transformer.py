@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from astrai.config import ModelConfig
 from astrai.kernels import Linear, add_rms_norm, apply_rope, linear, rms_norm, silu_and_mul
 from astrai.kernels.quant_ops import QuantizedLinear
+from astrai.model.moe import MoEFeedForward
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -188,7 +189,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, layer_idx)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        moe = config.moe
+        sparse = moe is not None and moe.is_sparse(layer_idx)
+        self.feed_forward = MoEFeedForward(config, FeedForward) if sparse else FeedForward(config)
 
     def forward(
         self,
