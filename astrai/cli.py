@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import io
 import logging
 import os
 import random
@@ -371,8 +373,27 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
 # -- commands ---------------------------------------------------------------------------------
 
 
-def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from astrai.server import create_app, run_server
+def serve_settings(flags: list[str]) -> tuple[argparse.Namespace, EngineConfig]:
+    """`astrai serve`'s flags read as the command reads them, for astrai.deploy's replicas.
+
+    A bad flag raises ConfigError with argparse's message instead of exiting the process.
+    """
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            args = _parser().parse_args(["serve", *flags])
+    except SystemExit:
+        message = errors.getvalue().strip().splitlines()
+        raise ConfigError(message[-1] if message else f"bad serve flags: {flags}") from None
+    return args, from_flags(EngineConfig, args)
+
+
+def open_server(args: argparse.Namespace, config: EngineConfig):
+    """Load the engine `astrai serve`'s flags describe and create the app serving it.
+
+    Returns (engine, app); the caller closes the engine. astrai.deploy's replicas run this too.
+    """
+    from astrai.server import create_app
 
     model_dir = _model_path(args)
     # A hub id names the model better than its snapshot directory (a commit hash).
@@ -390,7 +411,18 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
             docs=args.docs,
             tool_call_parser=args.tool_call_parser,
         )
-        log.info("serving model %r%s", name, " (API key required)" if args.api_key else "")
+    except BaseException:
+        engine.close()
+        raise
+    log.info("serving model %r%s", name, " (API key required)" if args.api_key else "")
+    return engine, app
+
+
+def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    from astrai.server import run_server
+
+    engine, app = open_server(args, config)
+    try:
         # SIGINT and SIGTERM drain the server, which then returns here.
         run_server(
             app,
