@@ -13,8 +13,7 @@ class ConfigError(ValueError):
 
 
 NATIVE_MODEL_TYPE = "astrai"
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -25,49 +24,6 @@ ROPE_SCALING_KEYS = {
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    """Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE).
-
-    Each token goes to the n_experts_per_token experts (SwiGLU MLPs of dim_expert) with the
-    highest router probability, their outputs weighted by those probabilities, renormalised to
-    sum to 1 if norm_topk_prob. dim_shared_expert is Qwen2-MoE's expert that every token also
-    runs, its output scaled by a sigmoid gate. As transformers places them, layer i is sparse
-    if (i + 1) % sparse_step == 0 and i is not in dense_layers; a dense layer runs the plain MLP
-    of ModelConfig.dim_ffn.
-    """
-
-    n_experts: int
-    n_experts_per_token: int
-    dim_expert: int
-    norm_topk_prob: bool = True
-    dim_shared_expert: int | None = None
-    sparse_step: int = 1
-    dense_layers: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        sizes = ("n_experts", "n_experts_per_token", "dim_expert", "sparse_step")
-        for name in (*sizes, "dim_shared_expert"):
-            value = getattr(self, name)
-            if (value is not None or name in sizes) and not _positive_int(value):
-                raise ConfigError(f"moe.{name} must be a positive integer, got {value!r}")
-        if self.n_experts_per_token > self.n_experts:
-            raise ConfigError(
-                f"moe.n_experts_per_token ({self.n_experts_per_token}) cannot exceed "
-                f"moe.n_experts ({self.n_experts})"
-            )
-        # A tuple, so the frozen config stays hashable and the caller's list cannot change it.
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-
-    def is_sparse(self, layer_idx: int) -> bool:
-        """Whether layer layer_idx runs the experts rather than the dense MLP."""
-        return layer_idx not in self.dense_layers and (layer_idx + 1) % self.sparse_step == 0
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama-family decoder: everything the model needs to build itself.
 
@@ -75,8 +31,6 @@ class ModelConfig:
     None or a dict with "rope_type" ("linear" or "llama3") and that type's parameters
     (ROPE_SCALING_KEYS), spelled as Hugging Face spells them. attention_bias means a bias on
     the q/k/v projections only (Qwen2); use_qk_norm is Qwen3's per-head RMSNorm on q and k.
-
-    moe describes the experts of a mixture-of-experts model (MoEConfig); None for a dense one.
     """
 
     vocab_size: int
@@ -93,7 +47,6 @@ class ModelConfig:
     tie_weight: bool = False
     use_qk_norm: bool = False
     attention_bias: bool = False
-    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dim_ffn")
@@ -117,11 +70,6 @@ class ModelConfig:
             _check_rope_scaling(self.rope_scaling, self.head_dim)
             # A private copy: the caller's dict must not be able to change a frozen config.
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
-        if isinstance(self.moe, dict):  # as a native config.json holds it
-            try:
-                object.__setattr__(self, "moe", MoEConfig(**self.moe))
-            except TypeError as error:
-                raise ConfigError(f"invalid moe settings {self.moe}: {error}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -205,10 +153,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_len=max_len,
             tie_weight=bool(hf.get("tie_word_embeddings", False)),
-            use_qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            attention_bias=model_type == "qwen2"
-            or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
-            moe=_hf_moe(hf, model_type, max_len) if model_type in MOE_MODEL_TYPES else None,
+            use_qk_norm=model_type == "qwen3",
+            attention_bias=model_type == "qwen2",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -283,37 +229,6 @@ def _refuse_unsupported_hf(
         )
 
 
-def _hf_moe(hf: dict[str, Any], model_type: str, max_len: int) -> MoEConfig | None:
-    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None if it has none)."""
-    # transformers reads either name on Mixtral and Qwen3-MoE (Qwen2-MoE: num_experts).
-    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if model_type == "mixtral":
-        # Mixtral's router always renormalises; its experts are intermediate_size wide.
-        norm_topk_prob, dim_expert = True, hf.get("intermediate_size")
-    else:
-        norm_topk_prob, dim_expert = bool(hf.get("norm_topk_prob")), hf.get("moe_intermediate_size")
-    sliding = hf.get("use_sliding_window") if model_type != "mixtral" else True
-    window = hf.get("sliding_window")
-    if sliding and window and window < max_len:
-        raise ConfigError(
-            f"sliding_window={window} on {model_type} is not supported: astrai's sliding-window "
-            "attention does not cover mixture-of-experts models yet"
-        )
-    if n_experts == 0:  # transformers then builds every layer dense
-        return None
-    return MoEConfig(
-        n_experts=n_experts,
-        n_experts_per_token=hf.get("num_experts_per_tok"),
-        dim_expert=dim_expert,
-        norm_topk_prob=norm_topk_prob,
-        dim_shared_expert=hf.get("shared_expert_intermediate_size")
-        if model_type == "qwen2_moe"
-        else None,
-        sparse_step=hf.get("decoder_sparse_step", 1),
-        dense_layers=hf.get("mlp_only_layers") or (),
-    )
-
-
 def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
     """Read rope settings from transformers 5 (rope_parameters) or 4 (rope_theta, rope_scaling)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -360,6 +275,10 @@ def parse_kv_cache_memory(text: str) -> float:
         ) from None
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits and switches of one InferenceEngine.
@@ -392,6 +311,19 @@ class EngineConfig:
     check_invariants: bool = setting(
         False, "raise, not only log, when the KV page accounting check at idle finds an error"
     )
+    speculative: str | None = setting(
+        None,
+        "speculative decoding: guess tokens and check them in one forward pass; ngram guesses "
+        "from the prompt and output so far, draft with --draft-model",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = setting(4, "most tokens guessed per step when speculating")
+    draft_model: str | None = setting(
+        None,
+        "the model that guesses for --speculative draft (implied): a smaller model with the "
+        "same tokenizer (directory, .gguf file or Hugging Face id)",
+        metavar="DIR|FILE|ID",
+    )
 
     def __post_init__(self) -> None:
         positive = {
@@ -407,6 +339,25 @@ class EngineConfig:
             not isinstance(self.max_seq_len, int) or self.max_seq_len <= 0
         ):
             raise ConfigError(f"max_seq_len must be a positive integer, got {self.max_seq_len!r}")
+        if self.speculative not in (None, *SPECULATIVE_METHODS):
+            raise ConfigError(
+                f"speculative must be one of {list(SPECULATIVE_METHODS)} or None, got "
+                f"{self.speculative!r}"
+            )
+        if self.draft_model is not None and self.speculative is None:
+            object.__setattr__(self, "speculative", "draft")  # a draft model means guessing
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ConfigError(
+                "speculative='draft' needs a draft_model, and a draft_model guesses only with "
+                "speculative='draft'"
+            )
+        if not isinstance(self.num_speculative_tokens, int) or not (
+            1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+        ):
+            raise ConfigError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens!r}"
+            )
         if not (self.kv_cache_memory > 0):
             raise ConfigError(
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory "

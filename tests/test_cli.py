@@ -251,6 +251,9 @@ def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
         return [flag, "1=-100,2=5"], {1: -100.0, 2: 5.0}
     if kind == Constraint | None:
         return [flag, '{"type": "object"}'], Constraint.json_schema({"type": "object"})
+    if kind == str | None:
+        choices = spec.metadata.get("choices")
+        return [flag, choices[0] if choices else "x"], choices[0] if choices else "x"
     if kind in (float, float | None):
         value = default / 2 if default else 0.5
     elif kind in (int, int | None):

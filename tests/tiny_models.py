@@ -98,8 +98,14 @@ LLAMA3_ROPE = {
 }
 
 
-def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Write a random-weight HF checkpoint of the given family, plus the test tokenizer."""
+def write_hf_model(
+    directory: Path, arch: str = "llama", seed: int = 0, random_norms: bool = False, **overrides
+) -> Path:
+    """Write a random-weight HF checkpoint of the given family, plus the test tokenizer.
+
+    Norm weights start at 1 in transformers; random_norms draws them around 1 instead, so a
+    norm loaded in another norm's place changes the logits.
+    """
     import transformers
 
     classes = {
@@ -107,6 +113,12 @@ def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overri
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     settings = dict(TINY)
@@ -120,9 +132,27 @@ def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overri
     # Random init gives nearly flat logits; scale the head so greedy choices are clear-cut.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        for name, weight in model.named_parameters():
+            if random_norms and "norm" in name:
+                weight.normal_(1.0, 0.3)
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory)
     return directory
+
+
+def hf_greedy(hf_model, ids: list[int], max_tokens: int, stop_ids) -> list[int]:
+    """transformers' greedy generate of up to max_tokens after the prompt ids: the reference
+    output of the engine's greedy tests."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -169,3 +199,21 @@ def make_engine(model, tokenizer, **config):
     config.setdefault("check_invariants", True)
     config.setdefault("kv_cache_memory", 64 << 20)
     return InferenceEngine(model, tokenizer, **config)
+
+
+def run_ids(engine, prompts, params):
+    """Submit token-id prompts (a list of lists) at once; return one TaskResult per prompt."""
+    import queue
+
+    from astrai.inference import STOP
+
+    events = queue.SimpleQueue()
+    groups = [
+        engine.submit(ids, p, lambda task, event: events.put((task, event)))
+        for ids, p in zip(prompts, params, strict=True)
+    ]
+    remaining = sum(len(g) for g in groups)
+    while remaining:
+        _, event = events.get(timeout=120)
+        remaining -= event is STOP
+    return [[task.result() for task in group] for group in groups]

@@ -18,6 +18,12 @@ from astrai.inference.constraints import CompiledConstraint, Constraint, Constra
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler
+from astrai.inference.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    SpeculationStats,
+    Speculator,
+)
 from astrai.inference.task import (
     STOP,
     GenerationParams,
@@ -85,6 +91,9 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     preemptions: int
+    speculative_steps: int = 0  # decode rows that carried guessed tokens
+    proposed_tokens: int = 0  # guessed tokens the target checked
+    accepted_tokens: int = 0  # guessed tokens the target kept
 
 
 Prompt = str | GenerationRequest
@@ -235,13 +244,59 @@ class InferenceEngine:
             self.cache.n_pages * page_size,
         )
         self.manager = TaskManager(self.config.max_waiting)
-        executor = ModelExecutor(model, self.cache, max_batch_size=self.config.max_batch_size)
-        self.scheduler = InferenceScheduler(executor, self.cache, self.manager, self.config)
+        speculator = self._speculator()
+        # A speculating task samples a row for each guess besides its own.
+        rows = self.config.max_batch_size * (
+            1 + (self.config.num_speculative_tokens if speculator else 0)
+        )
+        executor = ModelExecutor(model, self.cache, max_batch_size=rows)
+        self.scheduler = InferenceScheduler(
+            executor, self.cache, self.manager, self.config, speculator
+        )
         self._compiler: ConstraintCompiler | None = None  # made with the first constraint
         self._compiler_lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astrai-scheduler", daemon=True)
         self._thread.start()
+
+    def _speculator(self) -> Speculator | None:
+        """The speculative decoding the config asks for; a draft model is loaded here, in the
+        target's dtype and on its device, with a KV pool of as many tokens as the target's."""
+        config = self.config
+        if config.speculative is None:
+            return None
+        if config.speculative == "ngram":
+            return Speculator(NgramProposer(), config.num_speculative_tokens)
+        from astrai.model import AutoModel
+        from astrai.model.weights.hub import resolve_model
+
+        weight = next(self.model.parameters())
+        draft = AutoModel.from_pretrained(
+            resolve_model(config.draft_model), dtype=weight.dtype, device=weight.device
+        )
+        if draft.config.vocab_size != self.model.config.vocab_size:
+            raise ConfigError(
+                f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the "
+                f"target's {self.model.config.vocab_size}; a draft model must share the "
+                "target's tokenizer"
+            )
+        shape = (draft.config.n_layers, draft.config.n_kv_heads, draft.config.head_dim)
+        cache = PagedCache(
+            *shape,
+            self.cache.n_pages,
+            self.cache.page_size,
+            dtype=weight.dtype,
+            device=weight.device,
+            enable_prefix_cache=False,
+        )
+        log.info(
+            "draft model %s: weights %.0f MB, KV cache %.0f MB",
+            config.draft_model,
+            draft.weight_bytes() / 1e6,
+            2 * cache.k_cache.nbytes / 1e6,
+        )
+        proposer = DraftModelProposer(ModelExecutor(draft, cache))
+        return Speculator(proposer, config.num_speculative_tokens)
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -487,6 +542,8 @@ class InferenceEngine:
     def get_stats(self) -> EngineStats:
         cache = self.cache.stats()
         stats = self.scheduler.stats
+        speculator = self.scheduler.speculator
+        guesses = speculator.stats if speculator is not None else SpeculationStats()
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=self.manager.num_waiting,
@@ -498,6 +555,9 @@ class InferenceEngine:
             prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens,
             preemptions=stats.preemptions,
+            speculative_steps=guesses.steps,
+            proposed_tokens=guesses.proposed,
+            accepted_tokens=guesses.accepted,
         )
 
 

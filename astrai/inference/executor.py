@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from astrai.inference.attention import CacheView
-from astrai.inference.constraints import BatchMasker, TokenMask
+from astrai.inference.constraints import BatchMasker, ConstraintState, TokenMask
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.task import Task, TokenLogprob
@@ -25,26 +25,36 @@ from astrai.kernels import (
 from astrai.kernels.quant_ops import QuantizedLinear, tune_quant_linears
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduledChunk:
-    """The tokens of one task that a step feeds: positions start .. start + length - 1."""
+    """The tokens of one task that a step feeds: positions start .. start + length - 1.
+
+    A speculative chunk is a decode row followed by draft, guessed tokens the step checks
+    (speculative.py); the executor sets accepted to how many of them were kept.
+    """
 
     task: Task
     start: int
     length: int
+    draft: list[int] = field(default_factory=list)
+    # A constrained task's grammar state after each draft token, for the masks of its rows.
+    draft_states: list[ConstraintState] | None = None
+    accepted: int = 0
 
     @property
     def samples(self) -> bool:
         """A chunk that reaches the task's last token yields the logits of its next token."""
-        return self.start + self.length == self.task.num_tokens
+        return self.start + self.length == self.task.num_tokens + len(self.draft)
 
     def token_ids(self) -> list[int]:
         """The chunk's token ids, sliced without building the task's whole prompt + output."""
         prompt, output = self.task.prompt_ids, self.task.output_ids
-        end = self.start + self.length
+        end = self.start + self.length - len(self.draft)
         if self.start >= len(prompt):
-            return output[self.start - len(prompt) : end - len(prompt)]
-        return prompt[self.start : end] + output[: max(0, end - len(prompt))]
+            known = output[self.start - len(prompt) : end - len(prompt)]
+        else:
+            known = prompt[self.start : end] + output[: max(0, end - len(prompt))]
+        return known + self.draft
 
 
 @dataclass
@@ -158,14 +168,12 @@ class ModelExecutor:
             release_openmp_workers()  # after the timing, which ran on this thread's pool
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
-        token_ids: list[int] = []
-        for chunk in chunks:
-            token_ids.extend(chunk.token_ids())
-        ends = np.cumsum([chunk.length for chunk in chunks]) - 1
-        sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
-
-        view = CacheView(self.cache, [(c.task.id, c.start, c.length) for c in chunks])
+    def forward(
+        self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
+    ) -> torch.Tensor:
+        """float32 logits [len(rows), vocab] of the given rows of one ragged batch: seqs are
+        (task_id, start, n) as CacheView takes them, token_ids their tokens back to back."""
+        view = CacheView(self.cache, seqs)
         model = self.model
         h, cos, signed_sin = model.embed(
             torch.tensor(token_ids, dtype=torch.long, device=self.device), view.positions
@@ -174,31 +182,71 @@ class ModelExecutor:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         else:
             h, residual = model.run_layers(h, cos, signed_sin, view)
-        logits = model.logits(h, residual, torch.from_numpy(ends[sampling]).to(self.device))
-        tasks = [chunks[i].task for i in sampling]
-        if not tasks:
+        return model.logits(h, residual, torch.from_numpy(rows).to(self.device))
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
+        """Run the chunks as one forward pass and sample each sampling chunk's next token; a
+        speculative chunk yields its kept draft tokens and then the target's own, in order."""
+        token_ids: list[int] = []
+        for chunk in chunks:
+            token_ids.extend(chunk.token_ids())
+        ends = np.cumsum([chunk.length for chunk in chunks])
+        sampling = [chunk for chunk in chunks if chunk.samples]
+        # A row of logits for a chunk's last token, and for each token before its draft ones.
+        rows = np.concatenate(
+            [
+                np.arange(end - 1 - len(chunk.draft), end)
+                for chunk, end in zip(chunks, ends, strict=True)
+                if chunk.samples
+            ]
+            or [np.zeros(0, dtype=np.int64)]
+        )
+
+        seqs = [(c.task.id, c.start, c.length) for c in chunks]
+        logits = self.forward(seqs, token_ids, rows)
+        if not sampling:
             return []
+        # Row i of a speculative chunk samples as plain decoding would after its first i
+        # draft tokens: its own output so far, grammar state and seeded draw.
+        row_tasks = [c.task for c in sampling for _ in range(len(c.draft) + 1)]
+        outputs = [
+            c.task.output_ids + c.draft[:i] for c in sampling for i in range(len(c.draft) + 1)
+        ]
         batch = SamplingBatch.build(
-            [t.params for t in tasks],
-            [t.prompt_ids for t in tasks],
-            [t.output_ids for t in tasks],
+            [t.params for t in row_tasks],
+            [t.prompt_ids for t in row_tasks],
+            outputs,
             self.device,
-            stop_token_ids=[t.stop_token_ids for t in tasks],
-            mask=self._constraint_mask(tasks),
+            stop_token_ids=[t.stop_token_ids for t in row_tasks],
+            mask=self._constraint_mask(
+                [
+                    state
+                    for c in sampling
+                    for state in (c.task.constraint, *(c.draft_states or [None] * len(c.draft)))
+                ]
+            ),
         )
         out = sample(logits, batch, self.pipeline)
         results = []
-        for row, task in enumerate(tasks):
-            logprob = None
-            if task.params.logprobs is not None and out.logprobs is not None:
-                top = out.top_logprobs[row] if out.top_logprobs is not None else []
-                logprob = TokenLogprob(out.token_ids[row], out.logprobs[row], top)
-            results.append(SampledToken(task, out.token_ids[row], logprob))
+        row = 0
+        for chunk in sampling:
+            task = chunk.task
+            for i in range(len(chunk.draft) + 1):
+                logprob = None
+                if task.params.logprobs is not None and out.logprobs is not None:
+                    top = out.top_logprobs[row + i] if out.top_logprobs is not None else []
+                    logprob = TokenLogprob(out.token_ids[row + i], out.logprobs[row + i], top)
+                token = out.token_ids[row + i]
+                results.append(SampledToken(task, token, logprob))
+                if i == len(chunk.draft) or token != chunk.draft[i]:
+                    chunk.accepted = i
+                    break
+            row += len(chunk.draft) + 1
         return results
 
-    def _constraint_mask(self, tasks: Sequence[Task]) -> TokenMask | None:
+    def _constraint_mask(self, states: Sequence[ConstraintState | None]) -> TokenMask | None:
         """The grammar masks of the sampling rows whose tasks are constrained, or None."""
-        states = [task.constraint for task in tasks]
         if all(state is None for state in states):
             return None
         if self.masker is None:

@@ -323,6 +323,20 @@ class PagedCache:
             self.prefix.add(key, parent, page_tokens, entry.pages[i])
             entry.keys.append(key)
 
+    def truncate(self, task_id: int, num_tokens: int) -> None:
+        """Shrink the task's table to the pages that num_tokens slots need: those a speculative
+        step took for draft tokens that were rejected. They hold no committed token, so they
+        go back to the free pool, never to the prefix cache."""
+        entry = self.tasks.open(task_id)
+        keep = -(-num_tokens // self.page_size)
+        if keep < len(entry.keys) or num_tokens < entry.num_cached:
+            raise ValueError(
+                f"task {task_id}: cannot truncate to {num_tokens} tokens, {entry.num_cached} "
+                "are committed"
+            )
+        while len(entry.pages) > keep:
+            self.pool.decref(entry.pages.pop(), keep=False)
+
     def fork(self, src_task_id: int, dst_task_id: int, num_tokens: int) -> int:
         """Share src's full pages covering up to num_tokens (but never the last) with a new dst.
 

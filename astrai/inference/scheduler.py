@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from astrai.config import EngineConfig
 from astrai.inference.executor import ModelExecutor, SampledToken, ScheduledChunk
 from astrai.inference.kv_cache import PagedCache
+from astrai.inference.speculative import Speculator
 from astrai.inference.task import STOP, Task, TaskManager, TaskStatus
 
 log = logging.getLogger(__name__)
@@ -142,11 +144,13 @@ class InferenceScheduler:
         cache: PagedCache,
         manager: TaskManager,
         config: EngineConfig,
+        speculator: Speculator | None = None,
     ) -> None:
         self.executor = executor
         self.cache = cache
         self.manager = manager
         self.config = config
+        self.speculator = speculator
         self.running: list[Task] = []
         self.requeued: set[Task] = set()  # preempted tasks waiting to be readmitted
         self.stats = SchedulerStats()
@@ -169,7 +173,14 @@ class InferenceScheduler:
         self._apply(plan)
         if not plan.chunks:
             return False
-        self._post_process(*self._execute(plan.chunks))
+        started = time.perf_counter()
+        if self.speculator is not None:
+            unused = self.config.max_num_batched_tokens - sum(c.length for c in plan.chunks)
+            self.speculator.extend(plan.chunks, unused, self.cache)
+        ran, sampled = self._execute(plan.chunks)
+        if self.speculator is not None:
+            self.speculator.timed(plan.chunks, started)
+        self._post_process(ran, sampled)
         return True
 
     def _execute(
@@ -232,11 +243,15 @@ class InferenceScheduler:
         page_size = self.cache.page_size
         for chunk in chunks:
             task = chunk.task
-            task.num_computed = chunk.start + chunk.length
+            # A speculative chunk's K/V holds for its decode row and the draft tokens kept.
+            task.num_computed = chunk.start + chunk.length - len(chunk.draft) + chunk.accepted
             if task.num_computed // page_size > chunk.start // page_size:
-                self.cache.commit(task.id, task.all_ids, task.num_computed)
+                tokens = task.all_ids + chunk.draft[: chunk.accepted]
+                self.cache.commit(task.id, tokens, task.num_computed)
         for item in sampled:
             task = item.task
+            if task.is_finished:  # a draft token before this one ended it
+                continue
             try:
                 delta = task.append_token(item.token_id, item.logprob)
             except Exception as exc:  # one request's bad token must not end the others
@@ -247,6 +262,11 @@ class InferenceScheduler:
             self._notify(task, delta)
             if task.is_finished:
                 self._release(task)
+        for chunk in chunks:
+            if chunk.draft:
+                self.speculator.verified(chunk)
+                if not chunk.task.is_finished:
+                    self.cache.truncate(chunk.task.id, chunk.task.num_tokens)
 
     def _end(self, task: Task, status: TaskStatus, reason: str, error: str | None = None) -> None:
         if task.is_finished:
@@ -261,6 +281,8 @@ class InferenceScheduler:
             self.running.remove(task)
         self.requeued.discard(task)
         self.cache.free(task.id)
+        if self.speculator is not None:
+            self.speculator.forget(task)
         self._notify(task, STOP)
 
     def _notify(self, task: Task, event) -> None:

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import make_engine
+from tiny_models import make_engine, run_ids
 
-from astrai.inference import STOP, GenerationParams, GenerationRequest
+from astrai.inference import GenerationParams, GenerationRequest
 from astrai.inference import scheduler as scheduler_module
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.kernels import native
@@ -27,20 +27,6 @@ def kv_bytes(model):
     """Bytes of K and V per token across all layers, in fp32."""
     c = model.config
     return c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
-
-
-def run_ids(engine, prompts, params):
-    """Submit token-id prompts (a list of lists) at once; return one TaskResult per prompt."""
-    events = queue.SimpleQueue()
-    groups = [
-        engine.submit(ids, p, lambda task, event: events.put((task, event)))
-        for ids, p in zip(prompts, params, strict=True)
-    ]
-    remaining = sum(len(g) for g in groups)
-    while remaining:
-        _, event = events.get(timeout=120)
-        remaining -= event is STOP
-    return [[task.result() for task in group] for group in groups]
 
 
 def hf_greedy(hf_model, ids, max_tokens, stop_ids):

@@ -1,0 +1,279 @@
+"""Speculative decoding: guess a decoding task's next tokens, check them all in one pass.
+
+Batch-1 decode reads every weight once per token; a decode row followed by k guessed tokens
+reads them once for up to k + 1 tokens. The target model scores the guesses as one chunk of
+the ragged batch, and the executor samples every row of it exactly as plain decoding would
+sample that position (the same processed distribution, the same seeded uniform): a guess is
+kept while it equals the token drawn there, and the first token that differs is the target's
+own next token. With deterministic guesses this is rejection sampling (accept guess d with
+probability p(d), else draw from p without d), so the output distribution is exactly the
+target's; and a greedy or seeded request gets the very tokens it gets without speculation.
+
+Rejected guesses leave K/V in slots past the task's computed tokens; the next step overwrites
+them, and the pages that held only rejected tokens go back to the pool (PagedCache.truncate),
+never to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from astrai.inference.constraints import ConstraintState
+from astrai.inference.executor import ModelExecutor, ScheduledChunk
+from astrai.inference.kv_cache import PagedCache
+from astrai.inference.task import Task
+
+
+def ngram_draft(ids: Sequence[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, for the largest n in [min_ngram, max_ngram] that occurs; [] if none does."""
+    tokens = np.asarray(ids, dtype=np.int64)
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = tokens[length - n :]
+        # Occurrences starting at i < length - n, so the suffix does not match itself.
+        starts = np.flatnonzero(tokens[: length - n] == suffix[0])
+        for offset in range(1, n):
+            starts = starts[tokens[starts + offset] == suffix[offset]]
+        if starts.size:
+            follow = starts[-1] + n
+            return tokens[follow : follow + num_tokens].tolist()
+    return []
+
+
+class NgramProposer:
+    """Guesses from the sequence itself: what followed its last n tokens the last time they
+    appeared (code edits, answers quoting a document, JSON that repeats its keys)."""
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, tasks: Sequence[Task], lengths: Sequence[int]) -> list[list[int]]:
+        return [
+            ngram_draft(task.all_ids, n, self.max_ngram, self.min_ngram) if n else []
+            for task, n in zip(tasks, lengths, strict=True)
+        ]
+
+    def forget(self, task: Task) -> None:
+        """Nothing to drop: the proposer keeps no state per task."""
+
+
+class DraftModelProposer:
+    """Guesses from a smaller model with the target's tokenizer, greedily, on its own KV cache.
+
+    The draft's cache keeps the K/V of the task's real tokens only: guesses it fed are
+    forgotten after each proposal and fed again next time if the target kept them (the same
+    forward pass that feeds the newest token), so nothing rejected can linger in it.
+    """
+
+    def __init__(self, executor: ModelExecutor) -> None:
+        self.executor = executor
+        self.computed: dict[int, int] = {}  # task id -> real tokens in the draft's cache
+
+    def propose(self, tasks: Sequence[Task], lengths: Sequence[int]) -> list[list[int]]:
+        cache = self.executor.cache
+        drafts: list[list[int]] = [[] for _ in tasks]
+        # The draft feeds all its guesses but the last, so it needs a slot for each of those.
+        active = [
+            i
+            for i, (task, n) in enumerate(zip(tasks, lengths, strict=True))
+            if n and cache.allocate(task.id, task.num_tokens + n - 1)
+        ]
+        fed = {i: min(self.computed.get(tasks[i].id, 0), tasks[i].num_tokens - 1) for i in active}
+        for i in active:
+            self.computed[tasks[i].id] = tasks[i].num_tokens
+        while active:
+            seqs, token_ids = [], []
+            for i in active:
+                task = tasks[i]
+                new = (task.all_ids + drafts[i])[fed[i] :]
+                seqs.append((task.id, fed[i], len(new)))
+                token_ids += new
+                fed[i] += len(new)
+            rows = np.cumsum([n for _, _, n in seqs]) - 1
+            guesses = self.executor.forward(seqs, token_ids, rows).argmax(dim=-1).tolist()
+            for i, guess in zip(active, guesses, strict=True):
+                drafts[i].append(guess)
+            active = [i for i in active if len(drafts[i]) < lengths[i]]
+        return drafts
+
+    def forget(self, task: Task) -> None:
+        self.executor.cache.free(task.id)
+        self.computed.pop(task.id, None)
+
+
+class StepTimes:
+    """Seconds a forward pass of n rows takes on this machine, learnt from the steps that ran
+    (an exponential average per row count), so the policy weighs guesses at measured cost."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def estimate(self, rows: int) -> float | None:
+        """Interpolated between the row counts measured; flat beyond them (an optimistic guess
+        that the next steps correct), None before any step ran."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        known = sorted(self.seconds)
+        if not known:
+            return None
+        below = [r for r in known if r < rows]
+        above = [r for r in known if r > rows]
+        if not below or not above:
+            return self.seconds[below[-1] if below else above[0]]
+        low, high = below[-1], above[0]
+        share = (rows - low) / (high - low)
+        return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
+
+
+def expected_accepted(rate: float, num_tokens: int) -> float:
+    """Guesses kept on average when each is kept with probability rate, until the first miss."""
+    return sum(rate**j for j in range(1, num_tokens + 1))
+
+
+@dataclass
+class SpeculationStats:
+    steps: int = 0  # verifications: speculative chunks that ran
+    proposed: int = 0  # guessed tokens scored by the target
+    accepted: int = 0  # guessed tokens kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Guesses kept per verification (each verification also yields one token of its own)."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+
+# A task's guesses start out trusted this much, and a task left out drifts back towards it, so
+# one that stopped speculating tries again after a while.
+PRIOR_RATE = 0.5
+RATE_SMOOTHING = 0.3
+RETRY_DRIFT = 1 / 32
+
+
+class Speculator:
+    """Turns a step's decode chunks into speculative ones where that is expected to pay.
+
+    Per task it keeps the rate at which its guesses were kept; per step it adds guesses while
+    the tokens expected per second rise, with step times measured on this machine. Guessing
+    therefore stops for a task whose guesses miss and for a batch large enough that more rows
+    cost more time (compute-bound), and resumes when the measurements say it pays again.
+    """
+
+    def __init__(self, proposer, num_tokens: int) -> None:
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.times = StepTimes()
+        self.rates: dict[int, float] = {}
+        self.stats = SpeculationStats()
+
+    def extend(self, chunks: list[ScheduledChunk], budget: int, cache: PagedCache) -> None:
+        """Give decode chunks guesses, within the step's unused token budget and the free
+        pages (no one is preempted for a guess)."""
+        decodes = [c for c in chunks if c.length == 1 and c.samples]
+        if not decodes or budget <= 0:
+            return
+        rows = sum(c.length for c in chunks)
+        lengths = self._choose(decodes, [self._room(c.task, budget) for c in decodes], rows)
+        drafts = self.proposer.propose([c.task for c in decodes], lengths)
+        for chunk, length, draft in zip(decodes, lengths, drafts, strict=True):
+            task = chunk.task
+            if not length:
+                rate = self.rates.get(task.id, PRIOR_RATE)
+                self.rates[task.id] = rate + RETRY_DRIFT * (PRIOR_RATE - rate)
+                continue
+            draft, states = _grammar_prefix(task, draft[:budget])
+            if not draft or not cache.allocate(task.id, task.num_tokens + len(draft)):
+                continue
+            chunk.draft = draft
+            chunk.draft_states = states
+            chunk.length += len(draft)
+            budget -= len(draft)
+
+    def _room(self, task: Task, budget: int) -> int:
+        """Guesses the task can take: its output must stay within max_tokens with the
+        target's own token after them."""
+        left = task.params.max_tokens - len(task.output_ids) - 1
+        return max(0, min(self.num_tokens, left, budget))
+
+    def _choose(self, decodes: list[ScheduledChunk], lengths: list[int], rows: int) -> list[int]:
+        """How many guesses each decode chunk gets (0: none): the chunks whose guesses raise
+        the step's expected tokens per second, the most promising first."""
+        base = self.times.estimate(rows)
+        expected = [
+            expected_accepted(self.rates.get(c.task.id, PRIOR_RATE), n)
+            for c, n in zip(decodes, lengths, strict=True)
+        ]
+        order = sorted(
+            (i for i, n in enumerate(lengths) if n),
+            key=lambda i: expected[i] / lengths[i],
+            reverse=True,
+        )
+        chosen = [0] * len(decodes)
+        tokens, extra = float(len(decodes)), 0
+        for i in order:
+            if base is not None:
+                now = tokens / (self.times.estimate(rows + extra) or base)
+                then = (tokens + expected[i]) / (
+                    self.times.estimate(rows + extra + lengths[i]) or base
+                )
+                if then <= now:
+                    break
+            chosen[i] = lengths[i]
+            tokens += expected[i]
+            extra += lengths[i]
+        return chosen
+
+    def timed(self, chunks: Sequence[ScheduledChunk], started: float) -> None:
+        """Record the step's time from before the guessing, if the step was decodes only
+        (prompt chunks cost otherwise)."""
+        if all(c.length == 1 + len(c.draft) for c in chunks):
+            self.times.record(sum(c.length for c in chunks), time.perf_counter() - started)
+
+    def verified(self, chunk: ScheduledChunk) -> None:
+        """Count a speculative chunk's outcome and update its task's rate."""
+        proposed = len(chunk.draft)
+        self.stats.steps += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += chunk.accepted
+        if chunk.task.is_finished:
+            return
+        rate = self.rates.get(chunk.task.id, PRIOR_RATE)
+        self.rates[chunk.task.id] = rate + RATE_SMOOTHING * (chunk.accepted / proposed - rate)
+
+    def forget(self, task: Task) -> None:
+        self.rates.pop(task.id, None)
+        self.proposer.forget(task)
+
+
+def _grammar_prefix(task: Task, draft: list[int]) -> tuple[list[int], list[ConstraintState] | None]:
+    """The guesses a constrained task's grammar allows, up to the first it forbids (its mask
+    would make the target reject it anyway), and the grammar's state after each of them,
+    which the masks of the chunk's later rows need; None for an unconstrained task."""
+    if task.constraint is None:
+        return draft, None
+    states: list[ConstraintState] = []
+    state = task.constraint
+    for token in draft:
+        if token in task.stop_token_ids or state.is_finished():
+            break
+        state = state.fork()
+        try:
+            state.advance(token)
+        except RuntimeError:
+            break
+        states.append(state)
+    return draft[: len(states)], states
