@@ -13,7 +13,8 @@ class ConfigError(ValueError):
 
 
 NATIVE_MODEL_TYPE = "astrai"
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -24,6 +25,49 @@ ROPE_SCALING_KEYS = {
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    Each token goes to the n_experts_per_token experts (SwiGLU MLPs of dim_expert) with the
+    highest router probability, their outputs weighted by those probabilities, renormalised to
+    sum to 1 if norm_topk_prob. dim_shared_expert is Qwen2-MoE's expert that every token also
+    runs, its output scaled by a sigmoid gate. As transformers places them, layer i is sparse
+    if (i + 1) % sparse_step == 0 and i is not in dense_layers; a dense layer runs the plain MLP
+    of ModelConfig.dim_ffn.
+    """
+
+    n_experts: int
+    n_experts_per_token: int
+    dim_expert: int
+    norm_topk_prob: bool = True
+    dim_shared_expert: int | None = None
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        sizes = ("n_experts", "n_experts_per_token", "dim_expert", "sparse_step")
+        for name in (*sizes, "dim_shared_expert"):
+            value = getattr(self, name)
+            if (value is not None or name in sizes) and not _positive_int(value):
+                raise ConfigError(f"moe.{name} must be a positive integer, got {value!r}")
+        if self.n_experts_per_token > self.n_experts:
+            raise ConfigError(
+                f"moe.n_experts_per_token ({self.n_experts_per_token}) cannot exceed "
+                f"moe.n_experts ({self.n_experts})"
+            )
+        # A tuple, so the frozen config stays hashable and the caller's list cannot change it.
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether layer layer_idx runs the experts rather than the dense MLP."""
+        return layer_idx not in self.dense_layers and (layer_idx + 1) % self.sparse_step == 0
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama-family decoder: everything the model needs to build itself.
 
@@ -31,6 +75,8 @@ class ModelConfig:
     None or a dict with "rope_type" ("linear" or "llama3") and that type's parameters
     (ROPE_SCALING_KEYS), spelled as Hugging Face spells them. attention_bias means a bias on
     the q/k/v projections only (Qwen2); use_qk_norm is Qwen3's per-head RMSNorm on q and k.
+
+    moe describes the experts of a mixture-of-experts model (MoEConfig); None for a dense one.
     """
 
     vocab_size: int
@@ -47,6 +93,7 @@ class ModelConfig:
     tie_weight: bool = False
     use_qk_norm: bool = False
     attention_bias: bool = False
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dim_ffn")
@@ -70,6 +117,11 @@ class ModelConfig:
             _check_rope_scaling(self.rope_scaling, self.head_dim)
             # A private copy: the caller's dict must not be able to change a frozen config.
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        if isinstance(self.moe, dict):  # as a native config.json holds it
+            try:
+                object.__setattr__(self, "moe", MoEConfig(**self.moe))
+            except TypeError as error:
+                raise ConfigError(f"invalid moe settings {self.moe}: {error}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -153,8 +205,10 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_len=max_len,
             tie_weight=bool(hf.get("tie_word_embeddings", False)),
-            use_qk_norm=model_type == "qwen3",
-            attention_bias=model_type == "qwen2",
+            use_qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_bias=model_type == "qwen2"
+            or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
+            moe=_hf_moe(hf, model_type, max_len) if model_type in MOE_MODEL_TYPES else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,6 +281,37 @@ def _refuse_unsupported_hf(
             "attends over the whole context and does not implement sliding-window attention, "
             "so it would compute a different model past the window"
         )
+
+
+def _hf_moe(hf: dict[str, Any], model_type: str, max_len: int) -> MoEConfig | None:
+    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None if it has none)."""
+    # transformers reads either name on Mixtral and Qwen3-MoE (Qwen2-MoE: num_experts).
+    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if model_type == "mixtral":
+        # Mixtral's router always renormalises; its experts are intermediate_size wide.
+        norm_topk_prob, dim_expert = True, hf.get("intermediate_size")
+    else:
+        norm_topk_prob, dim_expert = bool(hf.get("norm_topk_prob")), hf.get("moe_intermediate_size")
+    sliding = hf.get("use_sliding_window") if model_type != "mixtral" else True
+    window = hf.get("sliding_window")
+    if sliding and window and window < max_len:
+        raise ConfigError(
+            f"sliding_window={window} on {model_type} is not supported: astrai's sliding-window "
+            "attention does not cover mixture-of-experts models yet"
+        )
+    if n_experts == 0:  # transformers then builds every layer dense
+        return None
+    return MoEConfig(
+        n_experts=n_experts,
+        n_experts_per_token=hf.get("num_experts_per_tok"),
+        dim_expert=dim_expert,
+        norm_topk_prob=norm_topk_prob,
+        dim_shared_expert=hf.get("shared_expert_intermediate_size")
+        if model_type == "qwen2_moe"
+        else None,
+        sparse_step=hf.get("decoder_sparse_step", 1),
+        dense_layers=hf.get("mlp_only_layers") or (),
+    )
 
 
 def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
