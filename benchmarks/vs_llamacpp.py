@@ -104,7 +104,7 @@ def build_llama_cpp(root: Path) -> None:
     )
     subprocess.run(
         ["cmake", "--build", str(root / "build"), "--config", "Release", "-j"]
-        + ["--target", "llama-bench", "llama-server", "llama-quantize"],
+        + ["--target", "llama-bench", "llama-server", "llama-quantize", "llama-lookup"],
         check=True,
     )
 

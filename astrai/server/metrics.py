@@ -40,6 +40,33 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             "astrai_preemptions", "Requests preempted for KV memory", value=stats.preemptions
         )
+        counters = {
+            "astrai_speculative_steps": (
+                "Decode rows that carried guessed tokens for the model to check",
+                stats.speculative_steps,
+            ),
+            "astrai_speculative_proposed_tokens": (
+                "Guessed tokens the model checked",
+                stats.proposed_tokens,
+            ),
+            "astrai_speculative_accepted_tokens": (
+                "Guessed tokens the model kept",
+                stats.accepted_tokens,
+            ),
+        }
+        for name, (documentation, value) in counters.items():
+            yield CounterMetricFamily(name, documentation, value=value)
+        steps, proposed = stats.speculative_steps, stats.proposed_tokens
+        yield GaugeMetricFamily(
+            "astrai_speculative_acceptance_rate",
+            "Fraction of guessed tokens kept",
+            value=stats.accepted_tokens / proposed if proposed else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "astrai_speculative_mean_accepted_length",
+            "Guessed tokens kept per check (each check also yields the model's own token)",
+            value=stats.accepted_tokens / steps if steps else 0.0,
+        )
 
 
 class ServerMetrics:

@@ -1,0 +1,195 @@
+"""Speculative decoding on the real SmolLM2-135M-Instruct GGUF, against llama.cpp's lookup.
+
+Three workloads, greedy, each a chat request to the instruct model: editing code (the prompt
+holds most of the answer), summarizing a given text, and open-ended chat. For each, astrai's
+decode tokens/s without speculation and with n-gram speculation (prompt lookup) at batch 1
+and at batch 8 (eight variants submitted at once), the acceptance rate and the mean number
+of guesses kept per check, whether the output equals the output without speculation (it
+must: greedy output does not change), and `llama-lookup` (llama.cpp's prompt-lookup
+decoding, the same prompt text, greedy, --spec-draft-n-max K) beside the batch-1 figure.
+
+Tokens/s counts the tokens generated over the time from submit to the last token, prefill
+included, for astrai; llama-lookup's figure leaves its prefill out (its "decoded" line), so the
+ratio leans its way. The roofline is batch-1
+decode without speculation at the machine's read bandwidth: speculation can pass it, since
+one weight read then yields several tokens.
+
+    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/speculative.py  # ~4 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from machine import read_bandwidth
+from vs_llamacpp import decode_weight_bytes, llama_cpp_bin, smollm2_gguf
+
+from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
+
+CODE = '''def load_records(path, limit=None):
+    """Read a CSV file of records and return them as dictionaries."""
+    records = []
+    with open(path, newline="") as handle:
+        header = handle.readline().strip().split(",")
+        for number, line in enumerate(handle):
+            if limit is not None and number >= limit:
+                break
+            values = line.strip().split(",")
+            record = dict(zip(header, values))
+            record["line"] = number + 2
+            records.append(record)
+    return records
+
+
+def total_by_key(records, key, field):
+    """Sum the numeric field of the records, grouped by key."""
+    totals = {}
+    for record in records:
+        group = record[key]
+        amount = float(record[field])
+        totals[group] = totals.get(group, 0.0) + amount
+    return totals
+'''
+
+ARTICLE = (
+    "The city council met on Tuesday evening to discuss the new public library, which has been "
+    "under construction for two years. The building, designed by a local architect, will hold "
+    "more than two hundred thousand books, a children's reading room, a small theatre and a "
+    "workshop where residents can borrow tools and learn to repair furniture and bicycles. "
+    "Council members praised the project but raised concerns about the budget: the cost has "
+    "risen by fifteen percent since the plans were approved, mostly because of the price of "
+    "steel and the delays caused by an unusually wet winter. The mayor said the library would "
+    "open in the spring as planned, and that the extra cost would be covered by a grant from "
+    "the regional government and by donations from local businesses. Residents who spoke at "
+    "the meeting asked for longer opening hours on weekends and for a bus stop near the main "
+    "entrance. The council agreed to study both requests and to report back next month."
+)
+
+WORKLOADS = {
+    "code editing": [
+        f"Rename the variable `records` to `rows` in this Python code and return the whole "
+        f"code:\n\n{CODE}",
+        f"Rename the function `load_records` to `read_rows` in this Python code and return the "
+        f"whole code:\n\n{CODE}",
+        f"Add type hints to this Python code and return the whole code:\n\n{CODE}",
+        f"Rename the variable `totals` to `sums` in this Python code and return the whole "
+        f"code:\n\n{CODE}",
+    ],
+    "summarization": [
+        f"Summarize this article in three sentences:\n\n{ARTICLE}",
+        f"What did the residents ask for? Answer from this article:\n\n{ARTICLE}",
+        f"List the facts about the budget in this article:\n\n{ARTICLE}",
+        f"Write a headline and a short summary of this article:\n\n{ARTICLE}",
+    ],
+    "open chat": [
+        "Write a short story about a dragon who learns to cook.",
+        "What are some good habits for staying healthy while working from home?",
+        "Explain how a bicycle gear system works.",
+        "Give me ideas for a birthday party for a ten-year-old.",
+    ],
+}
+
+
+def prompts_of(workload: str, count: int) -> list[GenerationRequest]:
+    texts = WORKLOADS[workload]
+    return [
+        GenerationRequest(messages=[{"role": "user", "content": texts[i % len(texts)]}])
+        for i in range(count)
+    ]
+
+
+def run_astrai(model, tokenizer, prompts, max_tokens, **config):
+    """(tokens/s, outputs, engine stats) of the prompts submitted at once, after a warm-up."""
+    params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
+    with InferenceEngine(model, tokenizer, enable_prefix_cache=False, **config) as engine:
+        engine.generate_results(prompts, params)  # warm-up: records the steps, learns timings
+        started = time.perf_counter()
+        results = engine.generate_results(prompts, params)
+        seconds = time.perf_counter() - started
+        stats = engine.get_stats()
+    tokens = sum(len(r.token_ids) for r in results)
+    return tokens / seconds, [r.token_ids for r in results], stats
+
+
+def run_lookup(bin_dir: Path, gguf: Path, text: str, max_tokens: int, draft: int, threads: int):
+    """llama-lookup's (tokens/s, acceptance rate) on the prompt text, greedy."""
+    run = subprocess.run(
+        [str(bin_dir / "llama-lookup"), "-m", str(gguf), "-p", text, "-n", str(max_tokens)]
+        + ["--spec-draft-n-max", str(draft), "--temp", "0", "-t", str(threads), "-c", "2048"]
+        + ["--no-repack"],
+        capture_output=True,
+        text=True,
+    )
+    log = run.stdout + run.stderr
+    speed = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", log)
+    accept = re.search(r"accept\s*=\s*([\d.]+)%", log)
+    if run.returncode != 0 or speed is None:
+        return None, None
+    return float(speed.group(1)), float(accept.group(1)) / 100 if accept else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--num-tokens", type=int, default=4, help="guesses per check (K)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    args = parser.parse_args()
+
+    gguf = smollm2_gguf()
+    model = AutoModel.from_pretrained(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf)
+    bandwidth = read_bandwidth()
+    roofline = bandwidth / decode_weight_bytes(model)
+    bin_dir = None if args.no_llama_cpp else llama_cpp_bin()
+    print(
+        f"SmolLM2-135M-Instruct Q4_1, {args.threads} threads, K={args.num_tokens}, "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s, decode roofline {roofline:.0f} tok/s"
+    )
+    rows = []
+    for workload in WORKLOADS:
+        for batch in (1, 8):
+            prompts = prompts_of(workload, batch)
+            plain, expected, _ = run_astrai(model, tokenizer, prompts, args.max_tokens)
+            fast, outputs, stats = run_astrai(
+                model,
+                tokenizer,
+                prompts,
+                args.max_tokens,
+                speculative="ngram",
+                num_speculative_tokens=args.num_tokens,
+            )
+            rate = stats.accepted_tokens / max(stats.proposed_tokens, 1)
+            kept = stats.accepted_tokens / max(stats.speculative_steps, 1)
+            lookup = ""
+            if bin_dir is not None and batch == 1:
+                text = tokenizer.apply_chat_template(prompts[0].messages, tokenize=False)
+                speed, accept = run_lookup(
+                    bin_dir, gguf, text, args.max_tokens, args.num_tokens, args.threads
+                )
+                lookup = "crashed" if speed is None else f"{speed:.1f} ({accept:.0%} kept)"
+                if speed is not None:
+                    lookup += f", astrai {fast / speed:.2f}x"
+            rows.append(
+                f"| {workload} | {batch} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f}x "
+                f"| {rate:.0%} | {kept:.2f} | {outputs == expected} "
+                f"| {fast / roofline:.0%} | {lookup} |"
+            )
+            print(rows[-1], flush=True)
+    print(
+        "\n| workload | batch | astrai tok/s | with n-gram speculation | speed-up | guesses "
+        "kept | kept per check | same output | of roofline | llama-lookup tok/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
