@@ -10,6 +10,7 @@ import copy
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,128 @@ def hf_greedy(hf_model, ids: list[int], max_tokens: int, stop_ids) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(ids) :].tolist()
+
+
+# Tiny GGUF files (write_gguf) are written from random HF checkpoints, with names spelled here
+# rather than borrowed from the loader, so a mapping mistake cannot cancel itself out.
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# An expert's projection (Qwen-MoE's name or Mixtral's) -> the tensor of all a layer's experts.
+GGUF_EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps",
+    "w1": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "w3": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w2": "ffn_down_exps",
+}
+
+
+def llama_cpp_permute(weight, n_heads: int):
+    """llama.cpp's convert_hf_to_gguf permute of a q or k weight."""
+    rows = weight.shape[0]
+    halves = weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(
+    path: Path,
+    hf_dir: Path,
+    arch: str,
+    extra_tensors: dict | None = None,
+    types: dict | None = None,
+    **metadata_overrides,
+) -> Path:
+    """Write hf_dir's checkpoint (and extra_tensors) as a GGUF file of architecture arch, each
+    tensor F32 unless types maps the end of its GGUF name to a block type. A layer's experts
+    are one [n_experts, out, in] tensor per projection, as llama.cpp writes them."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    writer = gguf.GGUFWriter(path, arch)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    metadata = {
+        "block_count": hf["num_hidden_layers"],
+        "context_length": hf["max_position_embeddings"],
+        "embedding_length": hf["hidden_size"],
+        "feed_forward_length": hf["intermediate_size"],
+        "attention.head_count": hf["num_attention_heads"],
+        "attention.head_count_kv": hf["num_key_value_heads"],
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "attention.layer_norm_rms_epsilon": hf["rms_norm_eps"],
+        "rope.freq_base": float(hf.get("rope_parameters", {}).get("rope_theta", 10000.0)),
+        "vocab_size": hf["vocab_size"],
+        **metadata_overrides,
+    }
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+
+    def add(gguf_name: str, array: np.ndarray) -> None:
+        qtype = next((t for end, t in (types or {}).items() if gguf_name.endswith(end)), None)
+        if qtype is None:
+            writer.add_tensor(gguf_name, array)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+    experts: dict[str, dict[int, np.ndarray]] = {}  # GGUF name -> expert -> its weight
+    for name, tensor in tensors.items():
+        array = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            expert = re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)", module)
+            if expert is not None:
+                stacked = f"blk.{layer}.{GGUF_EXPERT_NAMES[expert[2]]}.{kind}"
+                experts.setdefault(stacked, {})[int(expert[1])] = array
+                continue
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = hf["num_attention_heads" if "q_proj" in module else "num_key_value_heads"]
+                array = llama_cpp_permute(array, heads)
+            if module == "mlp.shared_expert_gate":
+                array = array[0]  # llama.cpp stores this one-row matrix as a vector
+        add(gguf_name, array)
+    for gguf_name, weights in experts.items():
+        add(gguf_name, np.stack([weights[e] for e in sorted(weights)]))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -109,13 +109,21 @@ class DraftModelProposer:
 
 class StepTimes:
     """Seconds a forward pass of n rows takes on this machine, learnt from the steps that ran
-    (an exponential average per row count), so the policy weighs guesses at measured cost."""
+    (an exponential average per row count), so the policy weighs guesses at measured cost.
+
+    The first step of a row count is left out: it records the step's kernel calls
+    (executor.RecordedLayers), which later steps of that size replay at a fraction of its time.
+    """
 
     def __init__(self, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
         self.seconds: dict[int, float] = {}
+        self.seen: set[int] = set()
 
     def record(self, rows: int, seconds: float) -> None:
+        if rows not in self.seen:
+            self.seen.add(rows)
+            return
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
 

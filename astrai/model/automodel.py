@@ -211,10 +211,7 @@ def _sources(
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     assert match is not None, f"no HF name for native tensor {name}"
     layer, suffix = match.groups()
-    expert = re.search(r"(?<=experts\.)\d+", suffix)
-    if expert is not None:
-        suffix = suffix.replace(f"experts.{expert[0]}.", "experts.{e}.")
-    index = expert and expert[0]
+    suffix, index = expert_template(suffix)
     hf_names = [f"model.layers.{layer}.{hf.format(e=index)}" for hf in HF_LAYER_NAMES[suffix]]
     if suffix.startswith("attention.wqkv"):
         q_size = config.n_heads * config.head_dim
@@ -225,6 +222,15 @@ def _sources(
     else:
         rows = [shape[0]]
     return [(hf, (n, *shape[1:])) for hf, n in zip(hf_names, rows, strict=True)]
+
+
+def expert_template(name: str) -> tuple[str, str | None]:
+    """(name with its expert index written {e}, as the name tables spell every expert's
+    tensors once, and that index), or (name, None) for a tensor of no expert."""
+    expert = re.search(r"(?<=experts\.)\d+(?=\.)", name)
+    if expert is None:
+        return name, None
+    return name.replace(f"experts.{expert[0]}.", "experts.{e}."), expert[0]
 
 
 def _tensor_files(directory: Path) -> dict[str, StoredTensor]:

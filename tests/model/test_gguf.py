@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import LLAMA3_ROPE, real_gguf, write_hf_model
+from tiny_models import LLAMA3_ROPE, real_gguf, write_gguf, write_hf_model
 
 from astrai.config import ConfigError
 from astrai.kernels import Linear
@@ -138,96 +138,6 @@ def test_bf16_load(model):
     assert torch.equal(
         half.layers[3].attention.wqkv.weight, model.layers[3].attention.wqkv.weight.bfloat16()
     )
-
-
-# The tiny GGUF files below are written from random HF checkpoints, with names spelled here
-# rather than borrowed from the loader, so a mapping mistake cannot cancel itself out.
-GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permute of a q or k weight."""
-    rows = weight.shape[0]
-    halves = weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
-    return halves.swapaxes(1, 2).reshape(weight.shape)
-
-
-def write_gguf(
-    path: Path,
-    hf_dir: Path,
-    arch: str,
-    extra_tensors: dict | None = None,
-    types: dict | None = None,
-    **metadata_overrides,
-) -> Path:
-    """Write hf_dir's checkpoint (and extra_tensors) as a GGUF file of architecture arch, each
-    tensor F32 unless types maps the end of its GGUF name to a block type."""
-    import json
-
-    hf = json.loads((hf_dir / "config.json").read_text())
-    tensors = load_file(hf_dir / "model.safetensors")
-    writer = gguf.GGUFWriter(path, arch)
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    metadata = {
-        "block_count": hf["num_hidden_layers"],
-        "context_length": hf["max_position_embeddings"],
-        "embedding_length": hf["hidden_size"],
-        "feed_forward_length": hf["intermediate_size"],
-        "attention.head_count": hf["num_attention_heads"],
-        "attention.head_count_kv": hf["num_key_value_heads"],
-        "attention.key_length": head_dim,
-        "attention.value_length": head_dim,
-        "attention.layer_norm_rms_epsilon": hf["rms_norm_eps"],
-        "rope.freq_base": float(hf.get("rope_parameters", {}).get("rope_theta", 10000.0)),
-        "vocab_size": hf["vocab_size"],
-        **metadata_overrides,
-    }
-    for key, value in metadata.items():
-        if isinstance(value, str):
-            writer.add_string(f"{arch}.{key}", value)
-        elif isinstance(value, float):
-            writer.add_float32(f"{arch}.{key}", value)
-        else:
-            writer.add_uint32(f"{arch}.{key}", value)
-    for name, tensor in tensors.items():
-        array = tensor.float().numpy()
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gguf_name = "output.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
-            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = hf["num_attention_heads" if "q_proj" in module else "num_key_value_heads"]
-                array = llama_cpp_permute(array, heads)
-        qtype = next((t for end, t in (types or {}).items() if gguf_name.endswith(end)), None)
-        if qtype is None:
-            writer.add_tensor(gguf_name, array)
-        else:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-    for name, array in (extra_tensors or {}).items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -7,7 +7,7 @@ import random
 import gguf
 import pytest
 import torch
-from tiny_models import hf_greedy, make_engine, run_ids, write_hf_model
+from tiny_models import hf_greedy, make_engine, run_ids, write_gguf, write_hf_model
 
 from astrai.config import ConfigError, ModelConfig, MoEConfig
 from astrai.inference import GenerationParams
@@ -165,6 +165,63 @@ def test_quantization_on_load_covers_the_experts_and_keeps_the_router_dense(
         expected = reference.forward_dense(ids)
         torch.testing.assert_close(quantized.forward_dense(ids), expected, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(model.forward_dense(ids), expected)
+
+
+# Each family as llama.cpp's converter writes it: Mixtral as a llama file with experts.
+GGUF_FILES = {
+    "mixtral": ("llama", {"expert_count": 8, "expert_used_count": 2}),
+    "qwen2_moe": (
+        "qwen2moe",
+        {
+            "expert_count": 8,
+            "expert_used_count": 2,
+            "expert_feed_forward_length": 32,
+            "expert_shared_feed_forward_length": 96,
+        },
+    ),
+    "qwen3_moe": (
+        "qwen3moe",
+        {"expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 32},
+    ),
+}
+QUANTIZED_EXPERTS = {
+    end: Q8_0
+    for end in (
+        "exps.weight",
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
+    )
+}
+
+
+def test_gguf_files_match_transformers_and_keep_the_experts_blocks(
+    checkpoint, model, tmp_path, monkeypatch
+):
+    """A GGUF file's 3-D expert tensors load as each expert's linear: F32 ones give
+    transformers' logits, Q8_0 ones stay blocks that compute the dequantized model."""
+    family, directory, reference = checkpoint
+    arch, metadata = GGUF_FILES[family]
+    plain = AutoModel.from_pretrained(
+        write_gguf(tmp_path / "f32.gguf", directory, arch, **metadata)
+    )
+    sparse = [isinstance(layer.feed_forward, MoEFeedForward) for layer in plain.layers]
+    assert sparse == SPARSE_LAYERS[family]
+    assert plain.config.moe.norm_topk_prob == model.config.moe.norm_topk_prob
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain.forward_dense(ids), reference(ids).logits, atol=1e-4, rtol=1e-4
+        )
+    path = write_gguf(tmp_path / "q8.gguf", directory, arch, types=QUANTIZED_EXPERTS, **metadata)
+    quantized = AutoModel.from_pretrained(path)
+    moe = next(m for m in quantized.modules() if isinstance(m, MoEFeedForward))
+    assert all(isinstance(expert.w13, QuantizedLinear) for expert in moe.experts)
+    # Along the GEMM path the blocks are dequantized exactly, so both models compute the same.
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")
+    with torch.no_grad():
+        expected = AutoModel.from_pretrained(path, dequantize=True).forward_dense(ids)
+        torch.testing.assert_close(quantized.forward_dense(ids), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_native_format_round_trip(model, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,15 +19,16 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from astrai.config import ConfigError, ModelConfig
+from astrai.config import ConfigError, ModelConfig, MoEConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
 from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
-from astrai.model.automodel import CheckpointError, _sources, loading
+from astrai.model.automodel import CheckpointError, _sources, expert_template, loading
 from astrai.model.transformer import Transformer
 from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Mixtral is a "llama" file with experts.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 # The block types astrai dequantizes at load; the quantization issue keeps some as they are.
 TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
@@ -47,6 +49,16 @@ GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Experts as llama.cpp's first Mixtral files held them, one tensor each: _per_expert
+    # splits the 3-D tensors of today's files (ffn_gate_exps, ...) into these.
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.{e}.gate_proj.weight": "ffn_gate.{e}.weight",
+    "mlp.experts.{e}.up_proj.weight": "ffn_up.{e}.weight",
+    "mlp.experts.{e}.down_proj.weight": "ffn_down.{e}.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 # Llama 3.1's rope scaling as llama.cpp stores it: a divisor for each rotary frequency.
 ROPE_FREQS = "rope_freqs.weight"
@@ -64,7 +76,7 @@ def load_gguf(
     Q4_0, Q4_1, Q4_K, Q6_K) keeps them, unless dequantize; every other tensor is dequantized
     to dtype on device."""
     reader = open_gguf(path)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = {name: part for tensor in reader.tensors for name, part in _per_expert(tensor)}
     config = gguf_model_config(reader)
     with torch.device("meta"):
         model = Transformer(config)
@@ -104,6 +116,32 @@ def load_gguf(
     # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
     model.to(device)
     return model.requires_grad_(False).eval()
+
+
+def _per_expert(tensor) -> list[tuple[str, object]]:
+    """A file's tensor as (name, tensor) pairs named as GGUF_LAYER_NAMES reads them: a layer's
+    experts in one 3-D tensor (ffn_gate_exps) as one 2-D view each (ffn_gate.{e}), the shared
+    expert's gate, which llama.cpp stores as a vector, as the one-row matrix it is, any other
+    tensor as it is."""
+    experts = re.fullmatch(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight", tensor.name)
+    if experts is not None and len(tensor.shape) == 3:
+        n_experts = int(tensor.shape[2])
+        views = []
+        for expert in range(n_experts):
+            name = f"{experts[1]}.{expert}.weight"
+            view = tensor._replace(
+                name=name,
+                shape=tensor.shape[:2],
+                data=tensor.data[expert],
+                n_elements=tensor.n_elements // n_experts,
+                n_bytes=tensor.n_bytes // n_experts,
+            )
+            views.append((name, view))
+        return views
+    if tensor.name.endswith("ffn_gate_inp_shexp.weight") and len(tensor.shape) == 1:
+        row = tensor._replace(shape=np.append(tensor.shape, 1), data=tensor.data.reshape(1, -1))
+        return [(tensor.name, row)]
+    return [(tensor.name, tensor)]
 
 
 def _has_kernel(sources: list) -> bool:
@@ -223,8 +261,28 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         rope_scaling=_rope_scaling(reader, arch),
         max_len=key("context_length"),
         tie_weight="output.weight" not in names,
-        use_qk_norm=arch == "qwen3",
-        attention_bias=arch == "qwen2",
+        use_qk_norm=arch in ("qwen3", "qwen3moe"),
+        attention_bias=arch in ("qwen2", "qwen2moe"),
+        moe=_moe(key, arch, names),
+    )
+
+
+def _moe(key, arch: str, names: set[str]) -> MoEConfig | None:
+    """The experts a file's metadata describes (key reads {arch}.name), None if it has none.
+    A layer is sparse if the file holds its router; the chosen experts' weights are
+    renormalised where the file says so or, as llama.cpp does, on every architecture but
+    qwen2moe."""
+    n_experts = key("expert_count", 0)
+    if not n_experts:
+        return None
+    dense = [i for i in range(key("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    return MoEConfig(
+        n_experts=n_experts,
+        n_experts_per_token=key("expert_used_count"),
+        dim_expert=key("expert_feed_forward_length", None) or key("feed_forward_length"),
+        norm_topk_prob=key("expert_weights_norm", arch != "qwen2moe"),
+        dim_shared_expert=key("expert_shared_feed_forward_length", None),
+        dense_layers=dense,
     )
 
 
@@ -275,7 +333,8 @@ def _gguf_name(hf_name: str) -> str:
     if hf_name in GGUF_TOP_NAMES:
         return GGUF_TOP_NAMES[hf_name]
     _, _, layer, suffix = hf_name.split(".", 3)  # model.layers.N.suffix
-    return f"blk.{layer}.{GGUF_LAYER_NAMES[suffix]}"
+    suffix, expert = expert_template(suffix)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[suffix].format(e=expert)}"
 
 
 def _check(path: Path, layout, tensors: dict, config: ModelConfig) -> None:
