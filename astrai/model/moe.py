@@ -75,10 +75,16 @@ class MoEFeedForward(nn.Module):
         order = flat_experts.argsort(stable=True)
         tokens = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
-        groups = x[tokens].split(counts)  # expert e's rows: [counts[e], dim]
-        outputs = [
-            expert(rows) for expert, rows in zip(self.experts, groups, strict=True) if len(rows)
-        ]
-        weighted = torch.cat(outputs) * weights.flatten()[order, None]
+        weighted = x.new_empty(len(order), x.shape[1])  # [num_tokens * top_k, dim]
+        groups = zip(
+            self.experts,
+            x[tokens].split(counts),  # expert e's rows: [counts[e], dim]
+            weights.flatten()[order, None].split(counts),
+            weighted.split(counts),
+            strict=True,
+        )
+        for expert, rows, row_weights, out in groups:
+            if len(rows):
+                torch.mul(expert(rows), row_weights, out=out)
         # Pairs are added in expert order, as transformers adds them.
         return torch.zeros_like(x).index_add_(0, tokens, weighted)
