@@ -196,6 +196,9 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
     print("\n".join(rows))
+    times = guessing.scheduler.speculator.times.seconds
+    print("\nmeasured forward-pass time by rows (what the policy weighs guesses against):")
+    print("  ".join(f"{rows}: {seconds * 1e3:.1f} ms" for rows, seconds in sorted(times.items())))
 
 
 if __name__ == "__main__":

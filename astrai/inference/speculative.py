@@ -144,11 +144,6 @@ class StepTimes:
         return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
 
 
-def expected_accepted(rate: float, num_tokens: int) -> float:
-    """Guesses kept on average when each is kept with probability rate, until the first miss."""
-    return sum(rate**j for j in range(1, num_tokens + 1))
-
-
 @dataclass
 class SpeculationStats:
     steps: int = 0  # verifications: speculative chunks that ran
@@ -218,31 +213,27 @@ class Speculator:
         return max(0, min(self.num_tokens, left, budget))
 
     def _choose(self, decodes: list[ScheduledChunk], lengths: list[int], rows: int) -> list[int]:
-        """How many guesses each decode chunk gets (0: none): the chunks whose guesses raise
-        the step's expected tokens per second, the most promising first."""
-        base = self.times.estimate(rows)
-        expected = [
-            expected_accepted(self.rates.get(c.task.id, PRIOR_RATE), n)
-            for c, n in zip(decodes, lengths, strict=True)
-        ]
-        order = sorted(
-            (i for i, n in enumerate(lengths) if n),
-            key=lambda i: expected[i] / lengths[i],
+        """How many guesses each decode chunk gets (0: none). Guess j of a task is kept with
+        probability rate**j, so guesses are taken most likely first, one row at a time, while
+        each raises the step's expected tokens per second at the measured step times."""
+        rates = [self.rates.get(c.task.id, PRIOR_RATE) for c in decodes]
+        increments = sorted(
+            ((rates[i] ** j, i) for i, n in enumerate(lengths) for j in range(1, n + 1)),
+            key=lambda item: item[0],
             reverse=True,
         )
+        base = self.times.estimate(rows)
         chosen = [0] * len(decodes)
-        tokens, extra = float(len(decodes)), 0
-        for i in order:
+        tokens = float(len(decodes))
+        for gain, i in increments:
+            extra = sum(chosen)
             if base is not None:
                 now = tokens / (self.times.estimate(rows + extra) or base)
-                then = (tokens + expected[i]) / (
-                    self.times.estimate(rows + extra + lengths[i]) or base
-                )
+                then = (tokens + gain) / (self.times.estimate(rows + extra + 1) or base)
                 if then <= now:
                     break
-            chosen[i] = lengths[i]
-            tokens += expected[i]
-            extra += lengths[i]
+            chosen[i] += 1
+            tokens += gain
         return chosen
 
     def timed(self, chunks: Sequence[ScheduledChunk], started: float) -> None:

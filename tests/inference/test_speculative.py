@@ -14,7 +14,7 @@ from astrai.config import ConfigError, EngineConfig
 from astrai.inference import STOP, GenerationParams
 from astrai.inference.constraints import Constraint
 from astrai.inference.kv_cache import PagedCache
-from astrai.inference.speculative import Speculator, StepTimes, expected_accepted, ngram_draft
+from astrai.inference.speculative import Speculator, StepTimes, ngram_draft
 
 DRAFTS = ["ngram", "draft-same", "draft-other"]
 
@@ -210,21 +210,26 @@ def test_ngram_draft_follows_the_latest_longest_match():
     assert ngram_draft([1], 3, max_ngram=2, min_ngram=1) == []
 
 
-def test_policy_stops_guessing_when_guesses_cost_more_than_they_keep():
+def test_policy_takes_the_guesses_that_pay_at_the_measured_step_times():
     times = StepTimes()
     for rows, seconds in ((1, 0.5), (1, 0.010), (9, 0.5), (9, 0.030)):  # the first: recording
         times.record(rows, seconds)
     assert times.estimate(5) == pytest.approx(0.020)
     assert times.estimate(20) == pytest.approx(0.030)
-    # 4 guesses kept at rate 0.9 are worth 3.1 tokens for 5 rows at 1.8x the time: guess.
-    assert expected_accepted(0.9, 4) == pytest.approx(0.9 + 0.81 + 0.729 + 0.6561)
     speculator = Speculator(proposer=None, num_tokens=8)
     speculator.times = times
-    chunk = type("Chunk", (), {"task": type("Task", (), {"id": 1})()})()
-    speculator.rates[1] = 0.9
-    assert speculator._choose([chunk], [8], rows=1) == [8]
-    speculator.rates[1] = 0.1  # guesses that miss cost 3x the time for 0.11 tokens: do not
-    assert speculator._choose([chunk], [8], rows=1) == [0]
+    tasks = [type("Task", (), {"id": i})() for i in range(2)]
+    chunks = [type("Chunk", (), {"task": task})() for task in tasks]
+    # Each row costs 2.5 ms on 10: guess j is worth its row while 0.9**j beats the tokens per
+    # second so far, which the 6th guess (0.53 of a token) still does and the 7th does not.
+    speculator.rates[0] = 0.9
+    assert speculator._choose(chunks[:1], [8], rows=1) == [6]
+    speculator.rates[0] = 0.1  # a guess worth 0.1 tokens for a quarter more time: none
+    assert speculator._choose(chunks[:1], [8], rows=1) == [0]
+    # With two decodes the likely guesses of one come before the unlikely of the other.
+    speculator.rates[0], speculator.rates[1] = 0.9, 0.6
+    assert speculator._choose(chunks, [8, 8], rows=2) == [5, 1]
+    assert Speculator(proposer=None, num_tokens=8)._choose(chunks, [3, 2], rows=2) == [3, 2]
 
 
 def test_speculative_settings_are_checked():
