@@ -306,9 +306,7 @@ def _hf_moe(hf: dict[str, Any], model_type: str, max_len: int) -> MoEConfig | No
         n_experts_per_token=hf.get("num_experts_per_tok"),
         dim_expert=dim_expert,
         norm_topk_prob=norm_topk_prob,
-        dim_shared_expert=hf.get("shared_expert_intermediate_size")
-        if model_type == "qwen2_moe"
-        else None,
+        dim_shared_expert=shared,
         sparse_step=hf.get("decoder_sparse_step", 1),
         dense_layers=hf.get("mlp_only_layers") or (),
     )
@@ -448,3 +446,6 @@ class EngineConfig:
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory "
                 f"in (0, 1], got {self.kv_cache_memory!r}"
             )
+    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
+    if model_type == "qwen2_moe" and shared is None:
+        raise ConfigError("qwen2_moe config.json lacks shared_expert_intermediate_size")

@@ -255,3 +255,9 @@ def test_moe_config_refuses_what_it_cannot_run():
     assert ModelConfig.from_hf(hf).moe == MoEConfig(4, 2, 64)
     with pytest.raises(ConfigError, match="sliding_window=1024"):
         ModelConfig.from_hf({**hf, "sliding_window": 1024})
+    qwen2_moe = {**hf, "model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 8}
+    with pytest.raises(ConfigError, match="lacks shared_expert_intermediate_size"):
+        ModelConfig.from_hf(qwen2_moe)
+    assert ModelConfig.from_hf({**qwen2_moe, "shared_expert_intermediate_size": 16}).moe == (
+        MoEConfig(4, 2, 8, norm_topk_prob=False, dim_shared_expert=16)
+    )
