@@ -301,6 +301,9 @@ def _hf_moe(hf: dict[str, Any], model_type: str, max_len: int) -> MoEConfig | No
         )
     if n_experts == 0:  # transformers then builds every layer dense
         return None
+    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
+    if model_type == "qwen2_moe" and shared is None:
+        raise ConfigError("qwen2_moe config.json lacks shared_expert_intermediate_size")
     return MoEConfig(
         n_experts=n_experts,
         n_experts_per_token=hf.get("num_experts_per_tok"),
@@ -446,6 +449,3 @@ class EngineConfig:
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory "
                 f"in (0, 1], got {self.kv_cache_memory!r}"
             )
-    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
-    if model_type == "qwen2_moe" and shared is None:
-        raise ConfigError("qwen2_moe config.json lacks shared_expert_intermediate_size")
