@@ -7,11 +7,12 @@ import random
 import gguf
 import pytest
 import torch
+from kernel_switch import CountingKernels
 from tiny_models import hf_greedy, make_engine, run_ids, write_gguf, write_hf_model
 
 from astrai.config import ConfigError, ModelConfig, MoEConfig
 from astrai.inference import GenerationParams
-from astrai.kernels import Linear
+from astrai.kernels import Linear, native
 from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model import AutoModel
 from astrai.model.moe import GateProjection, MoEFeedForward
@@ -135,6 +136,21 @@ def test_experts_given_zero_one_and_many_rows_match_transformers(checkpoint, mod
         expected = reference.model.layers[layer].mlp(x[None])[0]
     assert 0 in counts and 1 in counts and max(counts) >= 4, counts
     assert (out - expected).abs().max() < 1e-5 * expected.abs().max()
+
+
+@pytest.mark.skipif(native.skinny_linear is None, reason="the C skinny-linear kernel was not built")
+def test_a_decode_row_reaches_the_skinny_kernel_in_every_expert_it_runs(
+    checkpoint, model, monkeypatch
+):
+    """One row: the router, each of its top-k experts' two linears and (Qwen2-MoE) the shared
+    expert and its gate, each one call of the few-row kernel."""
+    calls: list[str] = []
+    monkeypatch.setattr(native, "skinny_linear", CountingKernels(native.skinny_linear, calls))
+    moe = next(m for m in model.modules() if isinstance(m, MoEFeedForward))
+    with torch.no_grad():
+        moe(torch.randn(1, model.config.dim))
+    shared = 0 if moe.shared_expert is None else 3
+    assert calls == ["linear"] * (1 + 2 * moe.top_k + shared)
 
 
 def test_quantization_on_load_covers_the_experts_and_keeps_the_router_dense(
