@@ -14,7 +14,10 @@ class ConfigError(ValueError):
 
 NATIVE_MODEL_TYPE = "astrai"
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", *MOE_MODEL_TYPES)
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -76,6 +79,16 @@ class ModelConfig:
     (ROPE_SCALING_KEYS), spelled as Hugging Face spells them. attention_bias means a bias on
     the q/k/v projections only (Qwen2); use_qk_norm is Qwen3's per-head RMSNorm on q and k.
 
+    The fields after attention_bias are what Gemma 2/3 and sliding-window models change, each
+    off by default: hidden_act is the MLP gate's activation ("silu": SwiGLU; "gelu_tanh":
+    GeGLU); scale_embeddings multiplies the embeddings by sqrt(dim) in the model dtype;
+    post_norms adds a norm on each sublayer's output before its residual add; attention_scale
+    replaces 1/sqrt(head_dim); the soft-caps c turn x into c * tanh(x / c) on the attention
+    logits and on the final logits. A layer with a sliding window attends to the
+    sliding_window keys up to its own position: every layer when layer_types is None, else
+    those whose layer_types entry is "sliding_attention". rope_local_theta is the rope base of
+    the sliding layers where it differs from the others' (Gemma 3).
+
     moe describes the experts of a mixture-of-experts model (MoEConfig); None for a dense one.
     """
 
@@ -93,6 +106,15 @@ class ModelConfig:
     tie_weight: bool = False
     use_qk_norm: bool = False
     attention_bias: bool = False
+    hidden_act: str = "silu"
+    scale_embeddings: bool = False
+    post_norms: bool = False
+    attention_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
     moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
@@ -117,11 +139,44 @@ class ModelConfig:
             _check_rope_scaling(self.rope_scaling, self.head_dim)
             # A private copy: the caller's dict must not be able to change a frozen config.
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        self._check_gemma_and_window_fields()
         if isinstance(self.moe, dict):  # as a native config.json holds it
             try:
                 object.__setattr__(self, "moe", MoEConfig(**self.moe))
             except TypeError as error:
                 raise ConfigError(f"invalid moe settings {self.moe}: {error}") from None
+
+    def _check_gemma_and_window_fields(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
+        if self.layer_types is not None:
+            # A tuple, so the frozen config stays hashable and the caller's list cannot change it.
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown or len(self.layer_types) != self.n_layers:
+                raise ConfigError(
+                    f"layer_types must name one of {LAYER_TYPES} for each of the {self.n_layers} "
+                    f"layers, got {list(self.layer_types)}"
+                )
+        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+            raise ConfigError(f"rope_local_theta must be positive, got {self.rope_local_theta!r}")
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """How many keys, up to its own position, a query of this layer sees (None: all)."""
+        if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def uses_local_rope(self, layer_idx: int) -> bool:
+        """Whether the layer rotates by rope_local_theta's frequencies, not rope_theta's."""
+        return self.rope_local_theta is not None and self.layer_window(layer_idx) is not None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -190,7 +245,9 @@ class ModelConfig:
         n_heads = required("num_attention_heads")
         n_layers = required("num_hidden_layers")
         max_len = required("max_position_embeddings")
-        _refuse_unsupported_hf(hf, model_type, n_layers, max_len)
+        _refuse_unsupported_hf(hf, model_type)
+        if model_type == "gemma3_text":
+            hf = _gemma3_global_rope(hf)
         rope_theta, rope_scaling = _hf_rope(hf, max_len)
         return cls(
             vocab_size=required("vocab_size"),
@@ -205,10 +262,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_len=max_len,
             tie_weight=bool(hf.get("tie_word_embeddings", False)),
-            use_qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            use_qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             attention_bias=model_type == "qwen2"
             or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
             moe=_hf_moe(hf, model_type, max_len) if model_type in MOE_MODEL_TYPES else None,
+            **_hf_sliding_window(hf, model_type, n_layers, max_len),
+            **(_hf_gemma(hf, model_type) if model_type in GEMMA_MODEL_TYPES else {}),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -248,11 +307,9 @@ def _check_rope_scaling(rope_scaling: dict, head_dim: int) -> None:
         )
 
 
-def _refuse_unsupported_hf(
-    hf: dict[str, Any], model_type: str, n_layers: int, max_len: int
-) -> None:
+def _refuse_unsupported_hf(hf: dict[str, Any], model_type: str) -> None:
     """Raise ConfigError for any HF setting that would make astrai compute a different model."""
-    if hf.get("hidden_act", "silu") != "silu":
+    if model_type not in GEMMA_MODEL_TYPES and hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; astrai runs SwiGLU")
     if hf.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported: astrai's MLP has no biases")
@@ -264,23 +321,83 @@ def _refuse_unsupported_hf(
         )
     if hf.get("quantization_config"):
         raise ConfigError("quantized checkpoints are not supported; use unquantized weights")
-    window = hf.get("sliding_window")
-    if "layer_types" in hf:
-        layer_types = hf["layer_types"]
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+
+
+def _hf_sliding_window(
+    hf: dict[str, Any], model_type: str, n_layers: int, max_len: int
+) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers derives them for the family; none where
+    no layer slides or the window is no shorter than the context."""
+    window, layer_types = hf.get("sliding_window"), hf.get("layer_types")
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window"):
+            return {}
+        first_sliding = hf.get("max_window_layers", 28)  # transformers' default
+        layer_types = layer_types or [LAYER_TYPES[i >= first_sliding] for i in range(n_layers)]
+    elif model_type in GEMMA_MODEL_TYPES:
+        # Gemma 2 alternates from a sliding first layer; Gemma 3 slides in 5 of every 6.
+        pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+        layer_types = layer_types or [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n_layers)]
+    elif model_type == "mistral":
+        layer_types = None  # transformers' Mistral slides in every layer, whatever layer_types says
+    else:
+        return {}  # transformers' Llama has no sliding window
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ConfigError(f"unsupported attention layer types {unknown}")
-        sliding = "sliding_attention" in layer_types
-    elif model_type in ("qwen2", "qwen3"):
-        sliding = bool(hf.get("use_sliding_window")) and hf.get("max_window_layers", 0) < n_layers
-    else:
-        sliding = True
-    if sliding and window is not None and window < max_len:
+        if "sliding_attention" not in layer_types:
+            return {}
+    if window is None or window >= max_len:
+        return {}
+    return {"sliding_window": window, "layer_types": layer_types}
+
+
+def _hf_gemma(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """What Gemma 2 and Gemma 3 change from the Llama decoder (ModelConfig's later fields)."""
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
         raise ConfigError(
-            f"sliding_window={window} is shorter than max_position_embeddings={max_len}; astrai "
-            "attends over the whole context and does not implement sliding-window attention, "
-            "so it would compute a different model past the window"
+            f"hidden_activation {activation!r} is not supported on {model_type}; astrai runs "
+            "Gemma's GeGLU with the tanh approximation of GELU (gelu_pytorch_tanh)"
         )
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(
+            "use_bidirectional_attention=true (an embedding model) is not supported; astrai "
+            "runs causal decoders"
+        )
+    default_softcaps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
+    settings = {
+        "hidden_act": "gelu_tanh",
+        "scale_embeddings": True,
+        "post_norms": True,
+        "attention_scale": hf.get("query_pre_attn_scalar", 256) ** -0.5,
+        "attn_logit_softcap": hf.get("attn_logit_softcapping", default_softcaps[0]),
+        "final_logit_softcap": hf.get("final_logit_softcapping", default_softcaps[1]),
+    }
+    if model_type == "gemma3_text":
+        settings["rope_local_theta"] = float(hf["rope_local_base_freq"])
+    return settings
+
+
+def _gemma3_global_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """hf with the full-attention layers' rope in the place _hf_rope reads it and
+    rope_local_base_freq set: the sliding layers' base, whose rope must be plain."""
+    params = hf.get("rope_parameters")
+    if params is not None and isinstance(params.get("sliding_attention"), dict):
+        local = params["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(
+                f"rope scaling {local['rope_type']!r} on Gemma 3's sliding layers is not "
+                "supported; astrai scales the rope of its full-attention layers only"
+            )
+        return {
+            **hf,
+            "rope_parameters": {"rope_theta": 1e6, **params.get("full_attention", {})},
+            "rope_local_base_freq": local.get("rope_theta", 10000.0),
+        }
+    # transformers 4 spelling: rope_theta (default 1e6 on Gemma 3) and rope_scaling at top level
+    return {"rope_theta": 1e6, "rope_local_base_freq": 10000.0, **hf}
 
 
 def _hf_moe(hf: dict[str, Any], model_type: str, max_len: int) -> MoEConfig | None:

@@ -203,7 +203,17 @@ class ModelExecutor:
             or [np.zeros(0, dtype=np.int64)]
         )
 
-        seqs = [(c.task.id, c.start, c.length) for c in chunks]
+        # A speculative chunk runs as one decode row per token, so each row attends exactly
+        # as plain decoding would at its position (the same kernel, the same sums).
+        seqs = [
+            seq
+            for c in chunks
+            for seq in (
+                [(c.task.id, c.start + i, 1) for i in range(c.length)]
+                if c.draft
+                else [(c.task.id, c.start, c.length)]
+            )
+        ]
         logits = self.forward(seqs, token_ids, rows)
         if not sampling:
             return []

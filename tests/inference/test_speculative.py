@@ -8,13 +8,15 @@ import time
 
 import pytest
 import torch
-from tiny_models import make_engine, run_ids, write_hf_model
+from tiny_models import make_engine, real_gguf, run_ids, write_hf_model
 
 from astrai.config import ConfigError, EngineConfig
-from astrai.inference import STOP, GenerationParams
+from astrai.inference import STOP, GenerationParams, GenerationRequest
 from astrai.inference.constraints import Constraint
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.speculative import Speculator, StepTimes, ngram_draft
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
 
 DRAFTS = ["ngram", "draft-same", "draft-other"]
 
@@ -237,3 +239,38 @@ def test_speculative_settings_are_checked():
         EngineConfig(speculative="draft")
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
+
+
+EDIT_REQUEST = """Rename `items` to `entries` in this code and return all of it:
+
+def count_items(items):
+    counts = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def top_items(items, n):
+    counts = count_items(items)
+    ranked = sorted(counts.items(), key=lambda pair: pair[1], reverse=True)
+    return [item for item, _ in ranked[:n]]
+"""
+
+
+def test_real_model_greedy_output_is_unchanged(monkeypatch, always_guess):
+    """The real SmolLM2 on its quantized kernels, editing code (most guesses kept): each
+    checked row must compute what a plain decode row computes, to the last bit, or a near
+    tie somewhere in 160 tokens turns the other way."""
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")  # the same linear path at any row count
+    gguf = real_gguf()
+    model = AutoModel.from_pretrained(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf)
+    request = GenerationRequest(messages=({"role": "user", "content": EDIT_REQUEST},))
+    params = GenerationParams(max_tokens=160, temperature=0.0)
+    with make_engine(model, tokenizer) as engine:
+        expected = engine.generate_results(request, params)
+    with make_engine(model, tokenizer, speculative="ngram") as engine:
+        got = engine.generate_results(request, params)
+        stats = engine.get_stats()
+    assert got.token_ids == expected.token_ids
+    assert stats.accepted_tokens > 32
