@@ -88,22 +88,32 @@ def test_unknown_model_type_lists_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("arch", "overrides"),
+    ("arch", "overrides", "layer_types"),
     [
-        ("mistral", {"sliding_window": 64}),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}),
-        ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}),
+        ("mistral", {"sliding_window": 64}, None),  # every layer slides
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            ("full_attention", "sliding_attention"),
+        ),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+            ("sliding_attention", "sliding_attention"),
+        ),
     ],
 )
-def test_sliding_window_shorter_than_the_context_is_refused(tmp_path, arch, overrides):
-    with pytest.raises(ConfigError, match="sliding_window=64 is shorter"):
-        ModelConfig.from_pretrained(hf_config(tmp_path, arch, **overrides))
+def test_sliding_window_shorter_than_the_context_is_read(tmp_path, arch, overrides, layer_types):
+    config = ModelConfig.from_pretrained(hf_config(tmp_path, arch, **overrides))
+    assert (config.sliding_window, config.layer_types) == (64, layer_types)
+    windows = [config.layer_window(i) for i in range(config.n_layers)]
+    assert windows == [None if kind == "full_attention" else 64 for kind in layer_types or [0, 0]]
 
 
-def test_sliding_window_refused_in_a_transformers_4_qwen2_config():
+def test_transformers_4_qwen2_config_slides_from_max_window_layers():
     hf = {"model_type": "qwen2", **TINY, "use_sliding_window": True, "sliding_window": 64}
-    with pytest.raises(ConfigError, match="sliding-window"):
-        ModelConfig.from_hf({**hf, "max_window_layers": 1})
+    config = ModelConfig.from_hf({**hf, "max_window_layers": 1})
+    assert config.layer_types == ("full_attention", "sliding_attention")
 
 
 @pytest.mark.parametrize(
@@ -114,8 +124,9 @@ def test_sliding_window_refused_in_a_transformers_4_qwen2_config():
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64}),  # no layer >= 28 slides
     ],
 )
-def test_sliding_window_that_never_applies_is_accepted(tmp_path, arch, overrides):
-    assert ModelConfig.from_pretrained(hf_config(tmp_path, arch, **overrides)).max_len == 1024
+def test_sliding_window_that_never_applies_is_dropped(tmp_path, arch, overrides):
+    config = ModelConfig.from_pretrained(hf_config(tmp_path, arch, **overrides))
+    assert (config.sliding_window, config.layer_types) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -159,8 +170,8 @@ def test_native_round_trip(tmp_path):
 
 def test_native_unknown_and_missing_fields_are_refused(tmp_path):
     content = native().to_dict()
-    with pytest.raises(ConfigError, match=r"unknown fields.*\['sliding_window'\]"):
-        ModelConfig.from_pretrained(write_json(tmp_path, {**content, "sliding_window": 8}))
+    with pytest.raises(ConfigError, match=r"unknown fields.*\['attention_dropout'\]"):
+        ModelConfig.from_pretrained(write_json(tmp_path, {**content, "attention_dropout": 0.1}))
     del content["dim_ffn"]
     with pytest.raises(ConfigError, match=r"lacks required fields: \['dim_ffn'\]"):
         ModelConfig.from_pretrained(write_json(tmp_path, content))

@@ -6,7 +6,13 @@ registered as a torch.library custom op so torch.compile and fake tensors see it
 package touches a data pointer.
 """
 
-from astrai.kernels.fused_ops import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from astrai.kernels.fused_ops import (
+    add_rms_norm,
+    apply_rope,
+    gelu_tanh_and_mul,
+    rms_norm,
+    silu_and_mul,
+)
 from astrai.kernels.graph import Arena, StepGraph, data_addresses
 from astrai.kernels.linear_ops import (
     SKINNY_MAX_ROWS,
@@ -27,6 +33,7 @@ __all__ = [
     "add_rms_norm",
     "data_addresses",
     "apply_rope",
+    "gelu_tanh_and_mul",
     "linear",
     "rms_norm",
     "silu_and_mul",

@@ -121,6 +121,13 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """gelu(gate) * up with GELU's tanh approximation, where gate_up [..., 2 * dim] holds gate
+    then up (Gemma's GeGLU). PyTorch's ops on every device: it has no C kernel yet."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 @torch.library.custom_op("astrai::rope", mutates_args=())
 def _rope_op(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     num_tokens, heads, head_dim = x.shape

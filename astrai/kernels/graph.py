@@ -123,8 +123,9 @@ class StepGraph:
     def __init__(self, arena: Arena):
         self.arena = arena
         self.calls: list[Callable[[], object] | None] = []
-        # (layer, q, k, v, out) of each None in calls: bound to each replay's attention backend
-        self.slots: list[tuple[int, Tensor, Tensor, Tensor, Tensor]] = []
+        # (layer, q, k, v, out) of each None in calls: bound to each replay's attention backend;
+        # layer is what the model hands its backend (astrai.model's LayerAttention)
+        self.slots: list[tuple[object, Tensor, Tensor, Tensor, Tensor]] = []
         self.stray: list[str] = []
 
     @property
@@ -152,15 +153,15 @@ class StepGraph:
                 hook.remove()
             self.stray = mode.stray
 
-    def attention(self, backend) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+    def attention(self, backend) -> Callable[..., Tensor]:
         """The attention backend to record through: attends with backend now and leaves a slot
         that each replay binds to its own backend, for the same q/k/v/out buffers."""
 
-        def attend(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attend(layer, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             out = self.arena.take(q.shape, q.dtype)
             with _disable_current_modes():
-                backend.bind(layer_idx, q, k, v, out)()
-            self.slots.append((layer_idx, q, k, v, out))
+                backend.bind(layer, q, k, v, out)()
+            self.slots.append((layer, q, k, v, out))
             self.calls.append(None)
             return out
 

@@ -52,9 +52,20 @@ class PagedDecode:
         )
 
     def kernel_call(
-        self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, k=None, v=None
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k=None,
+        v=None,
+        *,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> Callable[[], None]:
-        """The call that writes the decodes' attention outputs into out [num_tokens, heads, hd].
+        """The call that writes the decodes' attention outputs into out [num_tokens, heads, hd]:
+        softmax(softcap * tanh(scale * q.k / softcap)) over the keys of the layer's cache at most
+        window positions back (the model's LayerAttention).
 
         With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
         the cache; without, the caller has stored them.
@@ -69,8 +80,8 @@ class PagedDecode:
             0 if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
             0 if v is None else v.data_ptr(), 0 if v is None else v.stride(0),
             self.k_cache_ptr + layer_offset, self.v_cache_ptr + layer_offset,
-            *self.tables_and_sizes, q.shape[1], self.kv_heads, self.head_dim, self.head_dim**-0.5,
-            self.is_bf16,
+            *self.tables_and_sizes, q.shape[1], self.kv_heads, self.head_dim, scale, window or 0,
+            softcap or 0.0, self.is_bf16,
         )  # fmt: skip
         call.keep_alive = (q, k, v, out)  # heads_contiguous's copies must outlive the call
         return call

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from astrai.config import NATIVE_MODEL_TYPE, ConfigError, ModelConfig
+from astrai.config import GEMMA_MODEL_TYPES, NATIVE_MODEL_TYPE, ConfigError, ModelConfig
 from astrai.model.transformer import WEIGHTS_FILE, Transformer
 from astrai.model.weights.quantize import quantization_type, quantize_into
 
@@ -68,6 +68,14 @@ MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # transformers 5's own layout (save_pretrained(save_original_format=False)): each layer's
 # experts in one [n_experts, rows, in_features] tensor, rows split evenly among these parts.
 FUSED_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# With post-norms (Gemma) HF's post_attention_layernorm norms the attention's output, and the
+# feed-forward has a pre_ and a post_feedforward_layernorm of its own.
+HF_POST_NORM_LAYER_NAMES = {
+    **HF_LAYER_NAMES,
+    "ffn_norm.weight": ("pre_feedforward_layernorm.weight",),
+    "post_attention_norm.weight": ("post_attention_layernorm.weight",),
+    "post_ffn_norm.weight": ("post_feedforward_layernorm.weight",),
+}
 HF_TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -142,6 +150,9 @@ class AutoModel:
         config = ModelConfig.from_pretrained(directory)
         raw_config = json.loads((directory / "config.json").read_text())
         native = raw_config.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE
+        # Gemma's RMSNorms scale by (1 + weight): the 1 is added once here, in fp32 as
+        # transformers adds it, so the model's norms are the plain ones.
+        unit_offset_norms = raw_config.get("model_type") in GEMMA_MODEL_TYPES
         with torch.device("meta"):
             model = Transformer(config)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -157,6 +168,8 @@ class AutoModel:
             for name, parts in loading(layout.items(), directory):
                 tensors = [files[src].read(handles[files[src].file]) for src, _ in parts]
                 tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+                if unit_offset_norms and name.endswith("norm.weight"):
+                    tensor = 1.0 + tensor.float()
                 if qtype is None or not quantize_into(model, name, tensor, qtype):
                     state[name] = tensor.to(dtype).to(device)
         model.load_state_dict(state, strict=True, assign=True)
@@ -212,7 +225,8 @@ def _sources(
     assert match is not None, f"no HF name for native tensor {name}"
     layer, suffix = match.groups()
     suffix, index = expert_template(suffix)
-    hf_names = [f"model.layers.{layer}.{hf.format(e=index)}" for hf in HF_LAYER_NAMES[suffix]]
+    layer_names = HF_POST_NORM_LAYER_NAMES if config.post_norms else HF_LAYER_NAMES
+    hf_names = [f"model.layers.{layer}.{hf.format(e=index)}" for hf in layer_names[suffix]]
     if suffix.startswith("attention.wqkv"):
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as explicit tensor code.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3) as explicit tensor code.
 
 The model works on a flattened ragged batch: num_tokens rows, each with its own position,
 from any number of sequences at any offsets. It never sees how K/V are stored; each layer
@@ -9,6 +9,7 @@ cache view in serving, DenseCausalAttention for whole padded sequences with no c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -18,24 +19,67 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from astrai.config import ModelConfig
-from astrai.kernels import Linear, add_rms_norm, apply_rope, linear, rms_norm, silu_and_mul
+from astrai.kernels import (
+    Linear,
+    add_rms_norm,
+    apply_rope,
+    gelu_tanh_and_mul,
+    linear,
+    rms_norm,
+    silu_and_mul,
+)
 from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model.moe import MoEFeedForward
 
 WEIGHTS_FILE = "model.safetensors"
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What a backend must know of one layer's attention besides q, k and v.
+
+    index picks the layer's KV cache. scale multiplies q.k (1/sqrt(head_dim) unless the model
+    says otherwise); a query at position p sees the keys at positions p - window + 1 .. p when
+    window is set, else all up to p; softcap c turns each scaled logit x into c * tanh(x / c).
+    """
+
+    index: int
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
 class AttentionBackend(Protocol):
     """Where one layer's attention happens: stores k/v if it caches, attends, returns outputs.
 
     q is [num_tokens, n_heads, head_dim]; k and v are [num_tokens, n_kv_heads, head_dim], with
-    rope and q/k norm already applied. Returns [num_tokens, n_heads, head_dim], computed with
-    scale 1/sqrt(head_dim). layer_idx says which layer's cache to use. q, k and v are valid for
-    the call only (a replayed step reuses their memory for the next layer): a backend that keeps
-    K/V copies them.
+    rope and q/k norm already applied. Returns [num_tokens, n_heads, head_dim], computed as
+    layer says (its cache, scale, window and soft-cap). q, k and v are valid for the call only
+    (a replayed step reuses their memory for the next layer): a backend that keeps K/V copies
+    them.
     """
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+    def __call__(self, layer: LayerAttention, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: LayerAttention) -> Tensor:
+    """Softmax attention of q [..., heads, L, hd] over k, v [..., kv_heads, S, hd] with the
+    layer's scale and soft-cap; mask [..., L, S] is True where a query sees a key, None for
+    causal attention over keys that are the queries themselves.
+
+    SDPA cannot soft-cap, so a soft-capped layer takes transformers' eager formula.
+    """
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=True
+        )
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * layer.scale / layer.softcap) * layer.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class DenseCausalAttention:
@@ -55,11 +99,16 @@ class DenseCausalAttention:
         # [B, 1, T, T]: query i may see key j if j <= i and (j is real or j == i)
         self.mask = (causal & (valid[:, None, :] | diagonal))[:, None]
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer: LayerAttention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         batch, seq_len = self.shape
         # [B * T, heads, head_dim] -> [B, heads, T, head_dim]
         q, k, v = (t.view(batch, seq_len, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=True)
+        mask = self.mask
+        if layer.window is not None:
+            # Real tokens lie side by side with either padding, so distance in the row is
+            # distance in position.
+            mask = mask & torch.ones_like(mask[0, 0]).triu(1 - layer.window)
+        out = attend(q, k, v, mask, layer)
         return out.transpose(1, 2).reshape(batch * seq_len, out.shape[1], out.shape[3])
 
 
@@ -110,34 +159,51 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def rope_inv_freqs(config: ModelConfig) -> Tensor:
+    """[n_ropes, head_dim // 2] fp32: rope_inv_freq's, then the sliding layers' own where the
+    model gives them another base (Gemma 3's rope_local_theta, unscaled)."""
+    if config.rope_local_theta is None:
+        return rope_inv_freq(config)[None]
+    local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+    return torch.stack((rope_inv_freq(config), rope_inv_freq(local)))
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin of each token's rotary angles; the frequencies stay fp32 whatever the dtype."""
+    """cos/sin of each token's rotary angles, one set per rope of the model (rope_inv_freqs);
+    the frequencies stay fp32 whatever the dtype."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         # Explicit CPU: a real tensor even when the model is built under torch.device("meta").
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freqs(config), persistent=False)
 
     def _apply(self, fn, recurse=True):
         # .to(bfloat16) / .half() would round the frequencies and shift every angle; the buffer
         # is a pure function of the config, so recompute it in fp32 on the new device instead.
         super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        self.inv_freq = rope_inv_freqs(self.config).to(self.inv_freq.device)
         return self
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        # [num_tokens, head_dim // 2], fp32
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        # [n_ropes, num_tokens, head_dim // 2], fp32
+        freqs = positions[None, :, None].float() * self.inv_freq[:, None, :]
         return freqs.cos(), freqs.sin()
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+    """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3,
+    Gemma 3); its LayerAttention carries Gemma's scale, soft-cap and sliding window."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer = LayerAttention(
+            index=layer_idx,
+            scale=config.attention_scale or config.head_dim**-0.5,
+            window=config.layer_window(layer_idx),
+            softcap=config.attn_logit_softcap,
+        )
+        self.rope_index = int(config.uses_local_rope(layer_idx))  # which of rope_inv_freqs
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
@@ -160,25 +226,29 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = apply_rope(qk, cos, signed_sin).split([self.n_heads, self.n_kv_heads], dim=1)
-        out = attention(self.layer_idx, q, k, v)  # [num_tokens, n_heads, head_dim]
+        qk = apply_rope(qk, cos[self.rope_index], signed_sin[self.rope_index])
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+        out = attention(self.layer, q, k, v)  # [num_tokens, n_heads, head_dim]
         return self.wo(out.reshape(num_tokens, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP; w13 is the fused gate (w1) and up (w3) projection."""
+    """SwiGLU MLP (GeGLU with tanh GELU on Gemma); w13 is the fused gate (w1) and up (w3)
+    projection."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.w13 = Linear(config.dim, 2 * config.dim_ffn, bias=False)
         self.w2 = Linear(config.dim_ffn, config.dim, bias=False)
+        self.act_and_mul = gelu_tanh_and_mul if config.hidden_act == "gelu_tanh" else silu_and_mul
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(silu_and_mul(self.w13(x)))  # w13: [num_tokens, 2 * dim_ffn]
+        return self.w2(self.act_and_mul(self.w13(x)))  # w13: [num_tokens, 2 * dim_ffn]
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm decoder layer: h = x + attention(norm(x)), then h + feed_forward(norm(h)).
+    With post_norms (Gemma) each sublayer's output is normed too before its residual add.
 
     The residual stream is carried as (the last sublayer's output, the stream before it), so
     each residual add runs fused with the norm that follows it.
@@ -192,6 +262,9 @@ class TransformerBlock(nn.Module):
         moe = config.moe
         sparse = moe is not None and moe.is_sparse(layer_idx)
         self.feed_forward = MoEFeedForward(config, FeedForward) if sparse else FeedForward(config)
+        post_norms = config.post_norms
+        self.post_attention_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
+        self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
 
     def forward(
         self,
@@ -207,8 +280,13 @@ class TransformerBlock(nn.Module):
         else:
             x, residual = self.attention_norm.add_and_norm(x, residual)
         x = self.attention(x, cos, signed_sin, attention)
+        if self.post_attention_norm is not None:
+            x = self.post_attention_norm(x)
         x, residual = self.ffn_norm.add_and_norm(x, residual)
-        return self.feed_forward(x), residual
+        x = self.feed_forward(x)
+        if self.post_ffn_norm is not None:
+            x = self.post_ffn_norm(x)
+        return x, residual
 
 
 class Transformer(nn.Module):
@@ -244,10 +322,13 @@ class Transformer(nn.Module):
         return self.logits(h, residual, logits_indices)
 
     def embed(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(embeddings [num_tokens, dim], cos, signed_sin [num_tokens, 1, head_dim]): what the
-        layers read, rope's angles built once for all of them."""
+        """(embeddings [num_tokens, dim], cos, signed_sin [n_ropes, num_tokens, 1, head_dim]):
+        what the layers read, rope's angles built once for all of them."""
         h = self.tok_embeddings(input_ids)
-        cos, sin = (t.to(h.dtype)[:, None, :] for t in self.rope(positions))
+        if self.config.scale_embeddings:
+            # Gemma: sqrt(dim) rounded to the model dtype first, as transformers does
+            h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
+        cos, sin = (t.to(h.dtype)[:, :, None, :] for t in self.rope(positions))
         return h, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def run_layers(
@@ -266,6 +347,9 @@ class Transformer(nn.Module):
             h, residual = h[logits_indices], residual[logits_indices]  # [num_logits, dim]
         h, _ = self.norm.add_and_norm(h, residual)
         logits = linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     def forward_dense(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -11,17 +11,45 @@ from kernel_switch import kernel_or_fallback, requires_compiler
 from astrai.inference.attention import CacheView, DecodeGroup
 from astrai.inference.kv_cache import PagedCache
 from astrai.kernels import PagedDecode, native
+from astrai.model.transformer import LayerAttention
+
+# Gemma-like layers beside the plain one: a sliding window shorter than most contexts here, a
+# scale other than 1/sqrt(head_dim), and soft-capped logits (small, so the cap bites).
+LAYER_KINDS = {
+    "full": {},
+    "window-5": {"window": 5},
+    "softcap-window-3": {"window": 3, "softcap": 0.5, "scale": 0.3},
+}
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention of queries at positions start.. over the full k/v [ctx, kvh, hd]."""
+def layer_attention(index: int, head_dim: int, kind: str = "full") -> LayerAttention:
+    settings = {"scale": head_dim**-0.5, **LAYER_KINDS[kind]}
+    return LayerAttention(index=index, **settings)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    layer: LayerAttention | None = None,
+) -> torch.Tensor:
+    """Causal attention of queries at positions start.. over the full k/v [ctx, kvh, hd], with
+    the layer's scale, window and soft-cap (default: plain, 1/sqrt(head_dim))."""
     n, n_heads, head_dim = q.shape
+    layer = layer or LayerAttention(index=0, scale=1 / math.sqrt(head_dim))
     group = n_heads // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, hd]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(head_dim)  # [heads, n, ctx]
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * layer.scale  # [heads, n, ctx]
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
     query_pos = torch.arange(start, start + n)[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(k.shape[1])[None, :]
+    hidden = key_pos > query_pos
+    if layer.window is not None:
+        hidden |= key_pos <= query_pos - layer.window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
@@ -36,11 +64,12 @@ def random_kv(n_layers, lengths, n_kv_heads, head_dim, generator):
     ]
 
 
-def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
+def run_pass(cache, full_k, full_v, seqs, n_heads, generator, kind="full"):
     """Run one pass of seqs through a view on every layer; check each against dense attention.
 
     q, k and v go in the cache's dtype; the reference is fp32 attention over those values.
-    Returns the view, so a test can see which decode backend it used."""
+    Every layer attends as LAYER_KINDS[kind] says. Returns the view, so a test can see which
+    decode backend it used."""
     view = CacheView(cache, seqs)
     dtype = cache.k_cache.dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
@@ -48,7 +77,8 @@ def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
         k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
         v = torch.cat([full_v[layer][t][s : s + n] for t, s, n in seqs])
         q = torch.randn(k.shape[0], n_heads, k.shape[2], generator=generator).to(dtype)
-        out = view(layer, q, k.to(dtype), v.to(dtype))
+        attention = layer_attention(layer, k.shape[2], kind)
+        out = view(attention, q, k.to(dtype), v.to(dtype))
         assert out.dtype == dtype
         row = 0
         for task_id, start, n in seqs:
@@ -56,7 +86,7 @@ def run_pass(cache, full_k, full_v, seqs, n_heads, generator):
             k_seq, v_seq = (
                 full[layer][task_id][:ctx].to(dtype).float() for full in (full_k, full_v)
             )
-            expected = dense_attention(q[row : row + n].float(), k_seq, v_seq, start)
+            expected = dense_attention(q[row : row + n].float(), k_seq, v_seq, start, attention)
             torch.testing.assert_close(
                 out[row : row + n].float(), expected, atol=tolerance, rtol=tolerance
             )
@@ -79,8 +109,9 @@ def test_decode_kernel_is_built_where_a_compiler_is():
     ("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (4, 4, 4), (6, 1, 4), (4, 2, 3)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(LAYER_KINDS))
 def test_mixed_batch_matches_dense_causal_attention(
-    n_heads, n_kv_heads, page_size, dtype, decode_attention
+    n_heads, n_kv_heads, page_size, dtype, kind, decode_attention
 ):
     generator = torch.Generator().manual_seed(0)
     n_layers, head_dim = 2, 8
@@ -97,19 +128,21 @@ def test_mixed_batch_matches_dense_causal_attention(
             assert cache.allocate(task_id, min(length, pages * page_size))
 
     earlier = [(t, 0, s) for t, (s, _) in plan.items() if s > 0]
-    run_pass(cache, full_k, full_v, earlier, n_heads, generator)
+    run_pass(cache, full_k, full_v, earlier, n_heads, generator, kind)
     mixed = [(0, 10, 1), (1, 0, 7), (2, 3, 1), (3, 5, 6), (4, 0, 1), (5, 8, 4), (6, 15, 1)]
-    view = run_pass(cache, full_k, full_v, mixed, n_heads, generator)
+    view = run_pass(cache, full_k, full_v, mixed, n_heads, generator, kind)
     assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
     assert all(isinstance(group, DecodeGroup) for group in view.decode_groups)
     assert bool(view.decode_groups) == (decode_attention == "sdpa")
-    run_pass(cache, full_k, full_v, [mixed[i] for i in (3, 6, 1, 0, 5, 2, 4)], n_heads, generator)
+    shuffled = [mixed[i] for i in (3, 6, 1, 0, 5, 2, 4)]
+    run_pass(cache, full_k, full_v, shuffled, n_heads, generator, kind)
 
 
 @pytest.mark.parametrize(("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (6, 1, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(LAYER_KINDS))
 def test_steps_of_decodes_alone_store_their_kv(
-    n_heads, n_kv_heads, page_size, dtype, decode_attention
+    n_heads, n_kv_heads, page_size, dtype, kind, decode_attention
 ):
     """A step with no prompt chunk leaves storing the decodes' K/V to the kernel, if it runs."""
     generator = torch.Generator().manual_seed(2)
@@ -123,11 +156,11 @@ def test_steps_of_decodes_alone_store_their_kv(
     for task_id, length in full_len.items():
         assert cache.allocate(task_id, length)
     prefill = [(t, 0, n) for t, n in prompt_len.items()]
-    run_pass(cache, full_k, full_v, prefill, n_heads, generator)
+    run_pass(cache, full_k, full_v, prefill, n_heads, generator, kind)
     for step in range(steps):
         # Each token is new to the cache: attending before storing it would read a zero key.
         decodes = [(t, n + step, 1) for t, n in prompt_len.items()]
-        view = run_pass(cache, full_k, full_v, decodes, n_heads, generator)
+        view = run_pass(cache, full_k, full_v, decodes, n_heads, generator, kind)
         assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
 
 
@@ -156,7 +189,7 @@ def test_view_keeps_the_cache_dtype():
     assert cache.allocate(0, 6) and cache.allocate(1, 3)
     seqs = [(0, 0, 5), (1, 0, 1)]
     q, k, v = (torch.randn(6, h, 8, generator=generator) for h in (4, 2, 2))
-    out = CacheView(cache, seqs)(0, q.bfloat16(), k.bfloat16(), v.bfloat16())
+    out = CacheView(cache, seqs)(layer_attention(0, 8), q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert out.dtype == torch.bfloat16
     expected = torch.cat(
         [dense_attention(q[:5], k[:5], v[:5], 0), dense_attention(q[5:], k[5:], v[5:], 0)]
@@ -171,10 +204,10 @@ def test_decodes_attend_heads_that_lie_apart():
     cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
     assert cache.allocate(0, 6)
     prompt_q, prompt_k, prompt_v = (torch.randn(5, h, 8, generator=generator) for h in (4, 2, 2))
-    CacheView(cache, [(0, 0, 5)])(0, prompt_q, prompt_k, prompt_v)
+    CacheView(cache, [(0, 0, 5)])(layer_attention(0, 8), prompt_q, prompt_k, prompt_v)
     q, k, v = (torch.randn(1, h, 16, generator=generator)[..., :8] for h in (4, 2, 2))
     assert q.stride(1) == 16
-    out = CacheView(cache, [(0, 5, 1)])(0, q, k, v)
+    out = CacheView(cache, [(0, 5, 1)])(layer_attention(0, 8), q, k, v)
     full_k, full_v = torch.cat((prompt_k, k)), torch.cat((prompt_v, v))
     torch.testing.assert_close(out, dense_attention(q, full_k, full_v, 5))
 
@@ -194,4 +227,4 @@ def test_decode_kernel_refuses_queries_of_another_dtype():
     assert cache.allocate(0, 3)
     q, k, v = (torch.randn(1, h, 8).bfloat16() for h in (4, 2, 2))
     with pytest.raises(ValueError, match="KV cache holds torch.float32"):
-        CacheView(cache, [(0, 2, 1)])(0, q, k, v)
+        CacheView(cache, [(0, 2, 1)])(layer_attention(0, 8), q, k, v)

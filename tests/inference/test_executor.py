@@ -105,9 +105,9 @@ def test_decode_steps_attend_by_kernel_calls_bound_once_a_step(monkeypatch):
     attended = []
     attend = CacheView._attend
 
-    def counted(view, layer_idx, *args):
-        attended.append(layer_idx)
-        return attend(view, layer_idx, *args)
+    def counted(view, layer, *args):
+        attended.append(layer.index)
+        return attend(view, layer, *args)
 
     monkeypatch.setattr(CacheView, "_attend", counted)
     model = random_model(1)

@@ -87,7 +87,7 @@ class RaggedAttention:
     def __init__(self, lengths: list[int]):
         self.lengths = lengths
 
-    def __call__(self, layer_idx, q, k, v):
+    def __call__(self, layer, q, k, v):
         outputs = []
         for q_seq, k_seq, v_seq in zip(
             q.split(self.lengths), k.split(self.lengths), v.split(self.lengths), strict=True
@@ -128,12 +128,12 @@ class ContiguousCacheAttention:
         self.keys = [None] * n_layers
         self.values = [None] * n_layers
 
-    def __call__(self, layer_idx, q, k, v):
-        if self.keys[layer_idx] is not None:
-            k = torch.cat([self.keys[layer_idx], k])
-            v = torch.cat([self.values[layer_idx], v])
+    def __call__(self, layer, q, k, v):
+        if self.keys[layer.index] is not None:
+            k = torch.cat([self.keys[layer.index], k])
+            v = torch.cat([self.values[layer.index], v])
         # q/k/v are valid for the call only (AttentionBackend): keep copies
-        self.keys[layer_idx], self.values[layer_idx] = k.clone(), v.clone()
+        self.keys[layer.index], self.values[layer.index] = k.clone(), v.clone()
         n_new, n_all = q.shape[0], k.shape[0]
         # query i (absolute position n_all - n_new + i) sees keys at positions <= its own
         visible = torch.ones(n_new, n_all, dtype=torch.bool).tril(diagonal=n_all - n_new)

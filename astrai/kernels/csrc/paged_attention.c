@@ -8,7 +8,8 @@
  * serving every query head that reads a key from the one load. Each sequence is computed alone
  * in a fixed order, so its result does not depend on what else is in the batch. In a step of
  * decodes alone the kernel also stores each decode's new K/V in its page first, which saves
- * the caller two scatter ops a layer.
+ * the caller two scatter ops a layer. A layer with a sliding window reads only the keys within
+ * it, and a soft-capped one (Gemma 2) caps each scaled logit x at softcap * tanh(x / softcap).
  *
  * The extension links libgomp by soname, so in a process that imported torch first it shares
  * torch's OpenMP runtime and thread pool instead of starting a second one.
@@ -35,10 +36,12 @@ typedef struct {
     void *v_cache;
     const int64_t *rows;         /* [n] the batch row of each decode */
     const int64_t *block_tables; /* [n, max_pages] */
-    const int64_t *context_lens; /* [n] keys each decode attends to, its own included */
+    const int64_t *context_lens; /* [n] each decode's position + 1: its own key is the last */
     int64_t n, max_pages, page_size, n_heads, kv_heads, head_dim;
     int64_t q_row_stride, new_k_row_stride, new_v_row_stride;
+    int64_t window; /* a decode sees its last window keys only; 0: all */
     float scale;
+    float softcap; /* 0: none */
     int is_bf16;
 } DecodeBatch;
 
@@ -104,7 +107,11 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
                                                           int64_t kv_begin, int64_t kv_end,
                                                           float *scratch, const int is_bf16) {
     const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
-    const int64_t ctx = b->context_lens[i], n_heads = (kv_end - kv_begin) * group;
+    const int64_t n_heads = (kv_end - kv_begin) * group;
+    /* the keys seen are first .. first + ctx - 1; the new one, at context_lens[i] - 1, last */
+    const int64_t end = b->context_lens[i];
+    const int64_t first = b->window > 0 && end > b->window ? end - b->window : 0;
+    const int64_t ctx = end - first;
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES; /* a head's row of scores */
     const int64_t *pages = b->block_tables + i * b->max_pages;
     const int64_t first_head = kv_begin * group;
@@ -115,7 +122,7 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     const void **values = (const void **)(scores + n_heads * stride); /* [ctx] V rows */
 
     if (b->new_k != NULL) { /* this decode's own token comes last */
-        const int64_t slot = page_token(b, pages, ctx - 1) + kv_begin * hd;
+        const int64_t slot = page_token(b, pages, end - 1) + kv_begin * hd;
         const size_t bytes = (is_bf16 ? sizeof(bf16) : sizeof(float)) * (kv_end - kv_begin) * hd;
         memcpy((void *)at(b->k_cache, slot, is_bf16),
                at(b->new_k, b->rows[i] * b->new_k_row_stride + kv_begin * hd, is_bf16), bytes);
@@ -127,7 +134,8 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
         const void *keys[KEY_BLOCK];
         for (int64_t j = 0; j < KEY_BLOCK; j++)
-            keys[j] = at(b->k_cache, page_token(b, pages, t0 + (j < n_keys ? j : 0)) + kv_begin * hd,
+            keys[j] = at(b->k_cache,
+                         page_token(b, pages, first + t0 + (j < n_keys ? j : 0)) + kv_begin * hd,
                          is_bf16);
         for (int64_t h = 0; h < n_heads; h++) {
             const int64_t k_offset = (h / group) * hd;
@@ -147,6 +155,8 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
      * exactly 1 and is taken back out of the sum */
     for (int64_t h = 0; h < n_heads; h++) {
         float *s = scores + h * stride, max = -INFINITY;
+        if (b->softcap > 0.0f)
+            for (int64_t t = 0; t < ctx; t++) s[t] = tanhf(s[t] / b->softcap) * b->softcap;
         for (int64_t t = 0; t < ctx; t++) max = s[t] > max ? s[t] : max;
         for (int64_t t = ctx; t < stride; t++) s[t] = max;
         vec8 sums = {0.0f};
@@ -162,7 +172,7 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     /* out = scores @ V: per kv head, HEAD_BLOCK of its query heads at a time, over 16 values
      * of head_dim at a time (8 for the rest) */
     for (int64_t t = 0; t < ctx; t++)
-        values[t] = at(b->v_cache, page_token(b, pages, t) + kv_begin * hd, is_bf16);
+        values[t] = at(b->v_cache, page_token(b, pages, first + t) + kv_begin * hd, is_bf16);
     for (int64_t kv = kv_begin; kv < kv_end; kv++) {
         if (kv > kv_begin)
             for (int64_t t = 0; t < ctx; t++) values[t] = at(values[t], hd, is_bf16);
@@ -201,6 +211,7 @@ static int attend_all(const DecodeBatch *b) {
     int64_t max_ctx = 0;
     for (int64_t i = 0; i < b->n; i++)
         if (b->context_lens[i] > max_ctx) max_ctx = b->context_lens[i];
+    if (b->window > 0 && max_ctx > b->window) max_ctx = b->window;
     int failed = 0;
 #pragma omp parallel
     {
@@ -227,13 +238,13 @@ static PyObject *decode(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride;
     Py_ssize_t k_cache, v_cache, rows, block_tables, context_lens;
-    Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim;
-    float scale;
+    Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim, window;
+    float scale, softcap;
     int is_bf16;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnfp", &out, &q, &q_row_stride, &new_k,
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnfnfp", &out, &q, &q_row_stride, &new_k,
                           &new_k_row_stride, &new_v, &new_v_row_stride, &k_cache, &v_cache,
                           &rows, &block_tables, &context_lens, &n, &max_pages, &page_size,
-                          &n_heads, &kv_heads, &head_dim, &scale, &is_bf16))
+                          &n_heads, &kv_heads, &head_dim, &scale, &window, &softcap, &is_bf16))
         return NULL;
     const DecodeBatch b = {
         .out = (void *)out,
@@ -254,7 +265,9 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         .q_row_stride = q_row_stride,
         .new_k_row_stride = new_k_row_stride,
         .new_v_row_stride = new_v_row_stride,
+        .window = window,
         .scale = scale,
+        .softcap = softcap,
         .is_bf16 = is_bf16,
     };
     int status;
@@ -269,8 +282,8 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride, k_cache, "
      "v_cache, rows, block_tables, context_lens, n, max_pages, page_size, n_heads, kv_heads, "
-     "head_dim, scale, is_bf16): data pointers of fp32 or bf16 tensors and sizes; new_k and "
-     "new_v 0 when already stored."},
+     "head_dim, scale, window, softcap, is_bf16): data pointers of fp32 or bf16 tensors and "
+     "sizes; new_k and new_v 0 when already stored; window and softcap 0 when none."},
     {NULL, NULL, 0, NULL},
 };
 
