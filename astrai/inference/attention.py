@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from astrai.inference.kv_cache import PagedCache
 from astrai.kernels.paged_attention import PagedDecode
+from astrai.model.transformer import LayerAttention, attend
 
 
 class CacheView:
@@ -18,10 +18,11 @@ class CacheView:
     (task_id, start, n): n new tokens at positions start .. start + n - 1.
 
     The constructor resolves every index once -- write slots, the decodes' page tables, each
-    prompt chunk's pages and causal mask -- so a layer's call is tensor work only: write its new
-    K/V, attend the decodes (one C kernel call that reads their pages in place for fp32 and
-    bf16 on the CPU, else one SDPA call per group of gathered pages), then one SDPA call per
-    prompt chunk.
+    prompt chunk's pages -- and the masks are made once per sliding window, so a layer's call
+    is tensor work only: write its new K/V, attend the decodes (one C kernel call that reads
+    their pages in place for fp32 and bf16 on the CPU, else one SDPA call per group of gathered
+    pages), then one SDPA call per prompt chunk. The pages of a sliding layer's keys that lie
+    outside its window are kept: other layers still read them, and so does the prefix cache.
     """
 
     def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
@@ -79,65 +80,111 @@ class CacheView:
                     )
                 )
 
-        # (rows, pages, causal mask offset by start); a chunk from position 0 sees only its own
-        # new K/V, so it needs neither pages nor an explicit mask.
-        self.chunks: list[tuple[slice, torch.Tensor | None, torch.Tensor | None]] = []
-        for i, (_, start, n) in enumerate(seqs):
-            if n == 1:
-                continue
-            rows = slice(offsets[i], offsets[i] + n)
-            if start == 0:
-                self.chunks.append((rows, None, None))
-                continue
-            key_pos = torch.arange(start + n, device=device)
-            query_pos = torch.arange(start, start + n, device=device)
-            mask = key_pos[None, :] <= query_pos[:, None]  # [n, start + n]
-            self.chunks.append((rows, block_table[i, : len(tables[i])], mask))
+        self.chunks = [
+            PromptChunk(
+                rows=slice(offsets[i], offsets[i] + n),
+                start=start,
+                device=device,
+                # a chunk from position 0 sees only its own new K/V, so it needs no pages
+                pages=None if start == 0 else block_table[i, : len(tables[i])],
+            )
+            for i, (_, start, n) in enumerate(seqs)
+            if n > 1
+        ]
 
     def bind(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+        self,
+        layer: LayerAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
     ) -> Callable[[], object]:
         """The layer's attention as a call that writes into out [num_tokens, heads, hd]; for
         decodes alone on the C kernel, the kernel call itself (it stores their K/V as it attends),
         which a replayed step binds once per layer."""
         if self.paged_decode is not None and not self.chunks and not self.store_first:
-            return self.paged_decode.kernel_call(layer_idx, q, out, k, v)
-        return partial(self._attend, layer_idx, q, k, v, out)
+            return self._kernel_call(layer, q, out, k, v)
+        return partial(self._attend, layer, q, k, v, out)
+
+    def _kernel_call(self, layer: LayerAttention, q, out, k=None, v=None) -> Callable[[], None]:
+        return self.paged_decode.kernel_call(
+            layer.index, q, out, k, v, scale=layer.scale, window=layer.window, softcap=layer.softcap
+        )
 
     def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: LayerAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Write k, v [num_tokens, kvh, hd] to the cache; attend q [num_tokens, heads, hd]."""
         out = q.new_empty(q.shape)
-        self.bind(layer_idx, q, k, v, out)()
+        self.bind(layer, q, k, v, out)()
         return out
 
     def _attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+        self,
+        layer: LayerAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
     ) -> None:
-        k_layer, v_layer = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [pages, ps, kvh, hd]
-        kv_heads, head_dim = k_layer.shape[-2:]
+        k_layer, v_layer = self.k_cache[layer.index], self.v_cache[layer.index]
+        kv_heads, head_dim = k_layer.shape[-2:]  # k_layer: [pages, ps, kvh, hd]
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
         if self.paged_decode is not None:
-            self.paged_decode.kernel_call(layer_idx, q, out)()
+            self._kernel_call(layer, q, out)()
         for group in self.decode_groups:
-            group.attend(k_layer, v_layer, q, out)
-        for rows, pages, mask in self.chunks:
-            if pages is None:
+            group.attend(layer, k_layer, v_layer, q, out)
+        for chunk in self.chunks:
+            rows, n_keys = chunk.rows, chunk.start + chunk.rows.stop - chunk.rows.start
+            if chunk.pages is None:
                 k_seq, v_seq = k[rows], v[rows]  # [n, kvh, hd]
             else:
-                k_seq = k_layer[pages].flatten(0, 1)[: mask.shape[1]]  # [start + n, kvh, hd]
-                v_seq = v_layer[pages].flatten(0, 1)[: mask.shape[1]]
-            o_seq = F.scaled_dot_product_attention(
+                k_seq = k_layer[chunk.pages].flatten(0, 1)[:n_keys]  # [start + n, kvh, hd]
+                v_seq = v_layer[chunk.pages].flatten(0, 1)[:n_keys]
+            o_seq = attend(
                 q[rows].transpose(0, 1)[None],
                 k_seq.transpose(0, 1)[None],
                 v_seq.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=True,
+                chunk.mask(layer.window),
+                layer,
             )
             out[rows] = o_seq[0].transpose(0, 1)
+
+
+def visible_keys(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """True where a query at query_pos [..., 1] sees the key at key_pos [n_keys]: at or before
+    it, and within its window if it has one."""
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    return visible
+
+
+@dataclass
+class PromptChunk:
+    """A prompt chunk of a step: its rows in the batch, its first position, and the pages of
+    its keys (None when it starts at 0: its keys are its own new K/V)."""
+
+    rows: slice
+    start: int
+    device: torch.device
+    pages: torch.Tensor | None
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[n, start + n] True where a query sees a key, made once per window; None for plain
+        causal attention over the chunk's own keys."""
+        if window not in self.masks:
+            n = self.rows.stop - self.rows.start
+            key_pos = torch.arange(self.start + n, device=self.device)
+            query_pos = torch.arange(self.start, self.start + n, device=self.device)[:, None]
+            causal_alone = self.start == 0 and window is None
+            self.masks[window] = None if causal_alone else visible_keys(query_pos, key_pos, window)
+        return self.masks[window]
 
 
 # What one more decode group costs against one more gathered page per decode (an index_select,
@@ -173,9 +220,12 @@ class DecodeGroup:
 
     rows: torch.Tensor | None  # [n] their rows in the batch; None: all rows, in order
     pages: torch.Tensor  # [n * n_pages] page ids, padded with page 0
-    mask: torch.Tensor  # [n, 1, 1, n_pages * page_size] True for keys at or before the query
+    positions: torch.Tensor  # [n, 1] each decode's query position
+    key_pos: torch.Tensor  # [n_pages * page_size] the positions of the gathered keys
     k: torch.Tensor  # [n * n_pages, page_size, kvh, hd] gather buffers, reused by every layer
     v: torch.Tensor
+    # per window: [n, 1, 1, n_pages * page_size] True for the keys each query sees
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -192,16 +242,25 @@ class DecodeGroup:
         return cls(
             rows=rows,
             pages=tables.flatten(),
-            mask=(key_pos <= positions[:, None])[:, None, None, :],
+            positions=positions[:, None],
+            key_pos=key_pos,
             k=k,
             v=torch.empty_like(k),
         )
 
     def attend(
-        self, k_layer: torch.Tensor, v_layer: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+        self,
+        layer: LayerAttention,
+        k_layer: torch.Tensor,
+        v_layer: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
     ) -> None:
         """Write this group's attention outputs into out [num_tokens, heads, hd]."""
-        n = len(self.mask)
+        n = len(self.positions)
+        if layer.window not in self.masks:
+            visible = visible_keys(self.positions, self.key_pos, layer.window)
+            self.masks[layer.window] = visible[:, None, None, :]
         kv_heads, head_dim = k_layer.shape[-2:]
         torch.index_select(k_layer, 0, self.pages, out=self.k)
         torch.index_select(v_layer, 0, self.pages, out=self.v)
@@ -210,7 +269,7 @@ class DecodeGroup:
         # The query heads sharing a KV head become that head's query rows, so GQA needs no
         # repeated K/V: q [n, kvh, heads // kvh, hd].
         q = q if self.rows is None else q.index_select(0, self.rows)
-        o = F.scaled_dot_product_attention(q.view(n, kv_heads, -1, head_dim), k, v, self.mask)
+        o = attend(q.view(n, kv_heads, -1, head_dim), k, v, self.masks[layer.window], layer)
         o = o.reshape(n, -1, head_dim)
         if self.rows is None:
             out.copy_(o)
