@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,18 @@ class ConfigError(ValueError):
 
 NATIVE_MODEL_TYPE = "astrai"
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", *MOE_MODEL_TYPES)
+# Llama decoders with a few differences each (_hf_variant says which).
+VARIANT_MODEL_TYPES = ("phi3", "olmo2", "granite")
+HF_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    *MOE_MODEL_TYPES,
+    *VARIANT_MODEL_TYPES,
+)
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
@@ -24,7 +36,30 @@ ROPE_SCALING_KEYS = {
     # One divisor per rotary frequency, as a GGUF file's rope_freqs tensor gives them (llama.cpp
     # writes Llama 3.1's scaling that way, without the llama3 parameters it came from).
     "frequency_factors": ("factors",),
+    # YaRN: low frequencies divided by factor, high ones kept, a ramp between them (beta_fast and
+    # beta_slow rotations over the original context); cos and sin scaled by attention_factor.
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+    ),
+    # Dynamic NTK: past the original context the base grows with the position (see
+    # astrai.model.rope for which position a token's rotation follows).
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    # LongRoPE (Phi-3): a divisor per frequency, short_factor's within the original context and
+    # long_factor's past it; cos and sin scaled by attention_factor.
+    "longrope": (
+        "short_factor",
+        "long_factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+    ),
 }
+# Spellings of rope types that transformers reads as another type.
+PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 
 
 @dataclass(frozen=True)
@@ -75,9 +110,10 @@ class ModelConfig:
     """The shape of a Llama-family decoder: everything the model needs to build itself.
 
     head_dim is explicit because Qwen3 and others do not use dim // n_heads. rope_scaling is
-    None or a dict with "rope_type" ("linear" or "llama3") and that type's parameters
-    (ROPE_SCALING_KEYS), spelled as Hugging Face spells them. attention_bias means a bias on
-    the q/k/v projections only (Qwen2); use_qk_norm is Qwen3's per-head RMSNorm on q and k.
+    None or a dict with "rope_type" (a key of ROPE_SCALING_KEYS) and that type's parameters,
+    spelled as Hugging Face spells them; rope turns the first rotary_dim of each head's dims
+    (None: all of them). attention_bias means a bias on the q/k/v projections only (Qwen2);
+    use_qk_norm is Qwen3's per-head RMSNorm on q and k.
 
     The fields after attention_bias are what Gemma 2/3 and sliding-window models change, each
     off by default: hidden_act is the MLP gate's activation ("silu": SwiGLU; "gelu_tanh":
@@ -102,8 +138,18 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    rotary_dim: int | None = None
     max_len: int = 2048
     tie_weight: bool = False
+    # OLMo 2: no norm before each sublayer (post_norms after it instead), and one q norm and
+    # one k norm over the whole projection (use_qk_norm's are per head).
+    pre_norms: bool = True
+    qk_norm_across_heads: bool = False
+    # Granite: embeddings times embedding_multiplier, each sublayer's output times
+    # residual_multiplier before its residual add, logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     use_qk_norm: bool = False
     attention_bias: bool = False
     hidden_act: str = "silu"
@@ -135,8 +181,25 @@ class ModelConfig:
                 f"norm_eps and rope_theta must be positive, got {self.norm_eps!r} "
                 f"and {self.rope_theta!r}"
             )
+        rotary_dim = self.rotary_dim or self.head_dim
+        if not (_positive_int(rotary_dim) and rotary_dim % 2 == 0 and rotary_dim <= self.head_dim):
+            raise ConfigError(
+                f"rotary_dim must be an even number of dims up to head_dim ({self.head_dim}), "
+                f"got {self.rotary_dim!r}"
+            )
+        if self.use_qk_norm and self.qk_norm_across_heads:
+            raise ConfigError("use_qk_norm (per head) and qk_norm_across_heads exclude each other")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
+                raise ConfigError(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.rope_scaling is not None:
-            _check_rope_scaling(self.rope_scaling, self.head_dim)
+            _check_rope_scaling(self.rope_scaling, rotary_dim)
+            rope_type = self.rope_scaling["rope_type"]
+            if self.rope_local_theta is not None and rope_type in ("yarn", "dynamic", "longrope"):
+                raise ConfigError(
+                    f"{rope_type} rope scaling beside rope_local_theta (a second rope for the "
+                    "sliding layers) is not supported; use linear, llama3 or frequency_factors"
+                )
             # A private copy: the caller's dict must not be able to change a frozen config.
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
         self._check_gemma_and_window_fields()
@@ -249,13 +312,17 @@ class ModelConfig:
         if model_type == "gemma3_text":
             hf = _gemma3_global_rope(hf)
         rope_theta, rope_scaling = _hf_rope(hf, max_len)
+        head_dim = hf.get("head_dim") or dim // n_heads
+        if rope_scaling is not None and rope_scaling["rope_type"] == "dynamic":
+            # Dynamic NTK is for contexts factor times max_position_embeddings.
+            max_len = int(max_len * rope_scaling["factor"])
         return cls(
             vocab_size=required("vocab_size"),
             dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or dim // n_heads,
+            head_dim=head_dim,
             dim_ffn=required("intermediate_size"),
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -268,6 +335,11 @@ class ModelConfig:
             moe=_hf_moe(hf, model_type, max_len) if model_type in MOE_MODEL_TYPES else None,
             **_hf_sliding_window(hf, model_type, n_layers, max_len),
             **(_hf_gemma(hf, model_type) if model_type in GEMMA_MODEL_TYPES else {}),
+            **(
+                _hf_variant(hf, model_type, head_dim, max_len)
+                if model_type in VARIANT_MODEL_TYPES
+                else {}
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -281,7 +353,7 @@ class ModelConfig:
         (directory / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-def _check_rope_scaling(rope_scaling: dict, head_dim: int) -> None:
+def _check_rope_scaling(rope_scaling: dict, rotary_dim: int) -> None:
     rope_type = rope_scaling.get("rope_type")
     if rope_type not in ROPE_SCALING_KEYS:
         raise ConfigError(
@@ -297,14 +369,17 @@ def _check_rope_scaling(rope_scaling: dict, head_dim: int) -> None:
             f"rope_scaling of type {rope_type!r} has unknown keys {unknown}; it takes "
             f"{list(ROPE_SCALING_KEYS[rope_type])} (rope_theta is a field of its own)"
         )
-    factors = rope_scaling.get("factors", [rope_scaling.get("factor")])
-    if not all(isinstance(f, (int, float)) and f > 0 for f in factors):
-        raise ConfigError(f"rope_scaling factors must be positive numbers, got {factors!r}")
-    if rope_type == "frequency_factors" and len(factors) != head_dim // 2:
-        raise ConfigError(
-            f"rope_scaling has {len(factors)} frequency factors; head_dim {head_dim} has "
-            f"{head_dim // 2} rotary frequencies"
-        )
+    # One divisor per rotary frequency, or one for them all.
+    per_frequency = [k for k in ("factors", "short_factor", "long_factor") if k in rope_scaling]
+    for key in per_frequency or ["factor"]:
+        factors = rope_scaling[key] if per_frequency else [rope_scaling[key]]
+        if not all(isinstance(f, (int, float)) and f > 0 for f in factors):
+            raise ConfigError(f"rope_scaling {key} must be positive numbers, got {factors!r}")
+        if per_frequency and len(factors) != rotary_dim // 2:
+            raise ConfigError(
+                f"rope_scaling has {len(factors)} {key}; a rotary dimension of {rotary_dim} has "
+                f"{rotary_dim // 2} frequencies"
+            )
 
 
 def _refuse_unsupported_hf(hf: dict[str, Any], model_type: str) -> None:
@@ -432,15 +507,41 @@ def _hf_moe(hf: dict[str, Any], model_type: str, max_len: int) -> MoEConfig | No
     )
 
 
+def _hf_variant(hf: dict[str, Any], model_type: str, head_dim: int, max_len: int) -> dict:
+    """What Phi-3, OLMo 2 and Granite change from the Llama decoder (ModelConfig's fields)."""
+    if model_type == "phi3":
+        # Fused qkv_proj and gate_up_proj are astrai's own layout; partial rotary on Phi-4-mini.
+        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        window = hf.get("sliding_window")  # every layer slides, as on Mistral
+        sliding = {} if window is None or window >= max_len else {"sliding_window": window}
+        return {"rotary_dim": int(head_dim * partial), **sliding}
+    if model_type == "olmo2":
+        return {"pre_norms": False, "post_norms": True, "qk_norm_across_heads": True}
+    return {  # granite
+        "embedding_multiplier": hf.get("embedding_multiplier", 1.0),
+        "attention_scale": hf.get("attention_multiplier", 1.0),
+        "residual_multiplier": hf.get("residual_multiplier", 1.0),
+        "logits_scaling": hf.get("logits_scaling", 1.0),
+    }
+
+
 def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
-    """Read rope settings from transformers 5 (rope_parameters) or 4 (rope_theta, rope_scaling)."""
+    """Read rope settings from transformers 5 (rope_parameters) or 4 (rope_theta, rope_scaling),
+    with the defaults transformers fills in written out, so the scaling names every parameter."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if any(isinstance(value, dict) for value in params.values()):
         raise ConfigError("per-layer-type rope parameters are not supported")
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial rotary embedding (partial_rotary_factor != 1) is not supported")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and hf.get("model_type") != "phi3":
+        raise ConfigError(
+            f"partial rotary embedding (partial_rotary_factor={partial}) is supported on phi3 "
+            f"only, where transformers applies it, not on {hf.get('model_type')}"
+        )
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if hf.get("model_type") == "phi3":
+        rope_type = PHI3_ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type == "default":
         return theta, None
     if rope_type not in ROPE_SCALING_KEYS:
@@ -448,18 +549,67 @@ def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
             f"unsupported rope scaling type {rope_type!r}; astrai supports "
             f"{sorted(ROPE_SCALING_KEYS)} (or no scaling)"
         )
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn", "longrope"):
         # As transformers does: a top-level original_max_position_embeddings wins.
         original = hf.get("original_max_position_embeddings")
         if original is not None:
             params["original_max_position_embeddings"] = original
         params.setdefault("original_max_position_embeddings", max_len)
-    missing = [key for key in ROPE_SCALING_KEYS[rope_type] if params.get(key) is None]
+    if rope_type == "dynamic":
+        params["original_max_position_embeddings"] = max_len  # what transformers scales from
+    # The parameters that transformers derives where a config leaves them out
+    derived = {
+        "yarn": ("attention_factor", "beta_fast", "beta_slow", "truncate"),
+        "longrope": ("attention_factor",),
+    }.get(rope_type, ())
+    missing = [
+        k for k in ROPE_SCALING_KEYS[rope_type] if k not in derived and params.get(k) is None
+    ]
     if missing:
         raise ConfigError(f"rope scaling of type {rope_type!r} lacks {missing}")
+    if rope_type == "yarn":
+        params.update(_yarn_defaults(params))
+    if rope_type == "longrope":
+        params["attention_factor"] = _longrope_attention_factor(params, max_len)
     scaling = {"rope_type": rope_type}
     scaling.update({key: params[key] for key in ROPE_SCALING_KEYS[rope_type]})
     return theta, scaling
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context factor times longer (its paper's eq. 21)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_defaults(params: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's optional parameters, missing or null, as transformers fills them in."""
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        factor, mscale, mscale_all_dim = (
+            params.get(k) for k in ("factor", "mscale", "mscale_all_dim")
+        )
+        attention_factor = (
+            float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+            if mscale and mscale_all_dim
+            else _yarn_mscale(factor)
+        )
+    return {
+        "attention_factor": attention_factor,
+        "beta_fast": params.get("beta_fast") or 32,
+        "beta_slow": params.get("beta_slow") or 1,
+        "truncate": bool(params.get("truncate", True)),
+    }
+
+
+def _longrope_attention_factor(params: dict[str, Any], max_len: int) -> float:
+    """LongRoPE's attention factor: the config's, else transformers' default from how many
+    times the original context max_len is."""
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    factor = max_len / original if factor is None else factor
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def setting(default: Any, help: str, **cli: Any) -> Any:

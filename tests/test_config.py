@@ -132,8 +132,8 @@ def test_sliding_window_that_never_applies_is_dropped(tmp_path, arch, overrides)
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
-        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+        ({"rope_scaling": {"rope_type": "proportional"}}, "rope scaling type 'proportional'"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, r"'yarn' lacks \['factor'\]"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"attention_bias": True}, "o_proj bias"),
@@ -189,7 +189,7 @@ def test_native_unknown_and_missing_fields_are_refused(tmp_path):
         ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, "must be positive numbers"),
         (
             {"rope_scaling": {"rope_type": "frequency_factors", "factors": [1.0, 2.0]}},
-            "2 frequency factors; head_dim 8 has 4",
+            "2 factors; a rotary dimension of 8 has 4 frequencies",
         ),
     ],
 )

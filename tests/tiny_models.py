@@ -156,6 +156,11 @@ def hf_greedy(hf_model, ids: list[int], max_tokens: int, stop_ids) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+def hf_greedy_outputs(hf_model, prompts: list[list[int]], max_tokens: list[int], stop_ids):
+    """hf_greedy of each prompt with its max_tokens."""
+    return [hf_greedy(hf_model, p, m, stop_ids) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
 # Tiny GGUF files (write_gguf) are written from random HF checkpoints, with names spelled here
 # rather than borrowed from the loader, so a mapping mistake cannot cancel itself out.
 GGUF_NAMES = {
@@ -176,6 +181,14 @@ GGUF_NAMES = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}
+# Where a model has post-norms (OLMo 2), post_attention_layernorm is the attention's post-norm.
+GGUF_POST_NORM_NAMES = {
+    **GGUF_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 # An expert's projection (Qwen-MoE's name or Mixtral's) -> the tensor of all a layer's experts.
 GGUF_EXPERT_NAMES = {
@@ -260,8 +273,10 @@ def write_gguf(
                 stacked = f"blk.{layer}.{GGUF_EXPERT_NAMES[expert[2]]}.{kind}"
                 experts.setdefault(stacked, {})[int(expert[1])] = array
                 continue
-            gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
-            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            names = GGUF_POST_NORM_NAMES if arch == "olmo2" else GGUF_NAMES
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+            permuted = arch in ("llama", "granite")  # llama.cpp's llama-style rope
+            if permuted and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = hf["num_attention_heads" if "q_proj" in module else "num_key_value_heads"]
                 array = llama_cpp_permute(array, heads)
             if module == "mlp.shared_expert_gate":

@@ -81,6 +81,13 @@ HF_TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Phi-3 checkpoints hold q/k/v and gate/up fused, in astrai's order.
+FUSED_PROJECTION_MODEL_TYPES = ("phi3",)
+HF_FUSED_LAYER_NAMES = {
+    **HF_LAYER_NAMES,
+    "attention.wqkv.weight": ("self_attn.qkv_proj.weight",),
+    "feed_forward.w13.weight": ("mlp.gate_up_proj.weight",),
+}
 # Old HF checkpoints carry rope frequencies as tensors; transformers ignores them and so do we.
 IGNORED_HF_TENSOR = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -156,7 +163,10 @@ class AutoModel:
         with torch.device("meta"):
             model = Transformer(config)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        layout = {name: _sources(config, name, shape, native) for name, shape in shapes.items()}
+        fused = raw_config.get("model_type") in FUSED_PROJECTION_MODEL_TYPES
+        layout = {
+            name: _sources(config, name, shape, native, fused) for name, shape in shapes.items()
+        }
         files = _tensor_files(directory)
         with ExitStack() as stack:
             handles = {
@@ -214,9 +224,14 @@ def loading(items: Collection[T], source: Path) -> Iterable[T]:
 
 
 def _sources(
-    config: ModelConfig, name: str, shape: tuple[int, ...], native: bool
+    config: ModelConfig,
+    name: str,
+    shape: tuple[int, ...],
+    native: bool,
+    fused_projections: bool = False,
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """The checkpoint tensors (name, shape) that make up native tensor `name`, in order."""
+    """The checkpoint tensors (name, shape) that make up native tensor `name`, in order;
+    fused_projections: the checkpoint's q/k/v and gate/up are one tensor each, as astrai's."""
     if native:
         return [(name, shape)]
     if name in HF_TOP_NAMES:
@@ -226,15 +241,17 @@ def _sources(
     layer, suffix = match.groups()
     suffix, index = expert_template(suffix)
     layer_names = HF_POST_NORM_LAYER_NAMES if config.post_norms else HF_LAYER_NAMES
+    if fused_projections:
+        layer_names = HF_FUSED_LAYER_NAMES
     hf_names = [f"model.layers.{layer}.{hf.format(e=index)}" for hf in layer_names[suffix]]
-    if suffix.startswith("attention.wqkv"):
+    if len(hf_names) == 1:
+        rows = [shape[0]]
+    elif suffix.startswith("attention.wqkv"):
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim
         rows = [q_size, kv_size, kv_size]
-    elif suffix.endswith("w13.weight"):  # an MLP's gate and up projections, fused
+    else:  # an MLP's gate and up projections, fused
         rows = [shape[0] // 2, shape[0] // 2]
-    else:
-        rows = [shape[0]]
     return [(hf, (n, *shape[1:])) for hf, n in zip(hf_names, rows, strict=True)]
 
 

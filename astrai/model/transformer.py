@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3) as explicit tensor code.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3, OLMo 2, Granite) as
+explicit tensor code.
 
 The model works on a flattened ragged batch: num_tokens rows, each with its own position,
 from any number of sequences at any offsets. It never sees how K/V are stored; each layer
@@ -8,8 +9,7 @@ cache view in serving, DenseCausalAttention for whole padded sequences with no c
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +30,7 @@ from astrai.kernels import (
 )
 from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model.moe import MoEFeedForward
+from astrai.model.rope import RotaryEmbedding, rotary_dim
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -128,69 +129,6 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Rotary inverse frequencies [head_dim // 2] in fp32, computed as transformers does.
-
-    The same float ops in the same order as transformers' rope init functions, so the angles
-    (and hence the logits) match bit for bit rather than to a tolerance.
-    """
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    if scaling["rope_type"] == "frequency_factors":
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
-    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
-def rope_inv_freqs(config: ModelConfig) -> Tensor:
-    """[n_ropes, head_dim // 2] fp32: rope_inv_freq's, then the sliding layers' own where the
-    model gives them another base (Gemma 3's rope_local_theta, unscaled)."""
-    if config.rope_local_theta is None:
-        return rope_inv_freq(config)[None]
-    local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
-    return torch.stack((rope_inv_freq(config), rope_inv_freq(local)))
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of each token's rotary angles, one set per rope of the model (rope_inv_freqs);
-    the frequencies stay fp32 whatever the dtype."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        # Explicit CPU: a real tensor even when the model is built under torch.device("meta").
-        self.register_buffer("inv_freq", rope_inv_freqs(config), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        # .to(bfloat16) / .half() would round the frequencies and shift every angle; the buffer
-        # is a pure function of the config, so recompute it in fp32 on the new device instead.
-        super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freqs(self.config).to(self.inv_freq.device)
-        return self
-
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        # [n_ropes, num_tokens, head_dim // 2], fp32
-        freqs = positions[None, :, None].float() * self.inv_freq[:, None, :]
-        return freqs.cos(), freqs.sin()
-
-
 class Attention(nn.Module):
     """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3,
     Gemma 3); its LayerAttention carries Gemma's scale, soft-cap and sliding window."""
@@ -207,26 +145,39 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = rotary_dim(config)
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
         self.qk_size = q_size + kv_size  # qkv's columns before v's
         self.wqkv = Linear(config.dim, q_size + 2 * kv_size, bias=config.attention_bias)
         self.wo = Linear(q_size, config.dim, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.use_qk_norm else None
+        self.qk_norm_across_heads = config.qk_norm_across_heads
+        q_dims, k_dims = (q_size, kv_size) if self.qk_norm_across_heads else (config.head_dim,) * 2
+        qk_norm = config.use_qk_norm or config.qk_norm_across_heads
+        self.q_norm = RMSNorm(q_dims, config.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_dims, config.norm_eps) if qk_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend
     ) -> Tensor:
         num_tokens = x.shape[0]
         qkv = self.wqkv(x)
+        if self.qk_norm_across_heads:  # OLMo 2: one norm over all of q, one over all of k
+            q, k, v = qkv.split(self.split_sizes, dim=1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=1)
         # q and k heads side by side, [num_tokens, n_heads + n_kv_heads, head_dim]: one rope call
         qk = qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim)
         v = qkv[:, self.qk_size :].view(num_tokens, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_across_heads:
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = apply_rope(qk, cos[self.rope_index], signed_sin[self.rope_index])
+        cos, signed_sin = cos[self.rope_index], signed_sin[self.rope_index]
+        if self.rotary_dim == self.head_dim:
+            qk = apply_rope(qk, cos, signed_sin)
+        else:  # partial rotary (Phi-3): the rest of each head passes unrotated
+            rotated = apply_rope(qk[..., : self.rotary_dim], cos, signed_sin)
+            qk = torch.cat((rotated, qk[..., self.rotary_dim :]), dim=-1)
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
         out = attention(self.layer, q, k, v)  # [num_tokens, n_heads, head_dim]
         return self.wo(out.reshape(num_tokens, self.n_heads * self.head_dim))
@@ -248,7 +199,8 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm decoder layer: h = x + attention(norm(x)), then h + feed_forward(norm(h)).
-    With post_norms (Gemma) each sublayer's output is normed too before its residual add.
+    With post_norms (Gemma) each sublayer's output is normed too before its residual add;
+    without pre_norms (OLMo 2) only so. Granite scales each output by residual_multiplier.
 
     The residual stream is carried as (the last sublayer's output, the stream before it), so
     each residual add runs fused with the norm that follows it.
@@ -256,9 +208,11 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        pre_norms = config.pre_norms
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps) if pre_norms else None
         self.attention = Attention(config, layer_idx)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps) if pre_norms else None
+        self.residual_multiplier = config.residual_multiplier
         moe = config.moe
         sparse = moe is not None and moe.is_sparse(layer_idx)
         self.feed_forward = MoEFeedForward(config, FeedForward) if sparse else FeedForward(config)
@@ -275,18 +229,32 @@ class TransformerBlock(nn.Module):
         attention: AttentionBackend,
     ) -> tuple[Tensor, Tensor]:
         """x and residual: the previous layer's two outputs, or the embeddings and None."""
-        if residual is None:
-            x, residual = self.attention_norm(x), x
-        else:
-            x, residual = self.attention_norm.add_and_norm(x, residual)
+        x, residual = self._residual_add(self.attention_norm, x, residual)
         x = self.attention(x, cos, signed_sin, attention)
         if self.post_attention_norm is not None:
             x = self.post_attention_norm(x)
-        x, residual = self.ffn_norm.add_and_norm(x, residual)
+        x, residual = self._residual_add(self.ffn_norm, self._scaled(x), residual)
         x = self.feed_forward(x)
         if self.post_ffn_norm is not None:
             x = self.post_ffn_norm(x)
-        return x, residual
+        return self._scaled(x), residual
+
+    @staticmethod
+    def _residual_add(
+        pre_norm: RMSNorm | None, x: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """(the next sublayer's input, the stream x + residual): the stream pre-normed, fused
+        with the add, or the stream itself where the model has no pre-norms."""
+        if pre_norm is None:
+            stream = x if residual is None else x + residual
+            return stream, stream
+        if residual is None:
+            return pre_norm(x), x
+        return pre_norm.add_and_norm(x, residual)
+
+    def _scaled(self, x: Tensor) -> Tensor:
+        """A sublayer's output as it joins the stream (Granite's residual_multiplier)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class Transformer(nn.Module):
@@ -328,6 +296,8 @@ class Transformer(nn.Module):
         if self.config.scale_embeddings:
             # Gemma: sqrt(dim) rounded to the model dtype first, as transformers does
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            h = h * self.config.embedding_multiplier
         cos, sin = (t.to(h.dtype)[:, :, None, :] for t in self.rope(positions))
         return h, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
@@ -347,6 +317,8 @@ class Transformer(nn.Module):
             h, residual = h[logits_indices], residual[logits_indices]  # [num_logits, dim]
         h, _ = self.norm.add_and_norm(h, residual)
         logits = linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -28,7 +28,9 @@ from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)
 # Mixtral is a "llama" file with experts.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "olmo2", "granite")
+# llama.cpp's converter permutes attn_q and attn_k rows for its llama-style rope on these.
+PERMUTED_ARCHITECTURES = ("llama", "granite")
 # The block types astrai dequantizes at load; the quantization issue keeps some as they are.
 TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
@@ -59,9 +61,24 @@ GGUF_LAYER_NAMES = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # Phi-3's fused projections
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
+# With post-norms (OLMo 2) HF's post_attention_layernorm norms the attention's output.
+GGUF_POST_NORM_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 # Llama 3.1's rope scaling as llama.cpp stores it: a divisor for each rotary frequency.
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE divisors within and past the original context.
+LONGROPE_FACTORS = {
+    "short_factor": "rope_factors_short.weight",
+    "long_factor": "rope_factors_long.weight",
+}
 GGUF_TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -81,12 +98,16 @@ def load_gguf(
     with torch.device("meta"):
         model = Transformer(config)
     # native name -> the GGUF tensors (name, torch-order shape) it concatenates
+    arch = reader_architecture(reader)
     layout = {
-        name: [(_gguf_name(hf), shape) for hf, shape in _sources(config, name, t.shape, False)]
+        name: [
+            (_gguf_name(hf, config.post_norms), shape)
+            for hf, shape in _sources(config, name, t.shape, False, arch == "phi3")
+        ]
         for name, t in model.state_dict().items()
     }
     _check(path, layout, tensors, config)
-    permuted = reader_architecture(reader) == "llama"
+    permuted = arch in PERMUTED_ARCHITECTURES
     quantize = not dequantize and device.type == "cpu"
     state, dequantized = {}, set()
     for name, parts in loading(layout.items(), path):
@@ -238,9 +259,12 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
 
     dim = key("embedding_length")
     n_heads = key("attention.head_count")
-    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None)
+    # Phi-3's rope may turn part of each head only: rope.dimension_count is no head size there.
+    partial_rotary = arch == "phi3"
+    head_dim = key("attention.key_length", None)
+    head_dim = head_dim or (not partial_rotary and key("rope.dimension_count", None))
     head_dim = head_dim or dim // n_heads
-    for other in ("attention.value_length", "rope.dimension_count"):
+    for other in ("attention.value_length", *(() if partial_rotary else ("rope.dimension_count",))):
         if key(other, head_dim) != head_dim:
             raise ConfigError(
                 f"{arch}.{other} = {key(other)} differs from the head size {head_dim}: partial "
@@ -264,7 +288,29 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         use_qk_norm=arch in ("qwen3", "qwen3moe"),
         attention_bias=arch in ("qwen2", "qwen2moe"),
         moe=_moe(key, arch, names),
+        **_variant(key, arch),
     )
+
+
+def _variant(key, arch: str) -> dict:
+    """What phi3, olmo2 and granite files change from the Llama decoder (key reads
+    {arch}.name), as ModelConfig fields."""
+    if arch == "phi3":
+        window = key("attention.sliding_window", None)  # every layer slides, when shorter
+        sliding = (
+            {} if not window or window >= key("context_length") else {"sliding_window": window}
+        )
+        return {"rotary_dim": key("rope.dimension_count", None), **sliding}
+    if arch == "olmo2":
+        return {"pre_norms": False, "post_norms": True, "qk_norm_across_heads": True}
+    if arch == "granite":
+        return {
+            "embedding_multiplier": key("embedding_scale", 1.0),
+            "attention_scale": key("attention.scale", None),
+            "residual_multiplier": key("residual_scale", 1.0),
+            "logits_scaling": key("logit_scale", 1.0),
+        }
+    return {}
 
 
 def _moe(key, arch: str, names: set[str]) -> MoEConfig | None:
@@ -292,15 +338,26 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
     if factor is None:  # older converters wrote only this key, for linear scaling
         factor = _metadata(reader, f"{arch}.rope.scale_linear", None)
         scaling = "linear" if factor not in (None, 1.0) else scaling
-    frequency_factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    tensors = {
+        t.name: t for t in reader.tensors if t.name in (ROPE_FREQS, *LONGROPE_FACTORS.values())
+    }
+    if LONGROPE_FACTORS["short_factor"] in tensors:  # Phi-3
+        return {
+            "rope_type": "longrope",
+            **{key: _vector(tensors[name]) for key, name in LONGROPE_FACTORS.items()},
+            "original_max_position_embeddings": _metadata(
+                reader, f"{arch}.rope.scaling.original_context_length"
+            ),
+            "attention_factor": _metadata(reader, f"{arch}.rope.scaling.attn_factor", 1.0),
+        }
+    frequency_factors = tensors.get(ROPE_FREQS)
     if frequency_factors is not None:
         if scaling != "none":
             raise ConfigError(
                 f"the file has both {scaling!r} rope scaling and a {ROPE_FREQS} tensor; astrai "
                 "reads one or the other"
             )
-        factors = dequantize(frequency_factors.data, frequency_factors.tensor_type)
-        return {"rope_type": "frequency_factors", "factors": [float(f) for f in factors]}
+        return {"rope_type": "frequency_factors", "factors": _vector(frequency_factors)}
     if scaling == "none":
         return None
     if scaling != "linear":
@@ -309,6 +366,11 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
             f"{ROPE_FREQS} tensor (Llama 3.1's scaling) or none"
         )
     return {"rope_type": "linear", "factor": factor}
+
+
+def _vector(tensor) -> list[float]:
+    """A one-dimensional tensor's numbers (rope factors)."""
+    return [float(f) for f in dequantize(tensor.data, tensor.tensor_type)]
 
 
 def _metadata(reader: GGUFReader, name: str, default=...):
@@ -329,19 +391,21 @@ def _metadata(reader: GGUFReader, name: str, default=...):
     return int(value[0])
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, post_norms: bool) -> str:
     if hf_name in GGUF_TOP_NAMES:
         return GGUF_TOP_NAMES[hf_name]
     _, _, layer, suffix = hf_name.split(".", 3)  # model.layers.N.suffix
     suffix, expert = expert_template(suffix)
-    return f"blk.{layer}.{GGUF_LAYER_NAMES[suffix].format(e=expert)}"
+    names = GGUF_POST_NORM_LAYER_NAMES if post_norms else GGUF_LAYER_NAMES
+    return f"blk.{layer}.{names[suffix].format(e=expert)}"
 
 
 def _check(path: Path, layout, tensors: dict, config: ModelConfig) -> None:
     """Raise one CheckpointError naming every unsupported, missing, unexpected or mis-shaped
     tensor."""
     wanted = {source: shape for parts in layout.values() for source, shape in parts}
-    allowed_extra = {ROPE_FREQS} | ({"output.weight"} if config.tie_weight else set())
+    allowed_extra = {ROPE_FREQS, *LONGROPE_FACTORS.values()}
+    allowed_extra |= {"output.weight"} if config.tie_weight else set()
     problems = []
     unsupported = sorted(
         f"{name} ({tensor.tensor_type.name})"

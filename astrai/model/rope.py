@@ -1,0 +1,169 @@
+"""Rotary position embedding: each scaling type's frequencies, computed as transformers does.
+
+Every function uses the same float ops in the same order as transformers' rope init functions,
+so the angles (and hence the logits) match bit for bit rather than to a tolerance.
+
+A token's rotation depends on its own position only, never on the batch or on how long its
+sequence has grown: a served engine caches each token's K once, rotated, so that rotation
+cannot change later, and the prefix cache hands one request's K to another. transformers picks
+the frequencies of the dynamic and longrope types from the longest position in each forward
+call; with its KV cache and one new token per step that is the token's own position, which is
+the rule here. So astrai matches transformers' generate token for token whenever the prompt
+fits in the original context, also while the output goes past it. A prompt longer than the
+original context that transformers prefills in one call is rotated there with the long-context
+frequencies throughout; here its first tokens keep the original ones, as they would if
+transformers had prefilled them in shorter steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from astrai.config import ModelConfig
+
+
+def rotary_dim(config: ModelConfig) -> int:
+    """How many of each head's leading dims rope rotates (fewer than head_dim on Phi-3)."""
+    return config.rotary_dim or config.head_dim
+
+
+def _exponents(dim: int, device: torch.device | str = "cpu") -> Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+
+
+def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> Tensor:
+    """Rotary inverse frequencies [rotary_dim // 2] in fp32 for positions within the original
+    context, or past it if long_context (they differ for longrope only; dynamic's depend on the
+    position past it, dynamic_ntk_inv_freq)."""
+    dim = rotary_dim(config)
+    exponents = _exponents(dim)
+    scaling = config.rope_scaling
+    rope_type = None if scaling is None else scaling["rope_type"]
+    if rope_type == "longrope":
+        factors = scaling["long_factor" if long_context else "short_factor"]
+        factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+        return 1.0 / (factors * config.rope_theta**exponents)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(config.rope_theta, dim, scaling)
+    if rope_type == "dynamic":
+        # transformers' base at the original context length, in Python floats
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+        base = config.rope_theta * ((factor * original / original) - (factor - 1)) ** (
+            dim / (dim - 2)
+        )
+        return 1.0 / (base**exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if rope_type is None:
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "frequency_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _yarn_inv_freq(base: float, dim: int, scaling: dict) -> Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by factor, those that turn more than beta_fast times are kept, a ramp between."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = torch.clamp((ramp - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def dynamic_ntk_inv_freq(config: ModelConfig, positions: Tensor) -> Tensor:
+    """[num_tokens, rotary_dim // 2] fp32: dynamic NTK's frequencies for a token at each
+    position past the original context, its base grown for a sequence of position + 1 tokens
+    (in fp32 tensors, as transformers computes it during generation)."""
+    scaling = config.rope_scaling
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    dim = rotary_dim(config)
+    seq_len = (positions + 1).clamp(min=original)
+    base = config.rope_theta * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base[:, None] ** _exponents(dim, positions.device))
+
+
+def rope_inv_freqs(config: ModelConfig) -> Tensor:
+    """[n_ropes, rotary_dim // 2] fp32: rope_inv_freq's, then the sliding layers' own where the
+    model gives them another base (Gemma 3's rope_local_theta, unscaled)."""
+    if config.rope_local_theta is None:
+        return rope_inv_freq(config)[None]
+    local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+    return torch.stack((rope_inv_freq(config), rope_inv_freq(local)))
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of each token's rotary angles, one set per rope of the model (rope_inv_freqs),
+    times the scaling's attention factor (yarn, longrope); the frequencies stay fp32 whatever
+    the dtype."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        scaling = config.rope_scaling or {}
+        self.rope_type = scaling.get("rope_type")
+        self.original_context = scaling.get("original_max_position_embeddings")
+        self.attention_factor = scaling.get("attention_factor", 1.0)
+        # Explicit CPU: real tensors even when the model is built under torch.device("meta").
+        for name, freqs in self._frequencies().items():
+            self.register_buffer(name, freqs, persistent=False)
+
+    def _frequencies(self) -> dict[str, Tensor]:
+        frequencies = {"inv_freq": rope_inv_freqs(self.config)}
+        if self.rope_type == "longrope":
+            frequencies["long_inv_freq"] = rope_inv_freq(self.config, long_context=True)
+        return frequencies
+
+    def _apply(self, fn, recurse=True):
+        # .to(bfloat16) / .half() would round the frequencies and shift every angle; the buffers
+        # are a pure function of the config, so recompute them in fp32 on the new device instead.
+        super()._apply(fn, recurse)
+        for name, freqs in self._frequencies().items():
+            setattr(self, name, freqs.to(self.inv_freq.device))
+        return self
+
+    def token_inv_freq(self, positions: Tensor) -> Tensor:
+        """[n_ropes or 1, num_tokens or 1, rotary_dim // 2] fp32: each token's frequencies."""
+        if self.rope_type not in ("longrope", "dynamic"):
+            return self.inv_freq[:, None, :]
+        # One rope (ModelConfig refuses a local one beside these types); [num_tokens, 1]
+        past_original = positions[:, None] >= self.original_context
+        if self.rope_type == "longrope":
+            return torch.where(past_original, self.long_inv_freq, self.inv_freq)[None]
+        dynamic = dynamic_ntk_inv_freq(self.config, positions)
+        return torch.where(past_original, dynamic, self.inv_freq)[None]
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # [n_ropes, num_tokens, rotary_dim // 2], fp32
+        freqs = positions[None, :, None].float() * self.token_inv_freq(positions)
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
