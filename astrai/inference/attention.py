@@ -120,14 +120,8 @@ class CacheView:
         self.bind(layer, q, k, v, out)()
         return out
 
-    def _attend(
-        self,
-        layer: LayerAttention,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+    def _attend(self, layer: LayerAttention, q, k, v, out) -> None:
+        """bind's call where chunks or decode groups take part: q, k, v and out as bind's."""
         k_layer, v_layer = self.k_cache[layer.index], self.v_cache[layer.index]
         kv_heads, head_dim = k_layer.shape[-2:]  # k_layer: [pages, ps, kvh, hd]
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)

@@ -8,8 +8,7 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
-from tiny_models import make_engine, run_ids
+from tiny_models import hf_greedy, make_engine, run_ids
 
 from astrai.inference import GenerationParams, GenerationRequest
 from astrai.inference import scheduler as scheduler_module
@@ -27,19 +26,6 @@ def kv_bytes(model):
     """Bytes of K and V per token across all layers, in fp32."""
     c = model.config
     return c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
-
-
-def hf_greedy(hf_model, ids, max_tokens, stop_ids):
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=sorted(stop_ids),
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def mixed_workload(seed=0, n=16, vocab=512):
