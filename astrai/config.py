@@ -287,7 +287,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Convert a Hugging Face config.json dict of model_type llama, mistral, qwen2 or qwen3.
+        """Convert a Hugging Face config.json dict whose model_type is one of HF_MODEL_TYPES.
 
         Settings the model cannot honour are refused with a ConfigError rather than dropped,
         because ignoring them would give a model that runs but computes something else.
