@@ -1,9 +1,10 @@
 """Speculative decoding: guess a decoding task's next tokens, check them all in one pass.
 
 Batch-1 decode reads every weight once per token; a decode row followed by k guessed tokens
-reads them once for up to k + 1 tokens. The target model scores the guesses as one chunk of
-the ragged batch, and the executor samples every row of it exactly as plain decoding would
-sample that position (the same processed distribution, the same seeded uniform): a guess is
+reads them once for up to k + 1 tokens. The target model scores the guesses in the step's
+forward pass, each a decode row of its own (the same attention kernel and sums as plain
+decoding), and the executor samples every row exactly as plain decoding would sample that
+position (the same processed distribution, the same seeded uniform): a guess is
 kept while it equals the token drawn there, and the first token that differs is the target's
 own next token. With deterministic guesses this is rejection sampling (accept guess d with
 probability p(d), else draw from p without d), so the output distribution is exactly the
