@@ -27,7 +27,6 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.routing import Router
 
-from astrai.cli import open_server, serve_settings
 from astrai.config import ConfigError
 
 # The scope entries a replica's app reads; the rest (the ingress's router, state) stay behind.
@@ -70,6 +69,9 @@ class EngineReplica:
     """One engine and the app serving it, answering the requests the ingress hands it."""
 
     def __init__(self, serve_flags: Sequence[str]) -> None:
+        # Imported here, so the ingress, which shares this module, does not load torch.
+        from astrai.cli import open_server, serve_settings
+
         self.engine, self.app = open_server(*serve_settings(list(serve_flags)))
         self.name = serve.get_replica_context().replica_id.unique_id.encode()
 
@@ -186,6 +188,8 @@ def build_app(
     replicas' requests in flight differ by more than imbalanced_threshold (default: the max
     batch size); then, and without prefix_affinity, to the less loaded of two random replicas.
     """
+    from astrai.cli import serve_settings
+
     flags = ([] if model is None else ["--model", model]) + list(serve_flags)
     _, config = serve_settings(flags)
     batch = config.max_batch_size
@@ -251,8 +255,9 @@ class DeployArgs(BaseModel):
     imbalanced_threshold: float | None = None
 
 
-def app(args: DeployArgs) -> serve.Application:
-    """The application builder `serve run astrai.deploy:app key=value ...` calls."""
-    settings = args.model_dump()
-    settings["serve_flags"] = shlex.split(args.serve_flags)
+def app(args: dict[str, str]) -> serve.Application:
+    """The application builder `serve run astrai.deploy:app key=value ...` calls with its
+    key=value arguments; DeployArgs checks and converts them."""
+    settings = DeployArgs.model_validate(args).model_dump()
+    settings["serve_flags"] = shlex.split(settings["serve_flags"])
     return build_app(**settings)

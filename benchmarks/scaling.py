@@ -1,11 +1,11 @@
 """Replicas on Ray Serve on this machine: what 1 and 2 replicas cost against `astrai serve`, and
 the prefix-cache hit rate of prefix-affinity routing against random routing.
 
-Throughput: --clients chat requests at once (distinct random prompts, --new-tokens each, EOS
-ignored, streamed) through the openai client, after a warm-up round, against three servers on
-the same cores: `astrai serve` (one process, a thread per core); Ray Serve with one replica
-reserving every core; Ray Serve with one replica per core (a thread each). Each is measured
---repeats times, alternating, and the best run of each is kept.
+Throughput: one chat request, then --clients at once (distinct random prompts, --new-tokens
+each, EOS ignored, streamed) through the openai client, after a warm-up round, against three
+servers on the same cores: `astrai serve` (one process, a thread per core); Ray Serve with one
+replica reserving every core; Ray Serve with one replica per core (a thread each). Each is
+measured --repeats times, alternating, and the best run of each is kept.
 
 Hit rate: two replicas, each with a KV pool too small for every shared prefix of the workload
 but large enough for half of them: --prefixes system prompts of --prefix-tokens tokens each,
@@ -82,12 +82,15 @@ def words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
+def client_of(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0)
+
+
 async def stream_chats(base_url: str, prompts: list[str], new_tokens: int) -> Run:
     """Stream every prompt at once; time the whole and each request's first token."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0)
     firsts, outputs = [], []
 
-    async def one(prompt: str) -> None:
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> None:
         start = time.perf_counter()
         stream = await client.chat.completions.create(
             model="served",
@@ -106,26 +109,27 @@ async def stream_chats(base_url: str, prompts: list[str], new_tokens: int) -> Ru
                 outputs.append(chunk.usage.completion_tokens)
         firsts.append(first)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
-    return Run(time.perf_counter() - start, sum(outputs), firsts)
+    async with client_of(base_url) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, p) for p in prompts))
+        return Run(time.perf_counter() - start, sum(outputs), firsts)
 
 
 async def hit_rate(base_url: str, prompts: list[list[dict]]) -> tuple[float, float]:
     """(share of prompt tokens served from the prefix cache, seconds) over prompts, in order,
     AT_ONCE at a time."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0)
     cached = total = 0
     start = time.perf_counter()
-    for i in range(0, len(prompts), AT_ONCE):
-        replies = await asyncio.gather(
-            *(
-                client.chat.completions.create(model="served", messages=m, max_tokens=1)
-                for m in prompts[i : i + AT_ONCE]
+    async with client_of(base_url) as client:
+        for i in range(0, len(prompts), AT_ONCE):
+            replies = await asyncio.gather(
+                *(
+                    client.chat.completions.create(model="served", messages=m, max_tokens=1)
+                    for m in prompts[i : i + AT_ONCE]
+                )
             )
-        )
-        cached += sum(r.usage.prompt_tokens_details.cached_tokens for r in replies)
-        total += sum(r.usage.prompt_tokens for r in replies)
+            cached += sum(r.usage.prompt_tokens_details.cached_tokens for r in replies)
+            total += sum(r.usage.prompt_tokens for r in replies)
     return cached / total, time.perf_counter() - start
 
 
@@ -209,32 +213,40 @@ def throughput(args, flags: list[str], cpus: int) -> None:
         "Ray, 1 replica": lambda: RayServe(flags, num_replicas=1, replica_cpus=cpus),
         f"Ray, {cpus} replicas": lambda: RayServe(flags, num_replicas=cpus, replica_cpus=1),
     }
+    levels = (1, args.clients)
     rng = random.Random(0)
-    runs: dict[str, list[Run]] = {name: [] for name in servers}
+    runs = {(name, clients): [] for name in servers for clients in levels}
     for repeat in range(args.repeats):
         for name, start in servers.items():
             server = start()
             try:
                 warm_up = [words(rng, 40) for _ in range(args.clients)]
                 asyncio.run(stream_chats(server.base_url, warm_up, 8))
-                prompts = [words(rng, 40) for _ in range(args.clients)]
-                run = asyncio.run(stream_chats(server.base_url, prompts, args.new_tokens))
-                runs[name].append(run)
-                print(f"  {name} run {repeat + 1}: {run.tokens_per_second:.1f} tok/s", flush=True)
+                for clients in levels:
+                    prompts = [words(rng, 40) for _ in range(clients)]
+                    run = asyncio.run(stream_chats(server.base_url, prompts, args.new_tokens))
+                    runs[name, clients].append(run)
+                    print(
+                        f"  {name}, {clients} at once, run {repeat + 1}: "
+                        f"{run.tokens_per_second:.1f} tok/s",
+                        flush=True,
+                    )
             finally:
                 server.close()
-    print(
-        f"\n{args.clients} streamed chats at once, {args.new_tokens} new tokens each "
-        f"(best of {args.repeats})"
-    )
-    print(f"{'server':<22}{'tok/s':>9}{'runs':>24}{'TTFT p50 s':>12}{'vs astrai serve':>17}")
-    base = max(r.tokens_per_second for r in runs["astrai serve"])
-    for name, measured in runs.items():
-        best = max(measured, key=lambda r: r.tokens_per_second)
-        each = ", ".join(f"{r.tokens_per_second:.0f}" for r in measured)
-        ttft = statistics.median(best.first_token_seconds)
-        ratio = best.tokens_per_second / base
-        print(f"{name:<22}{best.tokens_per_second:>9.1f}{each:>24}{ttft:>12.2f}{ratio:>16.2f}x")
+    for clients in levels:
+        print(
+            f"\n{clients} streamed chats at once, {args.new_tokens} new tokens each "
+            f"(best of {args.repeats})"
+        )
+        print(f"{'server':<22}{'tok/s':>9}{'runs':>20}{'TTFT p50 s':>12}{'vs astrai serve':>17}")
+        base = max(r.tokens_per_second for r in runs["astrai serve", clients])
+        for name in servers:
+            measured = runs[name, clients]
+            best = max(measured, key=lambda r: r.tokens_per_second)
+            each = ", ".join(f"{r.tokens_per_second:.0f}" for r in measured)
+            ttft = statistics.median(best.first_token_seconds)
+            ratio = best.tokens_per_second / base
+            print(f"{name:<22}{best.tokens_per_second:>9.1f}{each:>20}{ttft:>12.2f}{ratio:>16.2f}x")
 
 
 def affinity(args, flags: list[str], path) -> None:

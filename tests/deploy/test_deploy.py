@@ -18,7 +18,7 @@ from ray import serve
 
 from astrai.cli import open_server, serve_settings
 from astrai.config import ConfigError
-from astrai.deploy import build_app, prompt_text
+from astrai.deploy import app, build_app, prompt_text
 from astrai.inference import GenerationParams, GenerationRequest
 
 API_KEY = "test-key"
@@ -59,8 +59,8 @@ def base_url(tmp_path_factory):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(num_replicas=2, replica_cpus=0.5, serve_flags=SERVE_FLAGS)
-        serve.run(app, name="astrai", route_prefix="/")
+        application = build_app(num_replicas=2, replica_cpus=0.5, serve_flags=SERVE_FLAGS)
+        serve.run(application, name="astrai", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -83,7 +83,8 @@ def test_64_concurrent_streams_complete_on_both_replicas(base_url, local_engine)
     client = openai.AsyncOpenAI(
         base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60
     )
-    conversations = [chat(f"Question {i}: what is a page?") for i in range(64)]
+    # Prompts that share no prefix worth following, so the router spreads them.
+    conversations = [[{"role": "user", "content": f"{i} pages: why?"}] for i in range(64)]
 
     async def stream(messages) -> Stream:
         raw = await client.chat.completions.with_raw_response.create(
@@ -108,7 +109,7 @@ def test_64_concurrent_streams_complete_on_both_replicas(base_url, local_engine)
     assert len(served) == 2, served
     # They ran at once, not a few at a time behind the ingress.
     most_at_once = max(sum(o.started <= s.started < o.ended for o in streams) for s in streams)
-    assert most_at_once >= 32, most_at_once
+    assert most_at_once >= 16, most_at_once  # Ray's default would allow 5
 
 
 def test_a_shared_prefix_series_goes_to_the_replica_that_cached_it(base_url):
@@ -166,3 +167,6 @@ def test_build_app_refuses_settings_it_cannot_serve():
         build_app(serve_flags=["--no-such-flag"])
     with pytest.raises(ConfigError, match="max_batch_size"):
         build_app(serve_flags=["--max-batch-size", "0"])
+    # `serve run astrai.deploy:app serve_flags="..."` splits the flags as a shell does.
+    with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
+        app({"serve_flags": "--max-batch-size 8 --no-such-flag"})
