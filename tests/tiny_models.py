@@ -184,10 +184,12 @@ GGUF_NAMES = {
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
 }
-# Where a model has post-norms (OLMo 2), post_attention_layernorm is the attention's post-norm.
+# Where a model has post-norms (OLMo 2, Gemma), post_attention_layernorm is the attention's
+# post-norm.
 GGUF_POST_NORM_NAMES = {
     **GGUF_NAMES,
     "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 # An expert's projection (Qwen-MoE's name or Mixtral's) -> the tensor of all a layer's experts.
@@ -259,6 +261,8 @@ def write_gguf(
     experts: dict[str, dict[int, np.ndarray]] = {}  # GGUF name -> expert -> its weight
     for name, tensor in tensors.items():
         array = tensor.float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp's converter adds Gemma's 1 to its (1 + w) norms
         if name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -273,7 +277,7 @@ def write_gguf(
                 stacked = f"blk.{layer}.{GGUF_EXPERT_NAMES[expert[2]]}.{kind}"
                 experts.setdefault(stacked, {})[int(expert[1])] = array
                 continue
-            names = GGUF_POST_NORM_NAMES if arch == "olmo2" else GGUF_NAMES
+            names = GGUF_POST_NORM_NAMES if arch in ("olmo2", "gemma2", "gemma3") else GGUF_NAMES
             gguf_name = f"blk.{layer}.{names[module]}.{kind}"
             permuted = arch in ("llama", "granite")  # llama.cpp's llama-style rope
             if permuted and module in ("self_attn.q_proj", "self_attn.k_proj"):

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import TINY, hf_greedy, make_engine, write_tokenizer
+from tiny_models import TINY, hf_greedy, make_engine, write_gguf, write_tokenizer
 
 from astrai.config import ConfigError, ModelConfig
 from astrai.inference import STOP, GenerationParams
@@ -40,7 +40,7 @@ FAMILIES = {
 }
 
 
-def write_checkpoint(directory, family: str):
+def write_checkpoint(directory, family: str, **overrides):
     """A random-weight checkpoint of the family with a WINDOW-token sliding window."""
     import transformers
 
@@ -50,7 +50,7 @@ def write_checkpoint(directory, family: str):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }
     config_cls, model_cls = classes[family]
-    settings = {**TINY, "head_dim": 16, "sliding_window": WINDOW, **FAMILIES[family]}
+    settings = {**TINY, "head_dim": 16, "sliding_window": WINDOW, **FAMILIES[family], **overrides}
     torch.manual_seed(3)
     model = model_cls(config_cls(**settings)).eval()
     with torch.no_grad():
@@ -97,6 +97,11 @@ def test_config_reads_what_the_family_changes(family):
 
 def test_dense_logits_match_transformers_past_the_window(family):
     _, model, reference, _ = family
+    assert_dense_logits_match(model, reference)
+
+
+def assert_dense_logits_match(model, reference):
+    """Logits of a padded batch of prompts three windows long equal transformers'."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (3, 3 * WINDOW), generator=generator)
     mask = torch.ones_like(ids)
@@ -198,3 +203,40 @@ def test_gemma3_multimodal_config_is_refused_with_its_text_model_named():
 def test_gemma_settings_it_cannot_honour_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({"model_type": "gemma2", **TINY, "head_dim": 16, **overrides})
+
+
+# What llama.cpp's Gemma files leave to the reader: queries scaled by head_dim (here unlike
+# dim / n_heads, which the 27B models take), Gemma 3's sliding layers in 5 of every 6 with rope
+# base 10000. Everything else is in the metadata.
+GGUF_FILES = {
+    "gemma2": (
+        {"query_pre_attn_scalar": 32, "head_dim": 32},
+        {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 8.0},
+    ),
+    "gemma3": (
+        {
+            "query_pre_attn_scalar": 32,
+            "head_dim": 32,
+            "num_hidden_layers": 6,
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0,
+        },
+        {"rope.freq_base": 1e6, "rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_FILES))
+def test_gguf_file_matches_transformers(tmp_path, arch):
+    import transformers
+
+    family = {"gemma2": "gemma2", "gemma3": "gemma3_text"}[arch]
+    overrides, metadata = GGUF_FILES[arch]
+    directory = write_checkpoint(tmp_path / "hf", family, **overrides)
+    metadata["attention.sliding_window"] = WINDOW
+    model = AutoModel.from_pretrained(write_gguf(tmp_path / "m.gguf", directory, arch, **metadata))
+    assert model.config.rope_local_theta == (10000.0 if arch == "gemma3" else None)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    )
+    assert_dense_logits_match(model, reference.eval())

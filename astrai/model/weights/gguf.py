@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from astrai.config import ConfigError, ModelConfig, MoEConfig
+from astrai.config import LAYER_TYPES, ConfigError, ModelConfig, MoEConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
 from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
 from astrai.model.automodel import CheckpointError, _sources, expert_template, loading
@@ -28,7 +28,10 @@ from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)
 # Mixtral is a "llama" file with experts.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "olmo2", "granite")
+ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "olmo2", "granite", "gemma2",
+    "gemma3",
+)  # fmt: skip
 # llama.cpp's converter permutes attn_q and attn_k rows for its llama-style rope on these.
 PERMUTED_ARCHITECTURES = ("llama", "granite")
 # The block types astrai dequantizes at load; the quantization issue keeps some as they are.
@@ -65,7 +68,8 @@ GGUF_LAYER_NAMES = {
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
-# With post-norms (OLMo 2) HF's post_attention_layernorm norms the attention's output.
+# With post-norms (OLMo 2, Gemma) HF's post_attention_layernorm norms the attention's output.
+# llama.cpp's converter has added Gemma's 1 to its (1 + w) norm weights already.
 GGUF_POST_NORM_LAYER_NAMES = {
     **GGUF_LAYER_NAMES,
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -285,10 +289,11 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         rope_scaling=_rope_scaling(reader, arch),
         max_len=key("context_length"),
         tie_weight="output.weight" not in names,
-        use_qk_norm=arch in ("qwen3", "qwen3moe"),
+        use_qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         attention_bias=arch in ("qwen2", "qwen2moe"),
         moe=_moe(key, arch, names),
         **_variant(key, arch),
+        **(_gemma(key, arch, dim // n_heads, head_dim) if arch.startswith("gemma") else {}),
     )
 
 
@@ -311,6 +316,35 @@ def _variant(key, arch: str) -> dict:
             "logits_scaling": key("logit_scale", 1.0),
         }
     return {}
+
+
+# llama.cpp's Gemma settings that its files do not hold: the 27B models (by their layer count)
+# scale queries by dim / n_heads, the others by head_dim; Gemma 2 slides in every other layer,
+# Gemma 3 in 5 of every 6, its sliding layers' rope base 10000.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def _gemma(key, arch: str, dim_per_head: int, head_dim: int) -> dict:
+    """What gemma2 and gemma3 files change from the Llama decoder, as ModelConfig fields."""
+    n_layers, window = key("block_count"), key("attention.sliding_window", None)
+    pattern = GEMMA_SLIDING_PATTERN[arch]
+    query_scale = dim_per_head if n_layers == GEMMA_27B_LAYERS[arch] else head_dim
+    settings = {
+        "hidden_act": "gelu_tanh",
+        "scale_embeddings": True,
+        "post_norms": True,
+        "attention_scale": query_scale**-0.5,
+        # Gemma 2's soft-caps, with llama.cpp's defaults; Gemma 3 has none
+        "attn_logit_softcap": key("attn_logit_softcapping", 50.0) if arch == "gemma2" else None,
+        "final_logit_softcap": key("final_logit_softcapping", 30.0) if arch == "gemma2" else None,
+        "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
+    }
+    if window and window < key("context_length"):
+        settings["sliding_window"] = window
+        settings["layer_types"] = [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n_layers)]
+    return settings
 
 
 def _moe(key, arch: str, names: set[str]) -> MoEConfig | None:
@@ -363,7 +397,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
     if scaling != "linear":
         raise ConfigError(
             f"unsupported GGUF rope scaling type {scaling!r}; astrai reads 'linear', a "
-            f"{ROPE_FREQS} tensor (Llama 3.1's scaling) or none"
+            f"{ROPE_FREQS} tensor (Llama 3.1's scaling), Phi-3's rope_factors_* tensors or none"
         )
     return {"rope_type": "linear", "factor": factor}
 
