@@ -20,6 +20,11 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.get_stats()
+        checks, proposed, accepted = (
+            stats.speculative_steps,
+            stats.proposed_tokens,
+            stats.accepted_tokens,
+        )
         gauges = {
             "astrai_requests_running": ("Requests being generated", stats.running),
             "astrai_requests_waiting": ("Requests waiting for admission", stats.waiting),
@@ -34,39 +39,28 @@ class EngineStatsCollector(Collector):
                 "Fraction of prompt tokens served from the prefix cache",
                 stats.prefix_hit_rate,
             ),
+            "astrai_speculative_acceptance_rate": (
+                "Fraction of guessed tokens kept",
+                accepted / proposed if proposed else 0.0,
+            ),
+            "astrai_speculative_mean_accepted_length": (
+                "Guessed tokens kept per check (each check also yields the model's own token)",
+                accepted / checks if checks else 0.0,
+            ),
+        }
+        counters = {
+            "astrai_preemptions": ("Requests preempted for KV memory", stats.preemptions),
+            "astrai_speculative_steps": (
+                "Decode rows that carried guessed tokens for the model to check",
+                checks,
+            ),
+            "astrai_speculative_proposed_tokens": ("Guessed tokens the model checked", proposed),
+            "astrai_speculative_accepted_tokens": ("Guessed tokens the model kept", accepted),
         }
         for name, (documentation, value) in gauges.items():
             yield GaugeMetricFamily(name, documentation, value=value)
-        yield CounterMetricFamily(
-            "astrai_preemptions", "Requests preempted for KV memory", value=stats.preemptions
-        )
-        counters = {
-            "astrai_speculative_steps": (
-                "Decode rows that carried guessed tokens for the model to check",
-                stats.speculative_steps,
-            ),
-            "astrai_speculative_proposed_tokens": (
-                "Guessed tokens the model checked",
-                stats.proposed_tokens,
-            ),
-            "astrai_speculative_accepted_tokens": (
-                "Guessed tokens the model kept",
-                stats.accepted_tokens,
-            ),
-        }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)
-        steps, proposed = stats.speculative_steps, stats.proposed_tokens
-        yield GaugeMetricFamily(
-            "astrai_speculative_acceptance_rate",
-            "Fraction of guessed tokens kept",
-            value=stats.accepted_tokens / proposed if proposed else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "astrai_speculative_mean_accepted_length",
-            "Guessed tokens kept per check (each check also yields the model's own token)",
-            value=stats.accepted_tokens / steps if steps else 0.0,
-        )
 
 
 class ServerMetrics:
