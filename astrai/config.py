@@ -293,6 +293,12 @@ class ModelConfig:
         because ignoring them would give a model that runs but computes something else.
         """
         model_type = hf.get("model_type")
+        if model_type == "gemma3":
+            raise ConfigError(
+                "model_type gemma3 is Gemma 3's image-and-text checkpoint, which astrai does not "
+                "load; it runs Gemma 3's text models (model_type gemma3_text, as Gemma 3 1B "
+                "ships) and GGUF files of architecture gemma3"
+            )
         if model_type not in HF_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; astrai loads "

@@ -189,7 +189,7 @@ def test_greedy_batch_with_prefix_hits_equals_transformers(
 
 def test_gemma3_multimodal_config_is_refused_with_its_text_model_named():
     hf = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", **TINY}}
-    with pytest.raises(ConfigError, match="gemma3_text"):
+    with pytest.raises(ConfigError, match="image-and-text checkpoint.*gemma3_text"):
         ModelConfig.from_hf(hf)
 
 
@@ -240,3 +240,21 @@ def test_gguf_file_matches_transformers(tmp_path, arch):
         directory, dtype=torch.float32, attn_implementation="eager"
     )
     assert_dense_logits_match(model, reference.eval())
+
+
+def test_q8_0_on_load_quantizes_every_linear_and_the_tied_head(tmp_path):
+    from astrai.kernels.quant_ops import QuantizedLinear
+
+    directory = write_checkpoint(tmp_path, "gemma2")
+    dense = AutoModel.from_pretrained(directory)
+    model = AutoModel.from_pretrained(directory, quantization="q8_0")
+    assert isinstance(model.output, QuantizedLinear)  # Gemma ties its head to the table
+    assert all(
+        isinstance(module, QuantizedLinear)
+        for layer in model.layers
+        for module in (layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
+    )
+    ids = torch.randint(0, 512, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, quantized = dense.forward_dense(ids), model.forward_dense(ids)
+    assert (quantized - expected).abs().max() < 0.05 * expected.abs().max()
