@@ -83,8 +83,10 @@ def test_64_concurrent_streams_complete_on_both_replicas(base_url, local_engine)
     client = openai.AsyncOpenAI(
         base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60
     )
-    # Prompts that share no prefix worth following, so the router spreads them.
-    conversations = [[{"role": "user", "content": f"{i} pages: why?"}] for i in range(64)]
+    # They share a long system prompt that one replica has already served, so affinity alone
+    # would send them all there; the other serves some only as load tips the balance.
+    system = "You count the pages of a paged KV cache. " * 8
+    conversations = [chat(f"Question {i}: what is a page?", system) for i in range(64)]
 
     async def stream(messages) -> Stream:
         raw = await client.chat.completions.with_raw_response.create(
@@ -98,6 +100,7 @@ def test_64_concurrent_streams_complete_on_both_replicas(base_url, local_engine)
 
     async def stream_all() -> list[Stream]:
         async with asyncio.timeout(90):
+            await stream(chat("Warm up.", system))
             return await asyncio.gather(*(stream(messages) for messages in conversations))
 
     streams = asyncio.run(stream_all())
