@@ -1,4 +1,5 @@
-"""The model's small ops -- RMSNorm with the residual add, SiLU-and-mul, rope -- one call each.
+"""The model's small ops -- RMSNorm with the residual add, SiLU- or GELU-and-mul, rope -- one
+call each.
 
 For fp32 and bf16 on the CPU they run on C kernels: at batch 1 the 35 or so PyTorch ops
 between a layer's linears cost much of a decode step in dispatch and allocation alone. A
@@ -93,29 +94,49 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return rms_norm(total, weight, eps), total
 
 
-@torch.library.custom_op("astrai::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(gate_up: Tensor) -> Tensor:
+def _gated_mul(gate_up: Tensor, gelu: bool) -> Tensor:
     dim = gate_up.shape[-1] // 2
     out = new_output((*gate_up.shape[:-1], dim), gate_up.dtype)
     launch(
-        native.fused_ops.silu_mul,
-        out.data_ptr(), gate_up.data_ptr(), out.numel() // dim, dim, out.dtype == torch.bfloat16,
+        native.fused_ops.gated_mul,
+        out.data_ptr(), gate_up.data_ptr(), out.numel() // dim, dim, gelu,
+        out.dtype == torch.bfloat16,
     )  # fmt: skip
     return out
 
 
-_silu_and_mul_op.register_fake(lambda gate_up: gate_up[..., : gate_up.shape[-1] // 2].clone())
+def _gated_fake(gate_up: Tensor) -> Tensor:
+    return gate_up[..., : gate_up.shape[-1] // 2].clone()
+
+
+@torch.library.custom_op("astrai::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(gate_up: Tensor) -> Tensor:
+    return _gated_mul(gate_up, gelu=False)
+
+
+@torch.library.custom_op("astrai::gelu_tanh_and_mul", mutates_args=())
+def _gelu_tanh_and_mul_op(gate_up: Tensor) -> Tensor:
+    return _gated_mul(gate_up, gelu=True)
+
+
+_silu_and_mul_op.register_fake(_gated_fake)
+_gelu_tanh_and_mul_op.register_fake(_gated_fake)
+
+
+def _gate_up_kernel_takes(gate_up: Tensor) -> bool:
+    """The gated kernels' rule: contiguous rows of gate then up, dim values each, read 8 at a
+    time."""
+    return (
+        native.fused_ops is not None
+        and gate_up.shape[-1] // 2 % 8 == 0
+        and gate_up.is_contiguous()
+        and native.cpu_kernel_may_take(gate_up)
+    )
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up, where gate_up [..., 2 * dim] holds gate then up (SwiGLU)."""
-    dim = gate_up.shape[-1] // 2
-    if (
-        native.fused_ops is not None
-        and dim % 8 == 0
-        and gate_up.is_contiguous()
-        and native.cpu_kernel_may_take(gate_up)
-    ):
+    if _gate_up_kernel_takes(gate_up):
         return torch.ops.astrai.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -123,7 +144,9 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 
 def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
     """gelu(gate) * up with GELU's tanh approximation, where gate_up [..., 2 * dim] holds gate
-    then up (Gemma's GeGLU). PyTorch's ops on every device: it has no C kernel yet."""
+    then up (Gemma's GeGLU)."""
+    if _gate_up_kernel_takes(gate_up):
+        return torch.ops.astrai.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

@@ -21,6 +21,17 @@ CONFIGS = {
     "llama": {},
     "qwen2-bias-tied": {"attention_bias": True, "tie_weight": True},
     "mistral-one-kv-head": {"n_kv_heads": 1},
+    # Gemma 2's pieces: GeGLU, post-norms, soft-caps, a query scale and a window of 3 tokens
+    "gemma2": {
+        "hidden_act": "gelu_tanh",
+        "post_norms": True,
+        "scale_embeddings": True,
+        "attention_scale": 0.3,
+        "attn_logit_softcap": 2.0,
+        "final_logit_softcap": 5.0,
+        "sliding_window": 3,
+        "layer_types": ("sliding_attention", "full_attention"),
+    },
 }
 
 

@@ -7,7 +7,28 @@ import torch
 import torch.nn.functional as F
 from kernel_switch import CountingKernels, kernel_or_fallback, requires_compiler
 
-from astrai.kernels import add_rms_norm, apply_rope, native, rms_norm, silu_and_mul
+from astrai.kernels import (
+    add_rms_norm,
+    apply_rope,
+    gelu_tanh_and_mul,
+    native,
+    rms_norm,
+    silu_and_mul,
+)
+
+# Each gated activation (SwiGLU, GeGLU): the op, the PyTorch function of the gate it replaces,
+# and how far from it the fallback and the kernel may be. PyTorch's fp32 GELU, 0.5 g (1 +
+# tanh(u)), cancels at negative gates and keeps about 1e-7 of the gate there, where the
+# kernel's g * sigmoid(2u) does not: the kernel is held to GELU in float64 instead (and the
+# bf16 test keeps its gates out of that tail, where PyTorch's bf16 GELU is that fp32 rounded).
+GATED = {
+    "silu": (silu_and_mul, F.silu, 1e-6),
+    "gelu_tanh": (
+        gelu_tanh_and_mul,
+        lambda gate: F.gelu(gate.double(), approximate="tanh").to(gate.dtype),
+        1e-4,
+    ),
+}
 
 
 @pytest.fixture(params=["c-kernel", "pytorch"])
@@ -56,18 +77,31 @@ def test_add_rms_norm_returns_the_exact_sum_and_its_norm(rows, backend):
     torch.testing.assert_close(normed, transformers_rms_norm(x + residual, weight, 1e-6))
 
 
+@pytest.mark.parametrize("activation", list(GATED))
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
-def test_silu_and_mul_matches_f_silu(rows, backend):
+def test_gated_mul_matches_pytorch(rows, activation, backend):
+    gated_mul, act, atol = GATED[activation]
     generator = torch.Generator().manual_seed(rows)
-    gate_up = torch.randn(rows, 2 * 40, generator=generator) * 30  # deep in both tails
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    for scale in (30, 1):  # deep in both tails, and near 0
+        gate_up = torch.randn(rows, 2 * 40, generator=generator) * scale
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(gated_mul(gate_up), act(gate) * up, rtol=2e-6, atol=atol)
 
 
-def test_silu_and_mul_at_the_edges_of_exp(backend):
+@pytest.mark.parametrize("activation", list(GATED))
+def test_gated_mul_at_the_edges_of_exp(activation, backend):
+    gated_mul, act, _ = GATED[activation]
     gate = torch.tensor([-1e4, -100.0, -87.0, -1e-3, 0.0, 1e-3, 87.0, 100.0] * 2)
-    got = silu_and_mul(torch.cat((gate, torch.ones_like(gate)))[None])[0]
-    torch.testing.assert_close(got, F.silu(gate), rtol=2e-6, atol=1e-30)
+    got = gated_mul(torch.cat((gate, torch.ones_like(gate)))[None])[0]
+    torch.testing.assert_close(got, act(gate), rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.skipif(native.fused_ops is None, reason="the C fused-ops kernels were not built")
+def test_gelu_tanh_kernel_keeps_the_negative_tail_pytorch_cancels():
+    gate = torch.linspace(-6, 0, 64)
+    got = gelu_tanh_and_mul(torch.cat((gate, torch.ones_like(gate)))[None])[0]
+    exact = F.gelu(gate.double(), approximate="tanh").float()
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-30)
     assert torch.isfinite(got).all()
 
 
@@ -131,12 +165,15 @@ def test_bf16_rms_norms_round_as_transformers(rows, backend):
     )
 
 
+@pytest.mark.parametrize("activation", list(GATED))
 @pytest.mark.parametrize("rows", [1, 64])
-def test_bf16_silu_and_mul_rounds_as_f_silu(rows, backend):
+def test_bf16_gated_mul_rounds_as_pytorch(rows, activation, backend):
+    gated_mul, act, _ = GATED[activation]
     generator = torch.Generator().manual_seed(rows)
-    gate_up = (torch.randn(rows, 2 * 48, generator=generator) * 8).bfloat16()
+    scale = 8 if activation == "silu" else 1.5
+    gate_up = (torch.randn(rows, 2 * 48, generator=generator) * scale).bfloat16()
     gate, up = gate_up.chunk(2, dim=-1)
-    assert_rounds_as_pytorch_bf16(silu_and_mul(gate_up), F.silu(gate) * up)
+    assert_rounds_as_pytorch_bf16(gated_mul(gate_up), act(gate) * up)
 
 
 @pytest.mark.parametrize("case", ["float16", "needs gradients", "not a multiple of 8"])
@@ -175,4 +212,5 @@ def test_every_kernel_op_has_a_fake_implementation_for_tracing():
         assert torch.ops.astrai.rms_norm(x, norm, 1e-5).shape == (3, 32)
         assert [t.shape for t in torch.ops.astrai.add_rms_norm(x, x, norm, 1e-5)] == [(3, 32)] * 2
         assert torch.ops.astrai.silu_and_mul(x).shape == (3, 16)
+        assert torch.ops.astrai.gelu_tanh_and_mul(x).shape == (3, 16)
         assert torch.ops.astrai.rope(qk, cos, cos).shape == (3, 6, 8)

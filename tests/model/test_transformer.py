@@ -200,9 +200,9 @@ def test_fp32_cpu_forward_takes_every_fused_kernel(monkeypatch):
         model.forward(torch.tensor([3, 4, 5]), torch.tensor([0, 1, 2]), RaggedAttention([3]))
     n_layers = model.config.n_layers
     # a norm before each of 2 sublayers per layer, plus the final one; one SwiGLU and rope each
-    assert sorted(set(calls)) == ["rms_norm", "rope", "silu_mul"]
+    assert sorted(set(calls)) == ["gated_mul", "rms_norm", "rope"]
     assert calls.count("rms_norm") == 2 * n_layers + 1
-    assert calls.count("silu_mul") == calls.count("rope") == n_layers
+    assert calls.count("gated_mul") == calls.count("rope") == n_layers
 
 
 def test_every_linear_runs_through_astrai_linear():

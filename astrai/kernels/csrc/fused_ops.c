@@ -5,7 +5,7 @@
  * paying the dispatcher and an allocation: much of the step (benchmarks/README.md). These
  * three kernels do the work of about 20 of those ops:
  *   rms_norm   (x + residual, then RMSNorm of the sum): add, pow, mean, add, rsqrt, mul, mul
- *   silu_mul   silu(gate) * up of the fused gate/up projection: chunk, silu, mul
+ *   gated_mul  silu(gate) * up (or GELU's, Gemma) of the fused gate/up projection: chunk, act, mul
  *   rope       x * cos + swap_halves(x) * signed_sin: roll, mul, mul, add
  * Every row is computed alone in a fixed order, so a row's result does not depend on the batch.
  * Built with -ffp-contract=off: rope is then bit-identical to the PyTorch ops it replaces.
@@ -54,17 +54,30 @@ static inline __attribute__((always_inline)) void rms_norm_row(
                   is_bf16);
 }
 
-/* out[:dim] = silu(gate_up[:dim]) * gate_up[dim:], silu(g) = g / (1 + exp(-g)). For g < 0 it
- * is taken as g * e / (1 + e) with e = exp(g): the exponent is never positive, so nothing
- * overflows. bf16 rounds silu's result before the product, as F.silu(gate) * up does. */
-static inline __attribute__((always_inline)) void silu_mul_row(void *out, const void *gate_up,
-                                                                int64_t dim, const int is_bf16) {
+/* x * sigmoid(s) = x / (1 + exp(-s)). For s < 0 it is taken as x * e / (1 + e) with e = exp(s):
+ * the exponent is never positive, so nothing overflows. */
+static inline __attribute__((always_inline)) vec8 times_sigmoid(vec8 x, vec8 s) {
+    const int8v negative = s < 0.0f;
+    const vec8 e = exp_nonpositive(select8(negative, s, -s));
+    return select8(negative, x * e, x) / (1.0f + e);
+}
+
+/* GELU's tanh approximation 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), is
+ * g * sigmoid(2u): the same function without the cancellation of 1 + tanh(u) at negative u,
+ * where PyTorch's formula keeps only a few bits (the two agree to 1e-7 of the gate there). */
+static inline __attribute__((always_inline)) vec8 gelu_tanh8(vec8 g) {
+    return times_sigmoid(g, 1.5957691216057308f * (g + 0.044715f * (g * g * g)));
+}
+
+/* out[:dim] = act(gate_up[:dim]) * gate_up[dim:], act silu or (gelu) GELU's tanh form. bf16
+ * rounds act's result before the product, as F.silu(gate) * up does. */
+static inline __attribute__((always_inline)) void gated_mul_row(void *out, const void *gate_up,
+                                                                 int64_t dim, int gelu,
+                                                                 const int is_bf16) {
     for (int64_t d = 0; d < dim; d += LANES) {
         const vec8 g = load_any(gate_up, d, is_bf16), up = load_any(gate_up, dim + d, is_bf16);
-        const int8v negative = g < 0.0f;
-        const vec8 e = exp_nonpositive(select8(negative, g, -g));
-        store_any(out, d, rounded(select8(negative, g * e, g) / (1.0f + e), is_bf16) * up,
-                  is_bf16);
+        const vec8 act = gelu ? gelu_tanh8(g) : times_sigmoid(g, g); /* GELU or SiLU */
+        store_any(out, d, rounded(act, is_bf16) * up, is_bf16);
     }
 }
 
@@ -132,20 +145,22 @@ static PyObject *rms_norm(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-FP32_AND_BF16(silu_mul_row, (void *out, const void *gate_up, int64_t dim), out, gate_up, dim)
+FP32_AND_BF16(gated_mul_row, (void *out, const void *gate_up, int64_t dim, int gelu), out,
+              gate_up, dim, gelu)
 
-static PyObject *silu_mul(PyObject *module, PyObject *args) {
+static PyObject *gated_mul(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, gate_up, rows, dim;
-    int is_bf16;
-    if (!PyArg_ParseTuple(args, "nnnnp", &out, &gate_up, &rows, &dim, &is_bf16)) return NULL;
-    void (*const row)(void *, const void *, int64_t) =
-        is_bf16 ? silu_mul_row_bf16 : silu_mul_row_fp32;
+    int gelu, is_bf16;
+    if (!PyArg_ParseTuple(args, "nnnnpp", &out, &gate_up, &rows, &dim, &gelu, &is_bf16))
+        return NULL;
+    void (*const row)(void *, const void *, int64_t, int) =
+        is_bf16 ? gated_mul_row_bf16 : gated_mul_row_fp32;
     const int64_t row_bytes = dim * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_VALUES)
     for (int64_t r = 0; r < rows; r++)
-        row((char *)out + r * row_bytes, (const char *)gate_up + 2 * r * row_bytes, dim);
+        row((char *)out + r * row_bytes, (const char *)gate_up + 2 * r * row_bytes, dim, gelu);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -180,9 +195,9 @@ static PyMethodDef methods[] = {
      "rms_norm(out, residual_out, x, residual, weight, eps, rows, dim, is_bf16): data pointers "
      "of contiguous [rows, dim] tensors, all fp32 or all bf16 (residual and residual_out 0 for "
      "none), then sizes."},
-    {"silu_mul", silu_mul, METH_VARARGS,
-     "silu_mul(out, gate_up, rows, dim, is_bf16): out [rows, dim] = silu(gate) * up of gate_up "
-     "[rows, 2 * dim]."},
+    {"gated_mul", gated_mul, METH_VARARGS,
+     "gated_mul(out, gate_up, rows, dim, gelu, is_bf16): out [rows, dim] = act(gate) * up of "
+     "gate_up [rows, 2 * dim], act silu or (gelu) GELU's tanh approximation."},
     {"rope", rope, METH_VARARGS,
      "rope(out, x, cos, signed_sin, rows, heads, head_dim, x_row_stride, is_bf16): out [rows, "
      "heads, head_dim] from x rows x_row_stride values apart; cos and signed_sin [rows, "
