@@ -238,8 +238,10 @@ class ModelConfig:
         return self.sliding_window
 
     def uses_local_rope(self, layer_idx: int) -> bool:
-        """Whether the layer rotates by rope_local_theta's frequencies, not rope_theta's."""
-        return self.rope_local_theta is not None and self.layer_window(layer_idx) is not None
+        """Whether the layer rotates by rope_local_theta's frequencies, not rope_theta's: a
+        sliding layer's, even where its window covers the whole context."""
+        sliding = self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention"
+        return self.rope_local_theta is not None and sliding
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -407,8 +409,9 @@ def _refuse_unsupported_hf(hf: dict[str, Any], model_type: str) -> None:
 def _hf_sliding_window(
     hf: dict[str, Any], model_type: str, n_layers: int, max_len: int
 ) -> dict[str, Any]:
-    """sliding_window and layer_types as transformers derives them for the family; none where
-    no layer slides or the window is no shorter than the context."""
+    """sliding_window and layer_types as transformers derives them for the family: none where
+    no layer slides, no window where it is no shorter than the context (the layer types stay:
+    Gemma 3's sliding layers keep their own rope)."""
     window, layer_types = hf.get("sliding_window"), hf.get("layer_types")
     if model_type in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window"):
@@ -429,9 +432,8 @@ def _hf_sliding_window(
             raise ConfigError(f"unsupported attention layer types {unknown}")
         if "sliding_attention" not in layer_types:
             return {}
-    if window is None or window >= max_len:
-        return {}
-    return {"sliding_window": window, "layer_types": layer_types}
+    shorter = window is not None and window < max_len
+    return {"sliding_window": window if shorter else None, "layer_types": layer_types}
 
 
 def _hf_gemma(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -258,3 +258,11 @@ def test_q8_0_on_load_quantizes_every_linear_and_the_tied_head(tmp_path):
     with torch.no_grad():
         expected, quantized = dense.forward_dense(ids), model.forward_dense(ids)
     assert (quantized - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_gemma3_sliding_layers_keep_their_rope_where_the_window_covers_the_context():
+    layer_types = ["sliding_attention", "full_attention"]
+    hf = {"model_type": "gemma3_text", **TINY, "sliding_window": 4096, "layer_types": layer_types}
+    config = ModelConfig.from_hf(hf)
+    assert config.sliding_window is None  # 4096 >= max_position_embeddings: never bites
+    assert [config.uses_local_rope(i) for i in range(2)] == [True, False]

@@ -341,9 +341,9 @@ def _gemma(key, arch: str, dim_per_head: int, head_dim: int) -> dict:
         "final_logit_softcap": key("final_logit_softcapping", 30.0) if arch == "gemma2" else None,
         "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
     }
+    settings["layer_types"] = [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n_layers)]
     if window and window < key("context_length"):
         settings["sliding_window"] = window
-        settings["layer_types"] = [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n_layers)]
     return settings
 
 
