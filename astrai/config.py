@@ -709,8 +709,8 @@ class EngineConfig:
             object.__setattr__(self, "speculative", "draft")  # a draft model means guessing
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ConfigError(
-                "speculative='draft' needs a draft_model, and a draft_model guesses only with "
-                "speculative='draft'"
+                "speculative='draft' needs a draft_model (--draft-model PATH), and a draft "
+                "model guesses only with speculative='draft'"
             )
         if not isinstance(self.num_speculative_tokens, int) or not (
             1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
