@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -83,10 +84,8 @@ def test_64_concurrent_streams_complete_on_both_replicas(base_url, local_engine)
     client = openai.AsyncOpenAI(
         base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60
     )
-    # They share a long system prompt that one replica has already served, so affinity alone
-    # would send them all there; the other serves some only as load tips the balance.
-    system = "You count the pages of a paged KV cache. " * 8
-    conversations = [chat(f"Question {i}: what is a page?", system) for i in range(64)]
+    # Prompts that share no prefix worth following, so the router spreads them.
+    conversations = [[{"role": "user", "content": f"{i} pages: why?"}] for i in range(64)]
 
     async def stream(messages) -> Stream:
         raw = await client.chat.completions.with_raw_response.create(
@@ -100,7 +99,6 @@ def test_64_concurrent_streams_complete_on_both_replicas(base_url, local_engine)
 
     async def stream_all() -> list[Stream]:
         async with asyncio.timeout(90):
-            await stream(chat("Warm up.", system))
             return await asyncio.gather(*(stream(messages) for messages in conversations))
 
     streams = asyncio.run(stream_all())
@@ -145,6 +143,40 @@ def test_anthropic_stream_and_the_other_routes_pass_through(base_url, local_engi
     assert httpx.get(f"{base_url}/v1/models").status_code == 401  # the replica's own auth
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok", "model": MODEL}
     assert "astrai_prefix_cache_hit_rate" in httpx.get(f"{base_url}/metrics").text
+
+
+def test_a_client_gone_mid_stream_stops_its_generation(base_url):
+    before = replica_metrics(base_url)
+    body = {
+        "model": MODEL,
+        "messages": chat("Count pages."),
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{base_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
+        replica = response.headers[REPLICA]
+        next(response.iter_lines())  # generating; leaving the block drops the connection
+    deadline = time.monotonic() + 30
+    while "astrai_requests_running 1.0" in (after := replica_metrics(base_url))[replica]:
+        assert time.monotonic() < deadline, "the generation went on"
+    generated = metric(after[replica], "astrai_generation_tokens_total")
+    assert generated - metric(before[replica], "astrai_generation_tokens_total") < 1000
+
+
+def replica_metrics(base_url: str) -> dict[str, str]:
+    """Each replica's /metrics, read until both have answered (Ray picks one at random)."""
+    answers = {}
+    while len(answers) < 2:
+        response = httpx.get(f"{base_url}/metrics")
+        answers[response.headers[REPLICA]] = response.text
+    return answers
+
+
+def metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
 
 
 def test_prompt_text_is_what_the_prompt_starts_with():
