@@ -168,8 +168,9 @@ def test_a_client_gone_mid_stream_stops_its_generation(base_url):
 
 def replica_metrics(base_url: str) -> dict[str, str]:
     """Each replica's /metrics, read until both have answered (Ray picks one at random)."""
-    answers = {}
+    answers, deadline = {}, time.monotonic() + 30
     while len(answers) < 2:
+        assert time.monotonic() < deadline, f"only {sorted(answers)} answered /metrics"
         response = httpx.get(f"{base_url}/metrics")
         answers[response.headers[REPLICA]] = response.text
     return answers
