@@ -13,6 +13,7 @@ and streams the app's ASGI messages back, which the ingress sends on unchanged.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import shlex
@@ -177,22 +178,24 @@ def build_app(
 ) -> serve.Application:
     """The Ray Serve application: num_replicas engines behind one ingress.
 
-    model and serve_flags are `astrai serve`'s --model and other flags (engine, auth, limits);
-    they are checked here, before any replica starts. With max_replicas, Ray Serve scales
-    between num_replicas and max_replicas replicas to keep target_ongoing_requests in flight on
-    each (default: the engine's max batch size). A replica takes at most max_ongoing_requests
-    at once (default: twice the max batch size); Ray queues the rest. Each replica reserves
-    replica_cpus CPUs (Ray sizes its torch thread pool to them) and replica_gpus GPUs (Ray
-    sets CUDA_VISIBLE_DEVICES; `--device auto` then picks CUDA). With prefix_affinity a
-    request goes to the replica that served the longest prefix of its prompt, unless the
-    replicas' requests in flight differ by more than imbalanced_threshold (default: a quarter
-    of the max batch size); then, and without prefix_affinity, to the less loaded of two
-    random replicas.
+    model and serve_flags are `astrai serve`'s --model and other flags (engine, auth, limits;
+    not --port, since Ray's proxy listens; --shutdown-timeout is how long Ray lets a stopping
+    replica's requests run); they are checked here, before any replica starts.
+    With max_replicas, Ray Serve scales between num_replicas and max_replicas replicas to keep
+    target_ongoing_requests in flight on each (default: the engine's max batch size).
+    A replica takes at most max_ongoing_requests at once (default: twice the max batch size);
+    Ray queues the rest. Each replica reserves replica_cpus CPUs (Ray sizes its torch thread
+    pool to them) and replica_gpus GPUs (Ray sets CUDA_VISIBLE_DEVICES; `--device auto` then
+    picks CUDA). With prefix_affinity a request goes to the replica that served the longest
+    prefix of its prompt, unless the replicas' requests in flight differ by more than
+    imbalanced_threshold (default: a quarter of the max batch size); then, and without
+    prefix_affinity, to the less loaded of two random replicas.
     """
     from astrai.cli import serve_settings
 
     flags = ([] if model is None else ["--model", model]) + list(serve_flags)
-    _, config = serve_settings(flags)
+    args, config = serve_settings(flags)
+    _refuse_port(args, serve_settings([])[0])
     batch = config.max_batch_size
     if max_replicas is None:
         if num_replicas < 1:
@@ -231,6 +234,8 @@ def build_app(
         max_ongoing_requests=per_replica,
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         request_router_config=router,
+        # What --shutdown-timeout gives running requests in `astrai serve`.
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
         **scaling,
     )
     # The ingress only passes requests on: it takes as many as the replicas can (Ray's default
@@ -241,6 +246,15 @@ def build_app(
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(replicas.bind(flags))
+
+
+def _refuse_port(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
+    """--port means nothing to a replica: Ray Serve's proxy is what listens."""
+    if args.port != defaults.port:
+        raise ConfigError(
+            "--port has no effect on astrai.deploy's replicas: Ray Serve's proxy listens; "
+            "set its port in serve.start(http_options=...) or the config file's http_options"
+        )
 
 
 class DeployArgs(BaseModel):

@@ -203,6 +203,8 @@ def test_build_app_refuses_settings_it_cannot_serve():
         build_app(serve_flags=["--no-such-flag"])
     with pytest.raises(ConfigError, match="max_batch_size"):
         build_app(serve_flags=["--max-batch-size", "0"])
+    with pytest.raises(ConfigError, match="--port has no effect"):
+        build_app(serve_flags=["--port", "9000"])
     # `serve run astrai.deploy:app serve_flags="..."` splits the flags as a shell does.
     with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
         app({"serve_flags": "--max-batch-size 8 --no-such-flag"})
