@@ -359,15 +359,31 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    model = AutoModel.from_pretrained(
-        model_dir,
-        dtype=dtype,
-        device=device,
-        dequantize=args.dequantize,
-        quantization=args.quantization,
-    )
+    if config.tensor_parallel_size > 1:
+        model = _load_sharded(args, config, model_dir, dtype, device)
+    else:
+        model = AutoModel.from_pretrained(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            dequantize=args.dequantize,
+            quantization=args.quantization,
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=args.chat_template)
     return InferenceEngine(model, tokenizer, config)
+
+
+def _load_sharded(args: argparse.Namespace, config: EngineConfig, model_dir: Path, dtype, device):
+    """Rank 0's shard of a tensor-parallel model (under torchrun, the other ranks serve steps
+    inside this call and exit)."""
+    from astrai.distributed import load_sharded
+
+    if args.quantization is not None or args.dequantize:
+        raise ConfigError(
+            "--quantization and --dequantize are not sharded for tensor parallelism yet; drop "
+            "them or use --tensor-parallel-size 1"
+        )
+    return load_sharded(model_dir, config.tensor_parallel_size, dtype=dtype, device=device)
 
 
 # -- commands ---------------------------------------------------------------------------------

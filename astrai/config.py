@@ -685,9 +685,15 @@ class EngineConfig:
         "same tokenizer (directory, .gguf file or Hugging Face id)",
         metavar="DIR|FILE|ID",
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "processes that each hold 1/N of every layer's weights and KV heads (tensor "
+        "parallelism on torch.distributed: gloo on CPU, NCCL on CUDA)",
+    )
 
     def __post_init__(self) -> None:
         positive = {
+            "tensor_parallel_size": self.tensor_parallel_size,
             "max_batch_size": self.max_batch_size,
             "page_size": self.page_size,
             "max_num_batched_tokens": self.max_num_batched_tokens,

@@ -249,7 +249,17 @@ class InferenceEngine:
         rows = self.config.max_batch_size * (
             1 + (self.config.num_speculative_tokens if speculator else 0)
         )
-        executor = ModelExecutor(model, self.cache, max_batch_size=rows)
+        # A model from astrai.distributed.load_sharded brings its tensor-parallel group.
+        self._group = getattr(model, "tensor_parallel", None)
+        group_size = 1 if self._group is None else self._group.size
+        if group_size != self.config.tensor_parallel_size:
+            raise ConfigError(
+                f"tensor_parallel_size is {self.config.tensor_parallel_size} but the model is "
+                f"loaded for {group_size} ranks; load it with "
+                "astrai.distributed.load_sharded(path, tensor_parallel_size)"
+            )
+        make_executor = ModelExecutor if self._group is None else self._group.executor
+        executor = make_executor(model, self.cache, max_batch_size=rows)
         self.scheduler = InferenceScheduler(
             executor, self.cache, self.manager, self.config, speculator
         )
@@ -330,6 +340,8 @@ class InferenceEngine:
         self._stopped.set()
         self.manager.wakeup.set()
         self._thread.join()
+        if self._group is not None:
+            self._group.close()
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
 

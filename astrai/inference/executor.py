@@ -57,6 +57,11 @@ class ScheduledChunk:
         return known + self.draft
 
 
+class ExecutorFailedError(RuntimeError):
+    """The executor can run no further step (a tensor-parallel rank is gone): the engine
+    stops, where an ordinary step failure ends only the requests that fail alone."""
+
+
 @dataclass
 class SampledToken:
     task: Task

@@ -19,7 +19,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from astrai.config import EngineConfig
-from astrai.inference.executor import ModelExecutor, SampledToken, ScheduledChunk
+from astrai.inference.executor import (
+    ExecutorFailedError,
+    ModelExecutor,
+    SampledToken,
+    ScheduledChunk,
+)
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.speculative import Speculator
 from astrai.inference.task import STOP, Task, TaskManager, TaskStatus
@@ -195,6 +200,8 @@ class InferenceScheduler:
         """
         try:
             return chunks, self.executor.execute(chunks)
+        except ExecutorFailedError:
+            raise
         except Exception as exc:
             if len(chunks) > 1:
                 log.warning(

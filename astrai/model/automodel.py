@@ -15,7 +15,7 @@ import sys
 from collections.abc import Collection, Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -105,11 +105,27 @@ class StoredTensor(NamedTuple):
     shape: tuple[int, ...]
     index: tuple = ()
 
-    def read(self, handle) -> torch.Tensor:
-        """The tensor, from handle (the safe_open of file)."""
-        return (
-            handle.get_slice(self.name)[self.index] if self.index else handle.get_tensor(self.name)
-        )
+    def read(self, handle, index: tuple = ()) -> torch.Tensor:
+        """The tensor, from handle (the safe_open of file); only its part at index if given,
+        which is sliced before it is read (a tensor-parallel rank reads its share alone)."""
+        assert not (index and self.index), "a part of a part is never read"
+        index = index or self.index
+        return handle.get_slice(self.name)[index] if index else handle.get_tensor(self.name)
+
+
+class WeightShard(Protocol):
+    """The share of the weights one tensor-parallel rank loads (astrai.distributed's
+    TensorShard): its model's config, and which rows or columns of each tensor it holds."""
+
+    def model_config(self, config: ModelConfig) -> ModelConfig:
+        """The config of the rank's model, built from the whole model's."""
+        ...
+
+    def spans(self, name: str, config: ModelConfig) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, [(start, stop), ...]): the ranges along dim of native tensor `name` (of the
+        whole model, config) the rank holds, concatenated in order; None for a tensor every
+        rank holds whole."""
+        ...
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -133,6 +149,7 @@ class AutoModel:
         device: str | torch.device = "cpu",
         dequantize: bool = False,
         quantization: str | None = None,
+        shard: WeightShard | None = None,
     ) -> Transformer:
         """Build the Transformer of a native or Hugging Face directory, or of a .gguf file,
         and load its weights.
@@ -142,6 +159,7 @@ class AutoModel:
         quantized linears keep their blocks on the CPU (dtype is then that of the activations)
         unless dequantize. A directory's linears are quantized at load to quantization's
         blocks ("q8_0", "q4_0" or "q4_1"), for the CPU's quantized kernels, if it is given.
+        With shard, only that tensor-parallel rank's share of each tensor is read.
         """
         directory = Path(path)
         dtype = resolve_dtype(dtype)
@@ -163,6 +181,9 @@ class AutoModel:
         with torch.device("meta"):
             model = Transformer(config)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        if shard is not None:
+            with torch.device("meta"):
+                model = Transformer(shard.model_config(config))
         fused = raw_config.get("model_type") in FUSED_PROJECTION_MODEL_TYPES
         layout = {
             name: _sources(config, name, shape, native, fused) for name, shape in shapes.items()
@@ -176,8 +197,8 @@ class AutoModel:
             _check(layout, files, config, native)
             state = {}
             for name, parts in loading(layout.items(), directory):
-                tensors = [files[src].read(handles[files[src].file]) for src, _ in parts]
-                tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+                spans = None if shard is None else shard.spans(name, config)
+                tensor = _read(parts, files, handles, spans)
                 if unit_offset_norms and name.endswith("norm.weight"):
                     tensor = 1.0 + tensor.float()
                 if qtype is None or not quantize_into(model, name, tensor, qtype):
@@ -186,6 +207,34 @@ class AutoModel:
         # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
         model.to(device)
         return model.requires_grad_(False).eval()
+
+
+def _read(
+    parts: list[tuple[str, tuple[int, ...]]],
+    files: dict[str, StoredTensor],
+    handles: dict,
+    spans: tuple[int, list[tuple[int, int]]] | None,
+) -> torch.Tensor:
+    """A native tensor from its checkpoint parts, which lie one after another along dim 0; with
+    spans (dim, ranges), only those ranges of it, each part sliced as it is read."""
+    if spans is None:
+        tensors = [files[src].read(handles[files[src].file]) for src, _ in parts]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    dim, ranges = spans
+    pieces, offset = [], 0
+    for src, shape in parts:
+        stored = files[src]
+        for start, stop in ranges:
+            if dim == 1:
+                assert len(parts) == 1, "columns are taken of one-part tensors only"
+                pieces.append(stored.read(handles[stored.file], (slice(None), slice(start, stop))))
+                continue
+            low, high = max(start, offset), min(stop, offset + shape[0])
+            if low < high:
+                index = (slice(low - offset, high - offset),)
+                pieces.append(stored.read(handles[stored.file], index))
+        offset += shape[0]
+    return torch.cat(pieces, dim)
 
 
 def _check_quantization(

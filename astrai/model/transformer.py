@@ -9,6 +9,7 @@ cache view in serving, DenseCausalAttention for whole padded sequences with no c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -219,6 +220,9 @@ class TransformerBlock(nn.Module):
         post_norms = config.post_norms
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
+        # Under tensor parallelism (astrai.distributed) wo and w2 each give this rank's partial
+        # sums, which this adds up across the ranks in place.
+        self.sum_partials: Callable[[Tensor], object] | None = None
 
     def forward(
         self,
@@ -231,10 +235,14 @@ class TransformerBlock(nn.Module):
         """x and residual: the previous layer's two outputs, or the embeddings and None."""
         x, residual = self._residual_add(self.attention_norm, x, residual)
         x = self.attention(x, cos, signed_sin, attention)
+        if self.sum_partials is not None:
+            self.sum_partials(x)
         if self.post_attention_norm is not None:
             x = self.post_attention_norm(x)
         x, residual = self._residual_add(self.ffn_norm, self._scaled(x), residual)
         x = self.feed_forward(x)
+        if self.sum_partials is not None:
+            self.sum_partials(x)
         if self.post_ffn_norm is not None:
             x = self.post_ffn_norm(x)
         return self._scaled(x), residual

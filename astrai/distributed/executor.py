@@ -1,0 +1,142 @@
+"""Both ends of a tensor-parallel step: rank 0's executor broadcasts each step's plan once, and
+every worker runs the same forward on its shard and its own KV pool.
+
+A worker's KV pool holds its share of the KV heads in the same pages as rank 0's: rank 0 does
+all the page accounting and sends each sequence's page table with the step, so the workers
+keep no scheduling state at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from astrai.distributed.group import STOP_MESSAGE, TensorParallelGroup
+from astrai.inference.executor import ExecutorFailedError, ModelExecutor
+from astrai.inference.kv_cache import PagedCache
+
+KV_POOL, STEP = 1, 2  # header kinds besides STOP_MESSAGE
+
+
+class TensorParallelExecutor(ModelExecutor):
+    """Rank 0's ModelExecutor: each forward first sends the step to the workers.
+
+    The step graph (RecordedLayers) records kernel calls only, not the all-reduces between
+    them, so the layers run eagerly.
+    """
+
+    def __init__(
+        self,
+        group: TensorParallelGroup,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        max_batch_size: int = 256,
+    ) -> None:
+        super().__init__(model, cache, max_batch_size=max_batch_size)
+        self.recorded = None
+        self.group = group
+        group.send([KV_POOL, cache.n_pages, cache.page_size, 0, 0])
+
+    def forward(
+        self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
+    ) -> torch.Tensor:
+        page_size = self.cache.page_size
+        tables = [
+            self.cache.tasks.pages(task_id)[: -(-(start + n) // page_size)]
+            for task_id, start, n in seqs
+        ]
+        # The ranks run each step in lockstep: a rank that fails one leaves the others waiting
+        # in a collective, so no step can follow it.
+        try:
+            self.group.send(*pack_step(seqs, token_ids, tables, rows))
+            return super().forward(seqs, token_ids, rows)
+        except Exception as exc:
+            failure = self.group.failure or f"a tensor-parallel step failed: {exc}"
+            raise ExecutorFailedError(failure) from exc
+
+
+def pack_step(
+    seqs: Sequence[tuple[int, int, int]],
+    token_ids: list[int],
+    tables: list[list[int]],
+    rows: np.ndarray,
+) -> tuple[list[int], torch.Tensor]:
+    """(header, body) of a step: the body holds token ids, seqs, each table's length, the
+    tables and the logits rows back to back, as int64."""
+    n_pages = sum(len(table) for table in tables)
+    header = [STEP, len(token_ids), len(seqs), n_pages, len(rows)]
+    body = np.concatenate(
+        [
+            np.asarray(token_ids, dtype=np.int64),
+            np.asarray(seqs, dtype=np.int64).reshape(-1),
+            np.asarray([len(table) for table in tables], dtype=np.int64),
+            np.asarray([page for table in tables for page in table], dtype=np.int64),
+            rows.astype(np.int64),
+        ]
+    )
+    return header, torch.from_numpy(body)
+
+
+def unpack_step(header: list[int], body: torch.Tensor):
+    """pack_step's inverse: (seqs, token_ids, tables, rows)."""
+    _, n_tokens, n_seqs, _, _ = header
+    values = body.numpy()
+    token_ids, values = values[:n_tokens].tolist(), values[n_tokens:]
+    seqs = [tuple(seq) for seq in values[: 3 * n_seqs].reshape(n_seqs, 3).tolist()]
+    lengths, values = values[3 * n_seqs : 4 * n_seqs], values[4 * n_seqs :]
+    ends = np.cumsum(lengths)
+    tables = [
+        values[end - length : end].tolist() for end, length in zip(ends, lengths, strict=True)
+    ]
+    rows = values[ends[-1] if len(ends) else 0 :]
+    return seqs, token_ids, tables, rows
+
+
+def step_body_size(header: list[int]) -> int:
+    _, n_tokens, n_seqs, n_pages, n_rows = header
+    return n_tokens + 4 * n_seqs + n_pages + n_rows
+
+
+class PlannedPages:
+    """A worker's page tables: those of the step at hand, as rank 0 sent them."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+
+    def pages(self, task_id: int) -> list[int]:
+        return self.tables[task_id]
+
+
+def serve_steps(group: TensorParallelGroup, model: torch.nn.Module) -> None:
+    """A worker's loop: run every step rank 0 sends on this rank's shard, until STOP."""
+    executor = None
+    while True:
+        header = group.receive_header()
+        if header[0] == STOP_MESSAGE:
+            return
+        if header[0] == KV_POOL:
+            _, n_pages, page_size, _, _ = header
+            config, weight = model.config, next(model.parameters())
+            cache = PagedCache(
+                config.n_layers,
+                config.n_kv_heads,
+                config.head_dim,
+                n_pages,
+                page_size,
+                dtype=weight.dtype,
+                device=weight.device,
+                enable_prefix_cache=False,
+            )
+            cache.tasks = PlannedPages()
+            executor = ModelExecutor(model, cache)
+            executor.recorded = None
+            continue
+        seqs, token_ids, tables, rows = unpack_step(
+            header, group.receive_body(step_body_size(header))
+        )
+        executor.cache.tasks.tables = {
+            task_id: table for (task_id, _, _), table in zip(seqs, tables, strict=True)
+        }
+        executor.forward(seqs, token_ids, rows)

@@ -1,0 +1,85 @@
+"""Megatron-style sharding of a Llama-family model across tensor-parallel ranks.
+
+Each rank holds a column-parallel share of wqkv (its query heads, and the key/value heads they
+read) and of w13 (its share of the gate and of the up projection), and the matching
+row-parallel share of wo and w2, whose partial outputs one all-reduce each adds up. Its model
+is then an ordinary Transformer of a narrower config (n_heads / N, n_kv_heads / N, dim_ffn / N),
+so the forward pass runs unchanged. Norms, embeddings and the LM head are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from astrai.config import ConfigError, ModelConfig
+
+
+def check_shardable(config: ModelConfig, size: int) -> None:
+    """Raise ConfigError unless config's layers split evenly into size ranks."""
+    problems = []
+    if config.n_heads % size:
+        problems.append(f"n_heads={config.n_heads} is not a multiple of it")
+    if config.dim_ffn % size:
+        problems.append(f"dim_ffn={config.dim_ffn} is not a multiple of it")
+    if config.n_kv_heads >= size and config.n_kv_heads % size:
+        problems.append(f"n_kv_heads={config.n_kv_heads} is not a multiple of it")
+    if config.n_kv_heads < size and size % config.n_kv_heads:
+        problems.append(
+            f"n_kv_heads={config.n_kv_heads} does not divide it (fewer KV heads than ranks are "
+            "replicated, each to the same number of ranks)"
+        )
+    if config.moe is not None:
+        problems.append("mixture-of-experts layers are not sharded yet")
+    if config.qk_norm_across_heads:
+        problems.append("a q/k norm across all heads (OLMo 2) needs every rank's heads")
+    if problems:
+        raise ConfigError(
+            f"tensor_parallel_size={size} cannot split this model: "
+            + "; ".join(problems)
+            + ". Pick a tensor_parallel_size that divides the model's heads and FFN width, or 1."
+        )
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """Rank `rank` of `size`'s share of every weight (the WeightShard that AutoModel loads)."""
+
+    rank: int
+    size: int
+
+    def model_config(self, config: ModelConfig) -> ModelConfig:
+        """The rank's narrower model: its query heads, KV heads and FFN columns."""
+        check_shardable(config, self.size)
+        return replace(
+            config,
+            n_heads=config.n_heads // self.size,
+            n_kv_heads=max(1, config.n_kv_heads // self.size),
+            dim_ffn=config.dim_ffn // self.size,
+        )
+
+    def spans(self, name: str, config: ModelConfig) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, ranges) of native tensor `name` this rank holds; None where it holds it whole."""
+        q_size = config.n_heads * config.head_dim
+        kv_size = config.n_kv_heads * config.head_dim
+        if name.endswith(("attention.wqkv.weight", "attention.wqkv.bias")):
+            q = self._share(0, q_size)
+            if config.n_kv_heads >= self.size:
+                k = self._share(q_size, kv_size)
+            else:  # the one KV head this rank's query heads read, replicated
+                head = self.rank * config.n_kv_heads // self.size
+                start = q_size + head * config.head_dim
+                k = (start, start + config.head_dim)
+            v = (k[0] + kv_size, k[1] + kv_size)
+            return 0, [q, k, v]
+        if name.endswith("attention.wo.weight"):
+            return 1, [self._share(0, q_size)]
+        if name.endswith("feed_forward.w13.weight"):
+            return 0, [self._share(0, config.dim_ffn), self._share(config.dim_ffn, config.dim_ffn)]
+        if name.endswith("feed_forward.w2.weight"):
+            return 1, [self._share(0, config.dim_ffn)]
+        return None
+
+    def _share(self, offset: int, length: int) -> tuple[int, int]:
+        """This rank's equal part of [offset, offset + length)."""
+        part = length // self.size
+        return offset + self.rank * part, offset + (self.rank + 1) * part

@@ -1,0 +1,98 @@
+"""Each rank loads its Megatron share of every tensor, and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_models import write_hf_model
+
+from astrai.config import ConfigError, ModelConfig
+from astrai.distributed import TensorShard, check_shardable
+from astrai.model import AutoModel
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """Qwen2: biased q/k/v, 4 query heads over 2 KV heads."""
+    return write_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+def shards(directory, size):
+    return [
+        AutoModel.from_pretrained(directory, shard=TensorShard(rank, size)) for rank in range(size)
+    ]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_ranks_shards_put_back_together_are_the_whole_model(qwen2_dir, size):
+    """q, k and v split by heads (KV heads replicated when there are fewer than ranks), gate
+    and up split each, wo and w2 split by columns; the rest held whole by every rank."""
+    whole = AutoModel.from_pretrained(qwen2_dir)
+    config = whole.config
+    parts = [model.state_dict() for model in shards(qwen2_dir, size)]
+    q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    kv_ranks = max(1, size // config.n_kv_heads)  # ranks sharing one KV head
+    for name, tensor in whole.state_dict().items():
+        pieces = [part[name] for part in parts]
+        if name.endswith(("wqkv.weight", "wqkv.bias")):
+            q_rows, kv_rows = q_size // size, kv_size * kv_ranks // size
+            q, k, v = zip(*(p.split([q_rows, kv_rows, kv_rows]) for p in pieces), strict=True)
+            # ranks sharing a KV head hold the same one
+            k, v = k[::kv_ranks], v[::kv_ranks]
+            assert torch.equal(torch.cat([*q, *k, *v]), tensor), name
+        elif name.endswith("w13.weight"):
+            gates, ups = zip(*(p.chunk(2) for p in pieces), strict=True)
+            assert torch.equal(torch.cat([*gates, *ups]), tensor), name
+        elif name.endswith(("wo.weight", "w2.weight")):
+            assert torch.equal(torch.cat(pieces, dim=1), tensor), name
+        else:
+            assert all(torch.equal(p, tensor) for p in pieces), name
+
+
+def test_a_rank_holds_half_of_each_layer(qwen2_dir):
+    """Measured as bytes of parameters: each of 2 ranks holds half the layers' weights (plus
+    the replicated norms and q/k/v bias rows) and the whole embedding and head."""
+    whole = AutoModel.from_pretrained(qwen2_dir)
+
+    def layer_bytes(model):
+        return sum(p.nbytes for p in model.layers.parameters() if p.dim() == 2)
+
+    for part in shards(qwen2_dir, 2):
+        assert layer_bytes(part) * 2 == layer_bytes(whole)
+        assert part.weight_bytes() < 0.75 * whole.weight_bytes()
+
+
+def test_a_rank_reads_its_slices_only(qwen2_dir, monkeypatch):
+    """No rank materialises a whole sharded tensor: every one is sliced before it is read."""
+    from safetensors import safe_open
+
+    whole_reads = []
+    handle_type = type(safe_open(str(qwen2_dir / "model.safetensors"), framework="pt"))
+    get_tensor = handle_type.get_tensor
+    monkeypatch.setattr(
+        handle_type,
+        "get_tensor",
+        lambda self, name: whole_reads.append(name) or get_tensor(self, name),
+        raising=True,
+    )
+    AutoModel.from_pretrained(qwen2_dir, shard=TensorShard(1, 2))
+    sharded = ("proj", "gate", "up")
+    assert whole_reads and not [name for name in whole_reads if name.endswith(sharded)]
+
+
+@pytest.mark.parametrize(
+    "overrides, size, problem",
+    [
+        ({"n_heads": 6, "n_kv_heads": 6}, 4, "n_heads=6"),
+        ({"dim_ffn": 129}, 2, "dim_ffn=129"),
+        ({"n_kv_heads": 2, "n_heads": 6}, 3, "n_kv_heads=2"),
+    ],
+)
+def test_a_model_that_does_not_split_evenly_is_refused(overrides, size, problem):
+    config = ModelConfig(
+        vocab_size=64, dim=96, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, dim_ffn=128
+    )
+    with pytest.raises(ConfigError, match=problem):
+        check_shardable(replace(config, **overrides), size)

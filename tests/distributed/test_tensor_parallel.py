@@ -1,0 +1,121 @@
+"""Tensor parallelism end to end: 2 ranks give the greedy tokens of 1, through the engine and
+through `astrai serve`, and a rank that dies fails the requests and stops the engine cleanly."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import psutil
+import pytest
+from serve_process import astrai_serve
+from tiny_models import write_hf_model
+
+from astrai.config import ConfigError
+from astrai.distributed import load_sharded
+from astrai.inference import InferenceEngine
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
+
+SMALL = dict(kv_cache_memory=8 << 20, max_seq_len=256, max_batch_size=8)
+MODEL = "tiny"
+PROMPTS = ["The quick brown fox", "Hello world! How are you", "def add(a, b):"]
+
+
+def greedy(engine: InferenceEngine) -> list[list[int]]:
+    """Each prompt's greedy tokens, all in one batch, then again one by one (every prompt's
+    pages then come from the prefix cache)."""
+    params = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+    batched = engine.generate_results(PROMPTS, **params)
+    alone = [engine.generate_results(prompt, **params) for prompt in PROMPTS]
+    return [r.token_ids for r in batched + alone]
+
+
+def spawned_workers() -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "spawn_main" in " ".join(p.cmdline())
+    ]
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("llama", {}),
+        ("qwen2", {}),  # biased q/k/v
+        ("qwen3", {"num_key_value_heads": 1}),  # q/k norms; one KV head, replicated on both
+    ],
+)
+def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):
+    directory = write_hf_model(tmp_path / arch, arch, **overrides)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    with InferenceEngine(AutoModel.from_pretrained(directory), tokenizer, **SMALL) as engine:
+        expected = greedy(engine)
+    model = load_sharded(directory, 2)
+    assert len(spawned_workers()) == 1
+    with InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
+        assert greedy(engine) == expected
+    assert not spawned_workers()
+
+
+def test_an_engine_refuses_a_model_loaded_for_other_ranks(llama_dir):
+    model = AutoModel.from_pretrained(llama_dir)
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    with pytest.raises(ConfigError, match="load_sharded"):
+        InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL)
+
+
+def completion(base: str, prompt: str, **fields) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, **fields}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+
+def test_serve_with_two_ranks_then_a_rank_killed_mid_generation(llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    with InferenceEngine(AutoModel.from_pretrained(llama_dir), tokenizer, **SMALL) as engine:
+        expected = [engine.generate(p, max_tokens=16, temperature=0.0) for p in PROMPTS]
+    flags = [
+        "--model-name",
+        MODEL,
+        "--max-seq-len",
+        "1024",
+        "--kv-cache-memory",
+        "8000000",
+        "--max-batch-size",
+        "8",
+    ]
+    with astrai_serve(llama_dir, "--tensor-parallel-size", "2", *flags) as (process, base):
+        served = [completion(base, p).json()["choices"][0]["text"] for p in PROMPTS]
+        assert served == expected
+
+        [worker] = [
+            p
+            for p in psutil.Process(process.pid).children()
+            if "spawn_main" in " ".join(p.cmdline())
+        ]
+        streamed = threading.Event()
+        events: list[str] = []
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True}
+            with httpx.stream(
+                "POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as response:
+                for line in response.iter_lines():
+                    events.append(line)
+                    streamed.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert streamed.wait(30)
+        worker.kill()
+        client.join(timeout=60)
+        assert not client.is_alive()
+        assert any('"error"' in event for event in events), events[-3:]
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert health.status_code == 503
+        assert completion(base, "Hello").status_code >= 500
+        process.terminate()
+        process.communicate(timeout=60)
+    assert not worker.is_running()
