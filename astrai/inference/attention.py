@@ -20,9 +20,12 @@ class CacheView:
     The constructor resolves every index once -- write slots, the decodes' page tables, each
     prompt chunk's pages -- and the masks are made once per sliding window, so a layer's call
     is tensor work only: write its new K/V, attend the decodes (one C kernel call that reads
-    their pages in place for fp32 and bf16 on the CPU, else one SDPA call per group of gathered
-    pages), then one SDPA call per prompt chunk. The pages of a sliding layer's keys that lie
-    outside its window are kept: other layers still read them, and so does the prefix cache.
+    their pages in place on the CPU, else one SDPA call per group of gathered pages), then one
+    SDPA call per prompt chunk. The pages of a sliding layer's keys that lie outside its window
+    are kept: other layers still read them, and so does the prefix cache. A cache of another
+    dtype than the model's (kv_cache_dtype) holds K/V rounded to its dtype, and every path
+    attends over those rounded values in the model's dtype, so a prompt's result is the same
+    whether its keys come from the cache or not.
     """
 
     def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
@@ -124,6 +127,7 @@ class CacheView:
         """bind's call where chunks or decode groups take part: q, k, v and out as bind's."""
         k_layer, v_layer = self.k_cache[layer.index], self.v_cache[layer.index]
         kv_heads, head_dim = k_layer.shape[-2:]  # k_layer: [pages, ps, kvh, hd]
+        k, v = k.to(k_layer.dtype), v.to(k_layer.dtype)  # no copy when the dtypes agree
         k_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_layer.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
         if self.paged_decode is not None:
@@ -139,8 +143,8 @@ class CacheView:
                 v_seq = v_layer[chunk.pages].flatten(0, 1)[:n_keys]
             o_seq = attend(
                 q[rows].transpose(0, 1)[None],
-                k_seq.transpose(0, 1)[None],
-                v_seq.transpose(0, 1)[None],
+                k_seq.to(q.dtype).transpose(0, 1)[None],
+                v_seq.to(q.dtype).transpose(0, 1)[None],
                 chunk.mask(layer.window),
                 layer,
             )
@@ -258,8 +262,8 @@ class DecodeGroup:
         kv_heads, head_dim = k_layer.shape[-2:]
         torch.index_select(k_layer, 0, self.pages, out=self.k)
         torch.index_select(v_layer, 0, self.pages, out=self.v)
-        k = self.k.view(n, -1, kv_heads, head_dim).transpose(1, 2)  # [n, kvh, ctx, hd]
-        v = self.v.view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        k = self.k.view(n, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [n, kvh, ctx, hd]
+        v = self.v.view(n, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         # The query heads sharing a KV head become that head's query rows, so GQA needs no
         # repeated K/V: q [n, kvh, heads // kvh, hd].
         q = q if self.rows is None else q.index_select(0, self.rows)

@@ -9,13 +9,18 @@ import torch
 
 from astrai.kernels import native
 
+# The kernel's code for each dtype it reads: q and out may be of one, the cache of another.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 
 class PagedDecode:
     """All decodes of a step, attended by the C kernel that reads their pages in place.
 
-    For fp32 and bf16 on the CPU (bf16 computed in fp32 and rounded once, at the output); it
-    needs no gather buffers and no grouping by context length, and each decode's result is
-    independent of the batch. The page tables and context lengths are resolved to plain ints
+    On the CPU, for q and a cache each of fp32, bf16 or fp16, not necessarily the same (a bf16
+    cache under an fp32 model halves the bytes read; keys and values are widened to fp32 as
+    read, and all is computed in fp32 and rounded once, at the output). It needs no gather
+    buffers and no grouping by context length, and each decode's result is independent of the
+    batch. The page tables and context lengths are resolved to plain ints
     once per step, so a layer's call is one C call.
     """
 
@@ -35,7 +40,7 @@ class PagedDecode:
         self.k_cache_ptr, self.v_cache_ptr = k_cache.data_ptr(), v_cache.data_ptr()
         self.layer_bytes = k_cache.stride(0) * k_cache.element_size()
         self.kv_heads, self.head_dim = k_cache.shape[-2:]
-        self.dtype, self.is_bf16 = k_cache.dtype, k_cache.dtype == torch.bfloat16
+        self.cache_code = DTYPE_CODES[k_cache.dtype]
         self.tables_and_sizes = (
             rows.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), len(rows),
             block_tables.shape[1], k_cache.shape[2],
@@ -43,11 +48,12 @@ class PagedDecode:
 
     @staticmethod
     def supports(k_cache: torch.Tensor) -> bool:
-        """The kernel's rule: a CPU cache of fp32 or bf16 whose head_dim it reads 8 at a time."""
+        """The kernel's rule: a CPU cache of fp32, bf16 or fp16 whose head_dim it reads 8 at a
+        time (q, of any of the three, is checked by kernel_call)."""
         return (
             native.paged_attention is not None
             and k_cache.device.type == "cpu"
-            and k_cache.dtype in native.KERNEL_DTYPES
+            and k_cache.dtype in DTYPE_CODES
             and k_cache.shape[-1] % 8 == 0
         )
 
@@ -67,11 +73,14 @@ class PagedDecode:
         softmax(softcap * tanh(scale * q.k / softcap)) over the keys of the layer's cache at most
         window positions back (the model's LayerAttention).
 
-        With k and v [num_tokens, kvh, hd] the kernel first stores the decodes' rows of them in
-        the cache; without, the caller has stored them.
+        With k and v [num_tokens, kvh, hd] (of q's dtype) the kernel first stores the decodes'
+        rows of them in the cache, rounded to its dtype; without, the caller has stored them.
         """
-        if q.dtype != self.dtype:  # the kernel reads every tensor as the cache's dtype
-            raise ValueError(f"q is {q.dtype} but the KV cache holds {self.dtype}")
+        if q.dtype not in DTYPE_CODES or any(t is not None and t.dtype != q.dtype for t in (k, v)):
+            raise ValueError(
+                f"q, k and v must share one of {list(DTYPE_CODES)}, got {q.dtype}, "
+                f"{None if k is None else k.dtype}, {None if v is None else v.dtype}"
+            )
         q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
         layer_offset = layer_idx * self.layer_bytes
         call = partial(
@@ -81,7 +90,7 @@ class PagedDecode:
             0 if v is None else v.data_ptr(), 0 if v is None else v.stride(0),
             self.k_cache_ptr + layer_offset, self.v_cache_ptr + layer_offset,
             *self.tables_and_sizes, q.shape[1], self.kv_heads, self.head_dim, scale, window or 0,
-            softcap or 0.0, self.is_bf16,
+            softcap or 0.0, DTYPE_CODES[q.dtype], self.cache_code,
         )  # fmt: skip
         call.keep_alive = (q, k, v, out)  # heads_contiguous's copies must outlive the call
         return call

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -64,14 +65,14 @@ def random_kv(n_layers, lengths, n_kv_heads, head_dim, generator):
     ]
 
 
-def run_pass(cache, full_k, full_v, seqs, n_heads, generator, kind="full"):
+def run_pass(cache, full_k, full_v, seqs, n_heads, generator, kind="full", dtype=None):
     """Run one pass of seqs through a view on every layer; check each against dense attention.
 
-    q, k and v go in the cache's dtype; the reference is fp32 attention over those values.
-    Every layer attends as LAYER_KINDS[kind] says. Returns the view, so a test can see which
-    decode backend it used."""
+    q, k and v go in dtype (default: the cache's); the reference is fp32 attention over those
+    values, k and v rounded to the cache's dtype as it stores them. Every layer attends as
+    LAYER_KINDS[kind] says. Returns the view, so a test can see which decode backend it used."""
     view = CacheView(cache, seqs)
-    dtype = cache.k_cache.dtype
+    dtype = dtype or cache.k_cache.dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
     for layer in range(cache.k_cache.shape[0]):
         k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
@@ -84,7 +85,8 @@ def run_pass(cache, full_k, full_v, seqs, n_heads, generator, kind="full"):
         for task_id, start, n in seqs:
             ctx = start + n
             k_seq, v_seq = (
-                full[layer][task_id][:ctx].to(dtype).float() for full in (full_k, full_v)
+                full[layer][task_id][:ctx].to(dtype).to(cache.k_cache.dtype).float()
+                for full in (full_k, full_v)
             )
             expected = dense_attention(q[row : row + n].float(), k_seq, v_seq, start, attention)
             torch.testing.assert_close(
@@ -164,6 +166,43 @@ def test_steps_of_decodes_alone_store_their_kv(
         assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
 
 
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.float16),
+        (torch.float16, torch.float16),
+    ],
+    ids=["fp32-bf16", "fp32-fp16", "bf16-fp16", "fp16-fp16"],
+)
+@pytest.mark.parametrize("kind", ["full", "softcap-window-3"])
+def test_a_cache_of_another_dtype_holds_rounded_kv(dtype, cache_dtype, kind, decode_attention):
+    """q, k and v of the model's dtype over a cache of kv_cache_dtype: prompt chunks, mixed
+    steps and steps of decodes alone (where the kernel rounds what it stores) all attend over
+    K/V rounded to the cache's dtype, and nothing else is rounded."""
+    generator = torch.Generator().manual_seed(3)
+    n_layers, n_heads, n_kv_heads, head_dim, page_size = 2, 4, 2, 16, 4
+    prompt_len, steps = {0: 9, 1: 1, 2: 6}, 2
+    full_len = {t: n + steps + 3 for t, n in prompt_len.items()}
+    full_k, full_v = (
+        random_kv(n_layers, full_len, n_kv_heads, head_dim, generator) for _ in range(2)
+    )
+    cache = PagedCache(
+        n_layers, n_kv_heads, head_dim, n_pages=20, page_size=page_size, dtype=cache_dtype
+    )
+    for task_id, length in full_len.items():
+        assert cache.allocate(task_id, length)
+    check = partial(run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator)
+    check([(t, 0, n) for t, n in prompt_len.items()], kind=kind, dtype=dtype)
+    for step in range(steps):
+        view = check([(t, n + step, 1) for t, n in prompt_len.items()], kind=kind, dtype=dtype)
+        assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+    # a mixed step: a chunk that reads its earlier keys from the cache beside two decodes
+    mixed = [(0, 9 + steps, 3), (1, 1 + steps, 1), (2, 6 + steps, 1)]
+    check(mixed, kind=kind, dtype=dtype)
+
+
 def test_prefix_hit_reads_the_shared_pages():
     generator = torch.Generator().manual_seed(1)
     n_heads, kvh, hd, ps = 4, 2, 8, 4
@@ -219,12 +258,13 @@ def test_view_refuses_positions_without_pages():
         CacheView(cache, [(0, 4, 1)])
 
 
-def test_decode_kernel_refuses_queries_of_another_dtype():
-    """The kernel reads q as the cache's dtype: a mismatch is refused, never misread."""
+def test_decode_kernel_refuses_new_kv_of_another_dtype_than_q():
+    """The kernel reads q, k and v as one dtype (the cache's may differ): a mismatch among
+    them is refused, never misread."""
     if native.paged_attention is None:
         pytest.skip("the C extension paged_attention was not built")
     cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
     assert cache.allocate(0, 3)
-    q, k, v = (torch.randn(1, h, 8).bfloat16() for h in (4, 2, 2))
-    with pytest.raises(ValueError, match="KV cache holds torch.float32"):
-        CacheView(cache, [(0, 2, 1)])(layer_attention(0, 8), q, k, v)
+    q, k, v = (torch.randn(1, h, 8) for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="must share one of"):
+        CacheView(cache, [(0, 2, 1)])(layer_attention(0, 8), q.bfloat16(), k, v)

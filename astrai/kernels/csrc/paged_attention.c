@@ -1,4 +1,4 @@
-/* Decode attention that reads the paged KV cache in place, for fp32 or bf16 on the CPU.
+/* Decode attention that reads the paged KV cache in place, on the CPU.
  *
  * Gathering each decode's pages into a contiguous buffer and calling SDPA copies every K/V
  * byte once more and runs a flash kernel tuned for long queries on one-token ones: at 64
@@ -10,6 +10,9 @@
  * decodes alone the kernel also stores each decode's new K/V in its page first, which saves
  * the caller two scatter ops a layer. A layer with a sliding window reads only the keys within
  * it, and a soft-capped one (Gemma 2) caps each scaled logit x at softcap * tanh(x / softcap).
+ * q, out and the new K/V are fp32, bf16 or fp16, and the cache any of the three (a bf16 or fp16
+ * cache halves the bytes a long context reads): keys and values are widened to fp32 as they are
+ * read and rounded to the cache's type as they are stored, as PyTorch's conversions round.
  *
  * The extension links libgomp by soname, so in a process that imported torch first it shares
  * torch's OpenMP runtime and thread pool instead of starting a second one.
@@ -25,7 +28,7 @@
 #include "module.h"
 #include "vec8.h"
 
-/* Every tensor is fp32, or every one bf16; sizes and strides count values, not bytes. */
+/* Sizes and strides count values, not bytes. */
 typedef struct {
     void *out;     /* [num_tokens, n_heads, head_dim], contiguous */
     const void *q; /* rows of q_row_stride values; heads contiguous within a row */
@@ -42,13 +45,25 @@ typedef struct {
     int64_t window; /* a decode sees its last window keys only; 0: all */
     float scale;
     float softcap; /* 0: none */
-    int is_bf16;
+    int io_dtype;    /* of q, out, new_k and new_v: a DTYPE_ code */
+    int cache_dtype; /* of k_cache and v_cache */
 } DecodeBatch;
 
-/* The address of value i of an fp32 or bf16 array. */
+/* The address of value i of an array of dtype. */
 static inline __attribute__((always_inline)) const void *at(const void *p, int64_t i,
-                                                             const int is_bf16) {
-    return (const char *)p + i * (is_bf16 ? sizeof(bf16) : sizeof(float));
+                                                             const int dtype) {
+    return (const char *)p + i * dtype_size(dtype);
+}
+
+/* n values (a multiple of LANES) copied from src to dst, converted between their dtypes. */
+static inline __attribute__((always_inline)) void convert(void *dst, const int dst_dtype,
+                                                           const void *src, const int src_dtype,
+                                                           int64_t n) {
+    if (dst_dtype == src_dtype) {
+        memcpy(dst, src, n * dtype_size(dst_dtype));
+        return;
+    }
+    for (int64_t d = 0; d < n; d += LANES) store_as(dst, d, load_as(src, d, src_dtype), dst_dtype);
 }
 
 /* Where token t of a sequence with these pages lies in one layer's K or V cache, in values.
@@ -73,39 +88,41 @@ static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int
 
 /* out[g, d0 : d0 + n_vec * LANES] = sum over t of s[g * stride + t] * values[t][d0 : ...] for
  * the n_heads <= HEAD_BLOCK heads whose scores rows start at s; out's heads are hd values
- * apart. Inlined with the counts and is_bf16 constant, so the 2 * n_heads accumulators live in
+ * apart. Inlined with the counts and dtypes constant, so the 2 * n_heads accumulators live in
  * vector registers and each token's value vectors are loaded once for all the heads. */
 static inline __attribute__((always_inline)) void weigh_values(
     void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx, int64_t hd,
-    int64_t d0, const int n_heads, const int n_vec, const int is_bf16) {
+    int64_t d0, const int n_heads, const int n_vec, const int io, const int cache) {
     vec8 acc[HEAD_BLOCK][2] = {{{0.0f}}};
     for (int64_t t = 0; t < ctx; t++)
         for (int v = 0; v < n_vec; v++) {
-            const vec8 value = load_any(values[t], d0 + v * LANES, is_bf16);
+            const vec8 value = load_as(values[t], d0 + v * LANES, cache);
             for (int g = 0; g < n_heads; g++) acc[g][v] += s[g * stride + t] * value;
         }
     for (int g = 0; g < n_heads; g++)
-        for (int v = 0; v < n_vec; v++) store_any(out, g * hd + d0 + v * LANES, acc[g][v], is_bf16);
+        for (int v = 0; v < n_vec; v++) store_as(out, g * hd + d0 + v * LANES, acc[g][v], io);
 }
 
 /* weigh_values for a run-time head count, over a 16-value slice (n_vec 2) or 8 (n_vec 1). */
 static inline __attribute__((always_inline)) void weigh_values_of(
     void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx, int64_t hd,
-    int64_t d0, int64_t n_heads, const int n_vec, const int is_bf16) {
+    int64_t d0, int64_t n_heads, const int n_vec, const int io, const int cache) {
     switch (n_heads) {
-    case 1: weigh_values(out, s, stride, values, ctx, hd, d0, 1, n_vec, is_bf16); break;
-    case 2: weigh_values(out, s, stride, values, ctx, hd, d0, 2, n_vec, is_bf16); break;
-    case 3: weigh_values(out, s, stride, values, ctx, hd, d0, 3, n_vec, is_bf16); break;
-    default: weigh_values(out, s, stride, values, ctx, hd, d0, HEAD_BLOCK, n_vec, is_bf16); break;
+    case 1: weigh_values(out, s, stride, values, ctx, hd, d0, 1, n_vec, io, cache); break;
+    case 2: weigh_values(out, s, stride, values, ctx, hd, d0, 2, n_vec, io, cache); break;
+    case 3: weigh_values(out, s, stride, values, ctx, hd, d0, 3, n_vec, io, cache); break;
+    default: weigh_values(out, s, stride, values, ctx, hd, d0, HEAD_BLOCK, n_vec, io, cache); break;
     }
 }
 
 /* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
  * [kv_begin, kv_end). scratch holds scratch_len(...) floats. head_dim is a multiple of LANES.
- * bf16 is read as fp32, computed in fp32 and rounded once, at the output. */
+ * Every value is read as fp32, computed in fp32 and rounded once, at the output; io and cache
+ * are the dtypes of q/out and of the cache, constants after inlining. */
 static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, int64_t i,
                                                           int64_t kv_begin, int64_t kv_end,
-                                                          float *scratch, const int is_bf16) {
+                                                          float *scratch, const int io,
+                                                          const int cache) {
     const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
     const int64_t n_heads = (kv_end - kv_begin) * group;
     /* the keys seen are first .. first + ctx - 1; the new one, at context_lens[i] - 1, last */
@@ -116,18 +133,18 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     const int64_t *pages = b->block_tables + i * b->max_pages;
     const int64_t first_head = kv_begin * group;
     /* [n_heads, hd] each */
-    const void *q = at(b->q, b->rows[i] * b->q_row_stride + first_head * hd, is_bf16);
-    void *out = (void *)at(b->out, (b->rows[i] * b->n_heads + first_head) * hd, is_bf16);
+    const void *q = at(b->q, b->rows[i] * b->q_row_stride + first_head * hd, io);
+    void *out = (void *)at(b->out, (b->rows[i] * b->n_heads + first_head) * hd, io);
     float *scores = scratch;                                           /* [n_heads, stride] */
     const void **values = (const void **)(scores + n_heads * stride); /* [ctx] V rows */
 
     if (b->new_k != NULL) { /* this decode's own token comes last */
         const int64_t slot = page_token(b, pages, end - 1) + kv_begin * hd;
-        const size_t bytes = (is_bf16 ? sizeof(bf16) : sizeof(float)) * (kv_end - kv_begin) * hd;
-        memcpy((void *)at(b->k_cache, slot, is_bf16),
-               at(b->new_k, b->rows[i] * b->new_k_row_stride + kv_begin * hd, is_bf16), bytes);
-        memcpy((void *)at(b->v_cache, slot, is_bf16),
-               at(b->new_v, b->rows[i] * b->new_v_row_stride + kv_begin * hd, is_bf16), bytes);
+        const int64_t n_values = (kv_end - kv_begin) * hd;
+        convert((void *)at(b->k_cache, slot, cache), cache,
+                at(b->new_k, b->rows[i] * b->new_k_row_stride + kv_begin * hd, io), io, n_values);
+        convert((void *)at(b->v_cache, slot, cache), cache,
+                at(b->new_v, b->rows[i] * b->new_v_row_stride + kv_begin * hd, io), io, n_values);
     }
 
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
@@ -136,14 +153,14 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
         for (int64_t j = 0; j < KEY_BLOCK; j++)
             keys[j] = at(b->k_cache,
                          page_token(b, pages, first + t0 + (j < n_keys ? j : 0)) + kv_begin * hd,
-                         is_bf16);
+                         cache);
         for (int64_t h = 0; h < n_heads; h++) {
             const int64_t k_offset = (h / group) * hd;
             vec8 acc[KEY_BLOCK] = {{0.0f}};
             for (int64_t d0 = 0; d0 < hd; d0 += LANES) {
-                const vec8 qv = load_any(q, h * hd + d0, is_bf16);
+                const vec8 qv = load_as(q, h * hd + d0, io);
                 for (int j = 0; j < KEY_BLOCK; j++)
-                    acc[j] += qv * load_any(keys[j], k_offset + d0, is_bf16);
+                    acc[j] += qv * load_as(keys[j], k_offset + d0, cache);
             }
             /* a whole block: the row is padded to a multiple of LANES, and softmax overwrites
              * the scores past ctx */
@@ -172,28 +189,45 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     /* out = scores @ V: per kv head, HEAD_BLOCK of its query heads at a time, over 16 values
      * of head_dim at a time (8 for the rest) */
     for (int64_t t = 0; t < ctx; t++)
-        values[t] = at(b->v_cache, page_token(b, pages, first + t) + kv_begin * hd, is_bf16);
+        values[t] = at(b->v_cache, page_token(b, pages, first + t) + kv_begin * hd, cache);
     for (int64_t kv = kv_begin; kv < kv_end; kv++) {
         if (kv > kv_begin)
-            for (int64_t t = 0; t < ctx; t++) values[t] = at(values[t], hd, is_bf16);
+            for (int64_t t = 0; t < ctx; t++) values[t] = at(values[t], hd, cache);
         for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
             const int64_t h = (kv - kv_begin) * group + g0; /* first head, of this item's */
             const int64_t n = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
-            void *out_h = (void *)at(out, h * hd, is_bf16);
+            void *out_h = (void *)at(out, h * hd, io);
             int64_t d0 = 0;
             for (; d0 + 2 * LANES <= hd; d0 += 2 * LANES)
-                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 2,
-                                is_bf16);
+                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 2, io,
+                                cache);
             if (d0 < hd)
-                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 1,
-                                is_bf16);
+                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 1, io,
+                                cache);
         }
     }
 }
 
-FP32_AND_BF16(attend,
-              (const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end, float *scratch),
-              b, i, kv_begin, kv_end, scratch)
+/* attend_<io>_<kv>: attend compiled for one pair of dtypes (and each as VECTOR_CLONES). */
+#define ATTEND_FOR(io, kv)                                                                     \
+    VECTOR_CLONES static void attend_##io##_##kv(const DecodeBatch *b, int64_t i,             \
+                                                 int64_t kv_begin, int64_t kv_end,            \
+                                                 float *scratch) {                            \
+        attend(b, i, kv_begin, kv_end, scratch, DTYPE_##io, DTYPE_##kv);                       \
+    }
+#define ATTEND_FOR_CACHES(io) ATTEND_FOR(io, FP32) ATTEND_FOR(io, BF16) ATTEND_FOR(io, FP16)
+ATTEND_FOR_CACHES(FP32)
+ATTEND_FOR_CACHES(BF16)
+ATTEND_FOR_CACHES(FP16)
+
+typedef void (*AttendFn)(const DecodeBatch *, int64_t, int64_t, int64_t, float *);
+
+/* [io_dtype][cache_dtype] */
+static const AttendFn attend_fns[N_DTYPES][N_DTYPES] = {
+    {attend_FP32_FP32, attend_FP32_BF16, attend_FP32_FP16},
+    {attend_BF16_FP32, attend_BF16_BF16, attend_BF16_FP16},
+    {attend_FP16_FP32, attend_FP16_BF16, attend_FP16_FP16},
+};
 
 /* Floats of scratch attend() needs for kv_per_item kv heads of a decode of ctx keys. */
 static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ctx) {
@@ -212,6 +246,7 @@ static int attend_all(const DecodeBatch *b) {
     for (int64_t i = 0; i < b->n; i++)
         if (b->context_lens[i] > max_ctx) max_ctx = b->context_lens[i];
     if (b->window > 0 && max_ctx > b->window) max_ctx = b->window;
+    const AttendFn attend_item = attend_fns[b->io_dtype][b->cache_dtype];
     int failed = 0;
 #pragma omp parallel
     {
@@ -226,8 +261,7 @@ static int attend_all(const DecodeBatch *b) {
             if (scratch == NULL) continue;
             const int64_t i = item / items_per_decode;
             const int64_t kv_begin = item % items_per_decode * kv_per_item;
-            (b->is_bf16 ? attend_bf16 : attend_fp32)(b, i, kv_begin, kv_begin + kv_per_item,
-                                                     scratch);
+            attend_item(b, i, kv_begin, kv_begin + kv_per_item, scratch);
         }
         free(scratch);
     }
@@ -240,12 +274,18 @@ static PyObject *decode(PyObject *module, PyObject *args) {
     Py_ssize_t k_cache, v_cache, rows, block_tables, context_lens;
     Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim, window;
     float scale, softcap;
-    int is_bf16;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnfnfp", &out, &q, &q_row_stride, &new_k,
+    int io_dtype, cache_dtype;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnfnfii", &out, &q, &q_row_stride, &new_k,
                           &new_k_row_stride, &new_v, &new_v_row_stride, &k_cache, &v_cache,
                           &rows, &block_tables, &context_lens, &n, &max_pages, &page_size,
-                          &n_heads, &kv_heads, &head_dim, &scale, &window, &softcap, &is_bf16))
+                          &n_heads, &kv_heads, &head_dim, &scale, &window, &softcap, &io_dtype,
+                          &cache_dtype))
         return NULL;
+    if (io_dtype < 0 || io_dtype >= N_DTYPES || cache_dtype < 0 || cache_dtype >= N_DTYPES) {
+        PyErr_SetString(PyExc_ValueError, "io_dtype and cache_dtype must be 0 (fp32), 1 (bf16) "
+                                          "or 2 (fp16)");
+        return NULL;
+    }
     const DecodeBatch b = {
         .out = (void *)out,
         .q = (const void *)q,
@@ -268,7 +308,8 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         .window = window,
         .scale = scale,
         .softcap = softcap,
-        .is_bf16 = is_bf16,
+        .io_dtype = io_dtype,
+        .cache_dtype = cache_dtype,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS;
@@ -282,8 +323,9 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride, k_cache, "
      "v_cache, rows, block_tables, context_lens, n, max_pages, page_size, n_heads, kv_heads, "
-     "head_dim, scale, window, softcap, is_bf16): data pointers of fp32 or bf16 tensors and "
-     "sizes; new_k and new_v 0 when already stored; window and softcap 0 when none."},
+     "head_dim, scale, window, softcap, io_dtype, cache_dtype): data pointers and sizes; "
+     "new_k and new_v 0 when already stored; window and softcap 0 when none; io_dtype (of q, "
+     "out, new_k, new_v) and cache_dtype 0 for fp32, 1 for bf16, 2 for fp16."},
     {NULL, NULL, 0, NULL},
 };
 

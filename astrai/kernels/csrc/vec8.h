@@ -128,6 +128,44 @@ static inline __attribute__((always_inline)) void store_any(void *p, int64_t i, 
         store8((float *)p + i, v);
 }
 
+/* fp16, as _Float16 (GCC >= 12, Clang >= 15): the x86-64-v3 clones convert eight values in one
+ * F16C instruction, the baseline ones call libgcc's conversions; both round to nearest even,
+ * as PyTorch does. */
+typedef _Float16 f16x8 __attribute__((vector_size(LANES * sizeof(_Float16))));
+
+static inline __attribute__((always_inline)) vec8 load8_f16(const _Float16 *p) {
+    f16x8 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vec8);
+}
+
+static inline __attribute__((always_inline)) void store8_f16(_Float16 *p, vec8 v) {
+    const f16x8 h = __builtin_convertvector(v, f16x8);
+    __builtin_memcpy(p, &h, sizeof h);
+}
+
+/* The element types a kernel may read as a run-time code (a constant after inlining), for
+ * kernels whose tensors need not share one type. */
+enum { DTYPE_FP32, DTYPE_BF16, DTYPE_FP16, N_DTYPES };
+
+static inline __attribute__((always_inline)) int64_t dtype_size(const int dtype) {
+    return dtype == DTYPE_FP32 ? (int64_t)sizeof(float) : (int64_t)sizeof(bf16);
+}
+
+static inline __attribute__((always_inline)) vec8 load_as(const void *p, int64_t i,
+                                                           const int dtype) {
+    if (dtype == DTYPE_FP16) return load8_f16((const _Float16 *)p + i);
+    return load_any(p, i, dtype == DTYPE_BF16);
+}
+
+static inline __attribute__((always_inline)) void store_as(void *p, int64_t i, vec8 v,
+                                                            const int dtype) {
+    if (dtype == DTYPE_FP16)
+        store8_f16((_Float16 *)p + i, v);
+    else
+        store_any(p, i, v, dtype == DTYPE_BF16);
+}
+
 /* exp(x) for x <= 0, to about 1 ulp: 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2,
  * exp(r) by its Taylor series to r^7. Below -87.3 it returns exp(-87.3) ~ 1e-38, not 0: its
  * users (softmax, silu) add it to a term of 1 or more, so the difference is far below rounding. */
