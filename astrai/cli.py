@@ -146,7 +146,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="weight and KV-cache dtype; auto is bfloat16 on CUDA, float32 on CPU "
+        help="weight dtype, and the KV cache's unless --kv-cache-dtype; auto is bfloat16 on "
+        "CUDA, float32 on CPU "
         "(default: %(default)s); a GGUF file's quantized linears keep their blocks",
     )
     group.add_argument(

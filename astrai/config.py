@@ -637,6 +637,7 @@ def parse_kv_cache_memory(text: str) -> float:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -657,6 +658,12 @@ class EngineConfig:
         "KV cache budget: bytes if above 1, else a fraction of free device memory",
         metavar="BYTES_OR_FRACTION",
         parse=parse_kv_cache_memory,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "dtype the KV cache stores (auto: the model's); bf16 or fp16 under an fp32 model holds "
+        "twice the tokens in the same memory and halves the bytes decode attention reads",
+        choices=KV_CACHE_DTYPES,
     )
     page_size: int = setting(16, "tokens per KV cache page")
     max_num_batched_tokens: int = setting(
@@ -706,6 +713,11 @@ class EngineConfig:
             not isinstance(self.max_seq_len, int) or self.max_seq_len <= 0
         ):
             raise ConfigError(f"max_seq_len must be a positive integer, got {self.max_seq_len!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ConfigError(
                 f"speculative must be one of {list(SPECULATIVE_METHODS)} or None, got "

@@ -36,6 +36,7 @@ from astrai.inference.task import (
     TaskManager,
     TaskResult,
 )
+from astrai.model.automodel import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,10 @@ class InferenceEngine:
         weight = next(model.parameters())
         page_size = self.config.page_size
         kv_shape = (model_config.n_layers, model_config.n_kv_heads, model_config.head_dim)
+        kv_dtype = self.config.kv_cache_dtype
+        kv_dtype = weight.dtype if kv_dtype == "auto" else resolve_dtype(kv_dtype)
         budget_pages = PagedCache.pages_for_budget(
-            self.config.kv_cache_memory, *kv_shape, page_size, weight.dtype, weight.device
+            self.config.kv_cache_memory, *kv_shape, page_size, kv_dtype, weight.device
         )
         # More pages than a full batch of full-length sequences can never be used at once.
         usable_pages = self.config.max_batch_size * -(-self.max_seq_len // page_size)
@@ -228,17 +231,18 @@ class InferenceEngine:
             *kv_shape,
             min(budget_pages, usable_pages),
             page_size,
-            dtype=weight.dtype,
+            dtype=kv_dtype,
             device=weight.device,
             enable_prefix_cache=self.config.enable_prefix_cache,
         )
         weight_bytes = model.weight_bytes()
         log.info(
-            "weights %.0f MB %s on %s; KV cache %.0f MB: %d pages of %d tokens (%d tokens)",
+            "weights %.0f MB %s on %s; KV cache %.0f MB %s: %d pages of %d tokens (%d tokens)",
             weight_bytes / 1e6,
             weight.dtype,
             weight.device,
             2 * self.cache.k_cache.nbytes / 1e6,
+            kv_dtype,
             self.cache.n_pages,
             page_size,
             self.cache.n_pages * page_size,
