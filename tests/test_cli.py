@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from serve_process import astrai_serve
 from tiny_models import add_snapshot, write_hf_model
 
@@ -208,6 +209,14 @@ def test_a_missing_model_directory_is_a_clear_error(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_clear_error():
+    run = astrai_cli("generate", "--device", "cuda", "Hello")
+    assert run.returncode == 1
+    assert "astrai: error: device 'cuda' was asked for" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 # The settings classes whose fields are flags of each command, by the --help group they are in.
 COMMAND_SETTINGS = {
     "serve": [("engine", EngineConfig)],
@@ -251,6 +260,9 @@ def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
         return [flag, "1=-100,2=5"], {1: -100.0, 2: 5.0}
     if kind == Constraint | None:
         return [flag, '{"type": "object"}'], Constraint.json_schema({"type": "object"})
+    if kind is str:  # a choice, such as kv_cache_dtype
+        value = next(choice for choice in spec.metadata["choices"] if choice != default)
+        return [flag, value], value
     if kind == str | None:
         choices = spec.metadata.get("choices")
         return [flag, choices[0] if choices else "x"], choices[0] if choices else "x"

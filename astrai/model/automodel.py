@@ -164,6 +164,7 @@ class AutoModel:
         directory = Path(path)
         dtype = resolve_dtype(dtype)
         device = torch.device(device)
+        check_device(device, dtype)
         qtype = None if quantization is None else quantization_type(quantization)
         gguf_file = directory.suffix == ".gguf" and directory.is_file()
         _check_quantization(quantization, dequantize, device, gguf_file)
@@ -235,6 +236,37 @@ def _read(
                 pieces.append(stored.read(handles[stored.file], index))
         offset += shape[0]
     return torch.cat(pieces, dim)
+
+
+def check_device(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before anything loads, a device this machine lacks or a dtype it cannot
+    compute in, saying what there is instead (torch's own errors name neither)."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"device {str(device)!r} is not supported; astrai runs on cpu and cuda")
+    if not torch.cuda.is_available():
+        build = (
+            "a CPU-only build"
+            if torch.version.cuda is None
+            else f"built for CUDA {torch.version.cuda}, but it sees no GPU"
+        )
+        raise ConfigError(
+            f"device {str(device)!r} was asked for, but torch {torch.__version__} is {build}; "
+            "use --device cpu (or auto), or a CUDA build of torch on a machine with a GPU"
+        )
+    count = torch.cuda.device_count()
+    if (device.index or 0) >= count:
+        raise ConfigError(
+            f"device {str(device)!r} does not exist: this machine has {count} CUDA device(s), "
+            f"cuda:0 to cuda:{count - 1}"
+        )
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(
+            f"{name} cannot compute in bfloat16 (it needs compute capability 8.0); "
+            "use --dtype float16 or float32"
+        )
 
 
 def _check_quantization(

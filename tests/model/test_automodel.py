@@ -174,6 +174,16 @@ def test_unsupported_dtype_is_refused(hf_dir, dtype):
         AutoModel.from_pretrained(hf_dir, dtype=dtype)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("cuda", "CPU-only build.*use --device cpu"), ("cuda:1", "CPU-only"), ("mps", "cpu and cuda")],
+)
+def test_a_device_the_machine_lacks_is_refused_before_loading(hf_dir, device, message):
+    with pytest.raises(ConfigError, match=message):
+        AutoModel.from_pretrained(hf_dir, device=device)
+
+
 def test_load_builds_on_meta_without_a_random_init(hf_dir, monkeypatch):
     initialized_on = set()
     for init_name in ("normal_", "uniform_", "kaiming_uniform_"):
