@@ -18,13 +18,14 @@ from astrai.inference.executor import ExecutorFailedError, ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 
 KV_POOL, STEP = 1, 2  # header kinds besides STOP_MESSAGE
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # as KV_POOL names them
 
 
 class TensorParallelExecutor(ModelExecutor):
     """Rank 0's ModelExecutor: each forward first sends the step to the workers.
 
-    The step graph (RecordedLayers) records kernel calls only, not the all-reduces between
-    them, so the layers run eagerly.
+    Few-row steps are recorded and replayed on every rank as without tensor parallelism: the
+    all-reduce is an astrai op, so a step graph keeps it as one of its calls.
     """
 
     def __init__(
@@ -35,9 +36,9 @@ class TensorParallelExecutor(ModelExecutor):
         max_batch_size: int = 256,
     ) -> None:
         super().__init__(model, cache, max_batch_size=max_batch_size)
-        self.recorded = None
         self.group = group
-        group.send([KV_POOL, cache.n_pages, cache.page_size, 0, 0])
+        dtype = KV_DTYPES.index(cache.k_cache.dtype)
+        group.send([KV_POOL, cache.n_pages, cache.page_size, dtype, 0])
 
     def forward(
         self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
@@ -117,21 +118,20 @@ def serve_steps(group: TensorParallelGroup, model: torch.nn.Module) -> None:
         if header[0] == STOP_MESSAGE:
             return
         if header[0] == KV_POOL:
-            _, n_pages, page_size, _, _ = header
-            config, weight = model.config, next(model.parameters())
+            _, n_pages, page_size, dtype, _ = header
+            config = model.config
             cache = PagedCache(
                 config.n_layers,
                 config.n_kv_heads,
                 config.head_dim,
                 n_pages,
                 page_size,
-                dtype=weight.dtype,
-                device=weight.device,
+                dtype=KV_DTYPES[dtype],
+                device=next(model.parameters()).device,
                 enable_prefix_cache=False,
             )
             cache.tasks = PlannedPages()
             executor = ModelExecutor(model, cache)
-            executor.recorded = None
             continue
         seqs, token_ids, tables, rows = unpack_step(
             header, group.receive_body(step_body_size(header))

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from astrai.kernels.graph import launch
+
 log = logging.getLogger(__name__)
 
 # A worker waits for the next step as long as the engine stays idle; a dead rank 0 ends it
@@ -33,6 +35,13 @@ HEADER_SIZE = 5
 STOP_MESSAGE = 0  # the header kind that ends the workers' loops
 
 
+@torch.library.custom_op("astrai::all_reduce_sum", mutates_args=("x",))
+def all_reduce_sum(x: torch.Tensor) -> None:
+    """Sum x across the default process group, in place: an astrai op, so that a step graph
+    (astrai.kernels.graph) records it as the kernel call it is between two kernels."""
+    dist.all_reduce(x)
+
+
 class TensorParallelGroup:
     """This process's membership in the group: all-reduce, the step channel, shutdown.
 
@@ -41,9 +50,15 @@ class TensorParallelGroup:
     """
 
     def __init__(
-        self, rank: int, size: int, device: torch.device, workers: list[BaseProcess]
+        self,
+        rank: int,
+        size: int,
+        device: torch.device,
+        workers: list[BaseProcess],
+        threads: int,
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
+        self.threads = threads  # torch's threads before joining, given back on close
         self.workers = workers
         self.plans = dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT)
         self.reduce_seconds = 0.0  # spent in all_reduce, for the benchmarks
@@ -59,9 +74,12 @@ class TensorParallelGroup:
         return TensorParallelExecutor(self, model, cache, max_batch_size)
 
     def all_reduce(self, x: torch.Tensor) -> None:
-        """Sum x across the ranks, in place."""
+        """Sum x across the ranks, in place; a recorded step graph replays it."""
+        launch(self._timed_all_reduce, x)
+
+    def _timed_all_reduce(self, x: torch.Tensor) -> None:
         start = time.perf_counter()
-        dist.all_reduce(x)
+        torch.ops.astrai.all_reduce_sum(x)
         self.reduce_seconds += time.perf_counter() - start
 
     def barrier(self) -> None:
@@ -118,6 +136,7 @@ class TensorParallelGroup:
                 worker.kill()
                 worker.join()
         dist.destroy_process_group()
+        torch.set_num_threads(self.threads)
 
 
 def free_port() -> int:
@@ -137,6 +156,12 @@ def join(
     """Join the group as rank; collectives wait at most timeout seconds for the others."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # Each rank on this host gets its share of the cores: ranks that each start a thread
+        # per core crowd one another out of them at every all-reduce.
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_here))
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
         init_method=init_method,
@@ -144,7 +169,7 @@ def join(
         world_size=size,
         timeout=timedelta(seconds=timeout),
     )
-    return TensorParallelGroup(rank, size, device, list(workers))
+    return TensorParallelGroup(rank, size, device, list(workers), threads)
 
 
 def under_torchrun() -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_models import write_hf_model
 
+from astrai.cli import DEMO_MODEL_DIR
 from astrai.config import ConfigError, ModelConfig
 from astrai.distributed import TensorShard, check_shardable
 from astrai.model import AutoModel
@@ -25,13 +26,16 @@ def shards(directory, size):
     ]
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["hf", "native"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_the_ranks_shards_put_back_together_are_the_whole_model(qwen2_dir, size):
+def test_the_ranks_shards_put_back_together_are_the_whole_model(qwen2_dir, size, native):
     """q, k and v split by heads (KV heads replicated when there are fewer than ranks), gate
-    and up split each, wo and w2 split by columns; the rest held whole by every rank."""
-    whole = AutoModel.from_pretrained(qwen2_dir)
+    and up split each, wo and w2 split by columns; the rest held whole by every rank. HF
+    checkpoints hold q, k, v, gate and up apart; the native format fused."""
+    directory = DEMO_MODEL_DIR if native else qwen2_dir
+    whole = AutoModel.from_pretrained(directory)
     config = whole.config
-    parts = [model.state_dict() for model in shards(qwen2_dir, size)]
+    parts = [model.state_dict() for model in shards(directory, size)]
     q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     kv_ranks = max(1, size // config.n_kv_heads)  # ranks sharing one KV head
     for name, tensor in whole.state_dict().items():
