@@ -27,17 +27,20 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 from contention import model_path
 
+from astrai.cli import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -55,6 +58,7 @@ WORDS = [
     "prompt",
     "model",
 ]
+PARTS = ("replicas", "affinity", "tp")
 AT_ONCE = 4  # hit-rate requests in flight: light load, so affinity is never overruled by it
 
 
@@ -268,6 +272,81 @@ def affinity(args, flags: list[str], path) -> None:
         print(f"{name:<24}{rate:>21.1%}{seconds:>9.1f}", flush=True)
 
 
+def tensor_parallel_model(directory: Path) -> Path:
+    """A random-weight Llama of SmolLM2-135M's shape (30 layers, dim 576, FFN 1536) with 8
+    query and 2 KV heads of 72, since SmolLM2's 9 heads do not split in 2, and the demo
+    model's tokenizer (so a 4096-token head); written once."""
+    import transformers
+
+    if not (directory / "config.json").is_file():
+        config = transformers.LlamaConfig(
+            vocab_size=4096,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=72,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
+        transformers.LlamaForCausalLM(config).save_pretrained(directory)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(DEMO_MODEL_DIR / name, directory / name)
+    return directory
+
+
+def tensor_parallel(args) -> None:
+    """Batch-1 decode and throughput through the engine at TP=1 and TP=2, and the time rank 0
+    spends in all-reduces (waiting for the other rank included) per decode step."""
+    from astrai.distributed import load_sharded
+    from astrai.inference import InferenceEngine
+
+    path = tensor_parallel_model(Path(args.tp_model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = AutoModel.from_pretrained(path).config
+    rng = random.Random(0)
+    settings = dict(max_batch_size=args.clients, kv_cache_memory=256 << 20, max_seq_len=512)
+    params = dict(temperature=0.0, ignore_eos=True)
+    print(
+        "\n"
+        f"tensor parallelism: {path.name} ({config.n_layers} layers, dim {config.dim}), "
+        f"fp32, {args.new_tokens} new tokens; best of {args.repeats}"
+    )
+    print(
+        f"{'ranks':<9}{'batch-1 tok/s':>14}{'all-reduce ms/step':>20}{'step ms':>9}"
+        f"{f'{args.clients} at once tok/s':>22}"
+    )
+    for size, label in ((1, "1"), (1, "1 eager"), (2, "2")):
+        model = AutoModel.from_pretrained(path) if size == 1 else load_sharded(path, size)
+        group = getattr(model, "tensor_parallel", None)
+        with InferenceEngine(model, tokenizer, tensor_parallel_size=size, **settings) as engine:
+            if label == "1 eager":  # as tensor parallelism runs the layers: no step graph
+                engine.scheduler.executor.recorded = None
+            engine.generate(words(rng, 40), max_tokens=8, **params)  # warm-up
+            decode, reduce, batch = 0.0, 0.0, 0.0
+            for _ in range(args.repeats):
+                prompt = words(rng, 40)
+                start = time.perf_counter()
+                engine.generate(prompt, max_tokens=1, **params)
+                prefill = time.perf_counter() - start
+                reduced = group.reduce_seconds if group else 0.0
+                start = time.perf_counter()
+                engine.generate(prompt, max_tokens=args.new_tokens + 1, **params)
+                seconds = time.perf_counter() - start - prefill
+                if args.new_tokens / seconds > decode:
+                    decode = args.new_tokens / seconds
+                    reduce = ((group.reduce_seconds if group else 0.0) - reduced) / args.new_tokens
+                prompts = [words(rng, 40) for _ in range(args.clients)]
+                start = time.perf_counter()
+                engine.generate(prompts, max_tokens=args.new_tokens, **params)
+                batch = max(batch, args.clients * args.new_tokens / (time.perf_counter() - start))
+        print(
+            f"{label:<9}{decode:>14.1f}{reduce * 1e3:>20.2f}{1e3 / decode:>9.2f}{batch:>22.1f}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=32)
@@ -276,14 +355,23 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=16)
     parser.add_argument("--prefix-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=PARTS, help="what to measure (default all)"
+    )
+    parser.add_argument("--tp-model-dir", default="/tmp/astrai-tp-bench-model")
     args = parser.parse_args()
     cpus = len(os.sched_getaffinity(0))
     path = model_path()
     flags = ["--model", str(path), "--model-name", "served", "--max-batch-size", "64"]
-    print(f"model {path.name}, {cpus} cores", flush=True)
-    start_ray(cpus)
-    throughput(args, flags, cpus)
-    affinity(args, flags, path)
+    if "replicas" in args.parts or "affinity" in args.parts:
+        print(f"model {path.name}, {cpus} cores", flush=True)
+        start_ray(cpus)
+    if "replicas" in args.parts:
+        throughput(args, flags, cpus)
+    if "affinity" in args.parts:
+        affinity(args, flags, path)
+    if "tp" in args.parts:
+        tensor_parallel(args)
 
 
 if __name__ == "__main__":
