@@ -52,10 +52,18 @@ class TensorParallelExecutor(ModelExecutor):
         # in a collective, so no step can follow it.
         try:
             self.group.send(*pack_step(seqs, token_ids, tables, rows))
-            return super().forward(seqs, token_ids, rows)
+            return gathered_logits(self.group, super().forward(seqs, token_ids, rows))
         except Exception as exc:
             failure = self.group.failure or f"a tensor-parallel step failed: {exc}"
             raise ExecutorFailedError(failure) from exc
+
+
+def gathered_logits(group: TensorParallelGroup, logits: torch.Tensor) -> torch.Tensor | None:
+    """The whole vocabulary's logits on rank 0 from every rank's columns (None elsewhere); a
+    step with no logits rows, as every rank knows from its plan, gathers nothing."""
+    if not len(logits):
+        return logits
+    return group.gather_columns(logits)
 
 
 def pack_step(
@@ -139,4 +147,4 @@ def serve_steps(group: TensorParallelGroup, model: torch.nn.Module) -> None:
         executor.cache.tasks.tables = {
             task_id: table for (task_id, _, _), table in zip(seqs, tables, strict=True)
         }
-        executor.forward(seqs, token_ids, rows)
+        gathered_logits(group, executor.forward(seqs, token_ids, rows))

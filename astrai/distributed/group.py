@@ -82,6 +82,13 @@ class TensorParallelGroup:
         torch.ops.astrai.all_reduce_sum(x)
         self.reduce_seconds += time.perf_counter() - start
 
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's x [rows, cols] side by side on rank 0, [rows, size * cols]; None on
+        the others (a vocabulary-parallel head's logits)."""
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=1) if parts is not None else None
+
     def barrier(self) -> None:
         dist.barrier()
 

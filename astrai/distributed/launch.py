@@ -71,12 +71,12 @@ def load_sharded(
 
 
 def load_shard(group: TensorParallelGroup, path: Path, dtype) -> Transformer:
-    """This rank's shard, its row-parallel outputs summed across the group; returns once every
-    rank has loaded its own."""
+    """This rank's shard, its embedding's and row-parallel layers' partial outputs summed
+    across the group; returns once every rank has loaded its own."""
     shard = TensorShard(group.rank, group.size)
     model = AutoModel.from_pretrained(path, dtype=dtype, device=group.device, shard=shard)
-    for layer in model.layers:
-        layer.sum_partials = group.all_reduce
+    for module in (model.tok_embeddings, *model.layers):
+        module.sum_partials = group.all_reduce
     group.barrier()
     return model
 

@@ -4,14 +4,24 @@ Each rank holds a column-parallel share of wqkv (its query heads, and the key/va
 read) and of w13 (its share of the gate and of the up projection), and the matching
 row-parallel share of wo and w2, whose partial outputs one all-reduce each adds up. Its model
 is then an ordinary Transformer of a narrower config (n_heads / N, n_kv_heads / N, dim_ffn / N),
-so the forward pass runs unchanged. Norms, embeddings and the LM head are replicated.
+so the forward pass runs unchanged. The embedding and the LM head are vocabulary-parallel: each
+rank holds 1/N of the vocabulary's rows, embeds its own tokens (the ranks' sum is every
+token's row) and computes its own columns of the logits, which rank 0 gathers. Norms are
+replicated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
 from astrai.config import ConfigError, ModelConfig
+from astrai.kernels import Linear
+from astrai.model.transformer import Transformer
 
 
 def check_shardable(config: ModelConfig, size: int) -> None:
@@ -28,6 +38,8 @@ def check_shardable(config: ModelConfig, size: int) -> None:
             f"n_kv_heads={config.n_kv_heads} does not divide it (fewer KV heads than ranks are "
             "replicated, each to the same number of ranks)"
         )
+    if config.vocab_size % size:
+        problems.append(f"vocab_size={config.vocab_size} is not a multiple of it")
     if config.moe is not None:
         problems.append("mixture-of-experts layers are not sharded yet")
     if config.qk_norm_across_heads:
@@ -47,15 +59,23 @@ class TensorShard:
     rank: int
     size: int
 
-    def model_config(self, config: ModelConfig) -> ModelConfig:
-        """The rank's narrower model: its query heads, KV heads and FFN columns."""
+    def model(self, config: ModelConfig) -> Transformer:
+        """The rank's narrower model: its query heads, KV heads, FFN columns and vocabulary
+        rows; its config keeps the whole vocabulary's size, which the engine checks ids by."""
         check_shardable(config, self.size)
-        return replace(
-            config,
-            n_heads=config.n_heads // self.size,
-            n_kv_heads=max(1, config.n_kv_heads // self.size),
-            dim_ffn=config.dim_ffn // self.size,
+        model = Transformer(
+            replace(
+                config,
+                n_heads=config.n_heads // self.size,
+                n_kv_heads=max(1, config.n_kv_heads // self.size),
+                dim_ffn=config.dim_ffn // self.size,
+            )
         )
+        rows = self._share(0, config.vocab_size)
+        model.tok_embeddings = VocabParallelEmbedding(rows, config.dim)
+        if model.output is not None:
+            model.output = Linear(config.dim, rows[1] - rows[0], bias=False)
+        return model
 
     def spans(self, name: str, config: ModelConfig) -> tuple[int, list[tuple[int, int]]] | None:
         """(dim, ranges) of native tensor `name` this rank holds; None where it holds it whole."""
@@ -77,9 +97,29 @@ class TensorShard:
             return 0, [self._share(0, config.dim_ffn), self._share(config.dim_ffn, config.dim_ffn)]
         if name.endswith("feed_forward.w2.weight"):
             return 1, [self._share(0, config.dim_ffn)]
+        if name in ("tok_embeddings.weight", "output.weight"):
+            return 0, [self._share(0, config.vocab_size)]
         return None
 
     def _share(self, offset: int, length: int) -> tuple[int, int]:
         """This rank's equal part of [offset, offset + length)."""
         part = length // self.size
         return offset + self.rank * part, offset + (self.rank + 1) * part
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [first, stop) of the token embedding: the rank embeds its own tokens
+    and zeros for the rest, and sum_partials (set by the group) adds the ranks' rows up."""
+
+    def __init__(self, rows: tuple[int, int], dim: int):
+        super().__init__()
+        self.first, self.stop = rows
+        self.weight = nn.Parameter(torch.empty(self.stop - self.first, dim))
+        self.sum_partials: Callable[[Tensor], object] | None = None
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        outside = (input_ids < self.first) | (input_ids >= self.stop)
+        local = (input_ids - self.first).masked_fill(outside, 0)
+        h = F.embedding(local, self.weight).masked_fill(outside[:, None], 0.0)
+        self.sum_partials(h)
+        return h

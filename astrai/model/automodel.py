@@ -117,8 +117,8 @@ class WeightShard(Protocol):
     """The share of the weights one tensor-parallel rank loads (astrai.distributed's
     TensorShard): its model's config, and which rows or columns of each tensor it holds."""
 
-    def model_config(self, config: ModelConfig) -> ModelConfig:
-        """The config of the rank's model, built from the whole model's."""
+    def model(self, config: ModelConfig) -> Transformer:
+        """The rank's model, for the whole model's config (built where the caller says)."""
         ...
 
     def spans(self, name: str, config: ModelConfig) -> tuple[int, list[tuple[int, int]]] | None:
@@ -184,7 +184,7 @@ class AutoModel:
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         if shard is not None:
             with torch.device("meta"):
-                model = Transformer(shard.model_config(config))
+                model = shard.model(config)
         fused = raw_config.get("model_type") in FUSED_PROJECTION_MODEL_TYPES
         layout = {
             name: _sources(config, name, shape, native, fused) for name, shape in shapes.items()

@@ -42,7 +42,7 @@ def spawned_workers() -> list[psutil.Process]:
 @pytest.mark.parametrize(
     "arch, overrides",
     [
-        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True}),  # the head is the embedding's rows
         ("qwen2", {}),  # biased q/k/v
         ("qwen3", {"num_key_value_heads": 1}),  # q/k norms; one KV head, replicated on both
     ],
