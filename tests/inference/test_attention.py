@@ -268,3 +268,25 @@ def test_decode_kernel_refuses_new_kv_of_another_dtype_than_q():
     q, k, v = (torch.randn(1, h, 8) for h in (4, 2, 2))
     with pytest.raises(ValueError, match="must share one of"):
         CacheView(cache, [(0, 2, 1)])(layer_attention(0, 8), q.bfloat16(), k, v)
+
+
+def test_decode_kernel_widens_every_fp16_value_exactly():
+    """Each of the 65536 fp16 values (subnormals, infinities and NaNs included) as the one
+    value a decode attends to: its output is that value, widened to fp32 exactly."""
+    if native.paged_attention is None:
+        pytest.skip("the C extension paged_attention was not built")
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    n = len(values) // 8  # decodes of one key each, head_dim 8
+    k_cache = torch.zeros(1, n, 1, 1, 8, dtype=torch.float16)
+    v_cache = values.view(1, n, 1, 1, 8).clone()
+    decode = PagedDecode(
+        k_cache,
+        v_cache,
+        rows=torch.arange(n),
+        block_tables=torch.arange(n)[:, None].contiguous(),
+        context_lens=torch.ones(n, dtype=torch.int64),
+    )
+    out = torch.empty(n, 1, 8)
+    decode.kernel_call(0, torch.zeros(n, 1, 8), out, scale=1.0)()
+    expected = values.float().view(n, 1, 8)
+    assert bool(((out == expected) | (out.isnan() & expected.isnan())).all())

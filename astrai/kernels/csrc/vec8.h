@@ -128,15 +128,27 @@ static inline __attribute__((always_inline)) void store_any(void *p, int64_t i, 
         store8((float *)p + i, v);
 }
 
-/* fp16, as _Float16 (GCC >= 12, Clang >= 15): the x86-64-v3 clones convert eight values in one
- * F16C instruction, the baseline ones call libgcc's conversions; both round to nearest even,
- * as PyTorch does. */
+/* fp16 as _Float16 (GCC >= 12, Clang >= 15). Widening is done on the bits, in vector integer
+ * ops, exactly: GCC 12 widens a _Float16 vector lane by lane (or by libgcc calls without F16C),
+ * which made a decode over an fp16 cache slower than over fp32. Narrowing, which a kernel does
+ * only to store, is the compiler's: to nearest even, as PyTorch rounds. */
 typedef _Float16 f16x8 __attribute__((vector_size(LANES * sizeof(_Float16))));
+typedef uint16_t u16x8 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 static inline __attribute__((always_inline)) vec8 load8_f16(const _Float16 *p) {
-    f16x8 h;
+    u16x8 h;
     __builtin_memcpy(&h, p, sizeof h);
-    return __builtin_convertvector(h, vec8);
+    const uint8v bits = __builtin_convertvector(h, uint8v);
+    const uint8v sign = (bits & 0x8000u) << 16;
+    /* exponent and mantissa moved into an fp32's places, then the exponent rebased 15 -> 127 */
+    const uint8v shifted = (bits & 0x7fffu) << 13;
+    const vec8 normal = (vec8)(shifted + ((127u - 15u) << 23));
+    const vec8 infinite_or_nan = (vec8)(shifted | 0x7f800000u);
+    const vec8 subnormal = __builtin_convertvector((int8v)(bits & 0x3ffu), vec8) * 0x1p-24f;
+    const int8v exponent = (int8v)(bits & 0x7c00u);
+    const vec8 magnitude =
+        select8(exponent == 0, subnormal, select8(exponent == 0x7c00, infinite_or_nan, normal));
+    return (vec8)((uint8v)magnitude | sign);
 }
 
 static inline __attribute__((always_inline)) void store8_f16(_Float16 *p, vec8 v) {
