@@ -54,8 +54,9 @@ class TensorParallelExecutor(ModelExecutor):
             self.group.send(*pack_step(seqs, token_ids, tables, rows))
             return gathered_logits(self.group, super().forward(seqs, token_ids, rows))
         except Exception as exc:
-            failure = self.group.failure or f"a tensor-parallel step failed: {exc}"
-            raise ExecutorFailedError(failure) from exc
+            # Noted on the group, so close() does not wait on workers stuck in this step.
+            self.group.failure = self.group.failure or f"a tensor-parallel step failed: {exc}"
+            raise ExecutorFailedError(self.group.failure) from exc
 
 
 def gathered_logits(group: TensorParallelGroup, logits: torch.Tensor) -> torch.Tensor | None:
