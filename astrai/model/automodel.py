@@ -164,10 +164,10 @@ class AutoModel:
         directory = Path(path)
         dtype = resolve_dtype(dtype)
         device = torch.device(device)
-        check_device(device, dtype)
         qtype = None if quantization is None else quantization_type(quantization)
         gguf_file = directory.suffix == ".gguf" and directory.is_file()
         _check_quantization(quantization, dequantize, device, gguf_file)
+        check_device(device, dtype)
         if gguf_file:
             # Imported here: the GGUF reader builds on this module's checkpoint layout.
             from astrai.model.weights.gguf import load_gguf
