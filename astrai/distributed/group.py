@@ -119,6 +119,7 @@ class TensorParallelGroup:
         if self.closed:
             return
         worker = next(w for w in self.workers if w.sentinel in ready)
+        worker.join(JOIN_SECONDS)  # reaps it, for its exit code
         self.failure = (
             f"tensor-parallel worker {worker.name} exited with code {worker.exitcode}; "
             "restart the engine"

@@ -329,8 +329,10 @@ class InferenceEngine:
 
     @property
     def is_running(self) -> bool:
-        """False once the loop has stopped, by close() or by a crash."""
-        return self._thread.is_alive() and not self._stopped.is_set()
+        """False once the loop has stopped, by close() or by a crash, or once a tensor-parallel
+        rank is gone (noticed even while idle)."""
+        ranks_alive = self._group is None or self._group.failure is None
+        return ranks_alive and self._thread.is_alive() and not self._stopped.is_set()
 
     @property
     def max_request_tokens(self) -> int:

@@ -4,6 +4,7 @@ through `astrai serve`, and a rank that dies fails the requests and stops the en
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import psutil
@@ -64,6 +65,22 @@ def test_an_engine_refuses_a_model_loaded_for_other_ranks(llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     with pytest.raises(ConfigError, match="load_sharded"):
         InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL)
+
+
+def test_a_rank_that_dies_while_idle_stops_the_engine(llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    engine = InferenceEngine(load_sharded(llama_dir, 2), tokenizer, tensor_parallel_size=2)
+    assert engine.generate("Hello", max_tokens=4, temperature=0.0)
+    [worker] = spawned_workers()
+    worker.kill()
+    deadline = time.monotonic() + 10
+    while engine.is_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.is_running
+    with pytest.raises(RuntimeError, match="worker astrai-tp-rank1 exited with code -9"):
+        engine.generate("Hello", max_tokens=4, temperature=0.0)
+    engine.close()
+    assert not spawned_workers()
 
 
 def completion(base: str, prompt: str, **fields) -> httpx.Response:
