@@ -3,17 +3,21 @@ through `astrai serve`, and a rank that dies fails the requests and stops the en
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
-from serve_process import astrai_serve
+from serve_process import REPO_ROOT, astrai_serve
 from tiny_models import write_hf_model
 
 from astrai.config import ConfigError
 from astrai.distributed import load_sharded
+from astrai.distributed.group import free_port
 from astrai.inference import InferenceEngine
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
@@ -65,6 +69,26 @@ def test_an_engine_refuses_a_model_loaded_for_other_ranks(llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     with pytest.raises(ConfigError, match="load_sharded"):
         InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL)
+
+
+def test_torchrun_ranks_generate_the_greedy_text_of_one(llama_dir):
+    """Under torchrun every rank runs the command; rank 1 serves steps and exits with rank 0."""
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    with InferenceEngine(AutoModel.from_pretrained(llama_dir), tokenizer, **SMALL) as engine:
+        expected = engine.generate(PROMPTS[0], max_tokens=8, temperature=0.0)
+    command = ["generate", "--model", str(llama_dir), "--max-tokens", "8", "--temperature", "0"]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        + ["--master-port", str(free_port()), "-m", "astrai", *command]
+        + ["--tensor-parallel-size", "2", PROMPTS[0]],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert expected.strip() and run.stdout.strip() == expected.strip()
 
 
 def test_a_rank_that_dies_while_idle_stops_the_engine(llama_dir):
