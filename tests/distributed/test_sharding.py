@@ -26,13 +26,21 @@ def shards(directory, size):
     ]
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["hf", "native"])
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory):
+    """Phi-3: q/k/v in one qkv_proj, gate and up in one gate_up_proj."""
+    return write_hf_model(tmp_path_factory.mktemp("phi3"), "phi3", pad_token_id=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen2", "phi3", "native"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_the_ranks_shards_put_back_together_are_the_whole_model(qwen2_dir, size, native):
+def test_the_ranks_shards_put_back_together_are_the_whole_model(
+    qwen2_dir, phi3_dir, size, checkpoint
+):
     """q, k and v split by heads (KV heads replicated when there are fewer than ranks), gate
-    and up split each, wo and w2 split by columns; the rest held whole by every rank. HF
-    checkpoints hold q, k, v, gate and up apart; the native format fused."""
-    directory = DEMO_MODEL_DIR if native else qwen2_dir
+    and up split each, wo and w2 split by columns; the rest held whole by every rank. Qwen2's
+    checkpoints hold q, k, v, gate and up apart; Phi-3's and the native format fused."""
+    directory = {"qwen2": qwen2_dir, "phi3": phi3_dir, "native": DEMO_MODEL_DIR}[checkpoint]
     whole = AutoModel.from_pretrained(directory)
     config = whole.config
     parts = [model.state_dict() for model in shards(directory, size)]
