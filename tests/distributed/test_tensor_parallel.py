@@ -107,6 +107,22 @@ def test_a_rank_that_dies_while_idle_stops_the_engine(llama_dir):
     assert not spawned_workers()
 
 
+def test_what_is_not_sharded_yet_is_refused_before_any_worker_starts(llama_dir, tmp_path):
+    with pytest.raises(ConfigError, match="GGUF files are not sharded"):
+        load_sharded(tmp_path / "model.gguf", 2)
+    run = subprocess.run(
+        [sys.executable, "-m", "astrai", "generate", "--model", str(llama_dir)]
+        + ["--tensor-parallel-size", "2", "--quantization", "q8_0", "Hello"],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0
+    assert "--quantization and --dequantize are not sharded" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def completion(base: str, prompt: str, **fields) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, **fields}
     return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
