@@ -135,8 +135,13 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     /* [n_heads, hd] each */
     const void *q = at(b->q, b->rows[i] * b->q_row_stride + first_head * hd, io);
     void *out = (void *)at(b->out, (b->rows[i] * b->n_heads + first_head) * hd, io);
-    float *scores = scratch;                                           /* [n_heads, stride] */
-    const void **values = (const void **)(scores + n_heads * stride); /* [ctx] V rows */
+    float *scores = scratch; /* [n_heads, stride] */
+    /* [KEY_BLOCK, kv_end - kv_begin, hd]: an fp16 key block widened once, not once for each
+     * query head that reads it (widening fp16 takes a dozen vector ops, bf16 one) */
+    float *widened = scores + n_heads * stride;
+    const int64_t widened_row = (kv_end - kv_begin) * hd;
+    const int key_dtype = cache == DTYPE_FP16 ? DTYPE_FP32 : cache; /* as the loop reads keys */
+    const void **values = (const void **)(widened + KEY_BLOCK * widened_row); /* [ctx] V rows */
 
     if (b->new_k != NULL) { /* this decode's own token comes last */
         const int64_t slot = page_token(b, pages, end - 1) + kv_begin * hd;
@@ -154,13 +159,20 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
             keys[j] = at(b->k_cache,
                          page_token(b, pages, first + t0 + (j < n_keys ? j : 0)) + kv_begin * hd,
                          cache);
+        if (cache == DTYPE_FP16)
+            for (int j = 0; j < KEY_BLOCK; j++) {
+                float *row = widened + j * widened_row;
+                for (int64_t d = 0; d < widened_row; d += LANES)
+                    store8(row + d, load_as(keys[j], d, cache));
+                keys[j] = row;
+            }
         for (int64_t h = 0; h < n_heads; h++) {
             const int64_t k_offset = (h / group) * hd;
             vec8 acc[KEY_BLOCK] = {{0.0f}};
             for (int64_t d0 = 0; d0 < hd; d0 += LANES) {
                 const vec8 qv = load_as(q, h * hd + d0, io);
                 for (int j = 0; j < KEY_BLOCK; j++)
-                    acc[j] += qv * load_as(keys[j], k_offset + d0, cache);
+                    acc[j] += qv * load_as(keys[j], k_offset + d0, key_dtype);
             }
             /* a whole block: the row is padded to a multiple of LANES, and softmax overwrites
              * the scores past ctx */
@@ -234,7 +246,8 @@ static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ct
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES;
     const int64_t pointer_floats =
         (ctx * (int64_t)sizeof(void *) + sizeof(float) - 1) / sizeof(float);
-    return kv_per_item * (b->n_heads / b->kv_heads) * stride + pointer_floats;
+    return kv_per_item * (b->n_heads / b->kv_heads) * stride + KEY_BLOCK * kv_per_item * b->head_dim +
+           pointer_floats;
 }
 
 /* One work item per decode when there are enough to keep every thread busy, else one per
