@@ -293,15 +293,21 @@ def test_every_setting_is_a_flag_of_the_commands_that_use_it(command, cls, spec)
     assert from_flags(cls, _parser().parse_args([command, *prompt])) == cls()
 
 
-def test_engine_flags_reach_the_engine(llama_dir, monkeypatch):
-    built = []
+@pytest.fixture
+def built(monkeypatch) -> list:
+    """The InferenceEngines the command builds, in order."""
+    engines = []
     init = InferenceEngine.__init__
 
     def recording_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        built.append(self)
+        engines.append(self)
 
     monkeypatch.setattr(InferenceEngine, "__init__", recording_init)
+    return engines
+
+
+def test_engine_flags_reach_the_engine(llama_dir, built):
     flags = ["--max-waiting", "3", "--no-prefix-cache", "--page-size", "8", "--check-invariants"]
     flags += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "0.5", "--max-seq-len", "128"]
     assert main(["generate", "--model", str(llama_dir), *flags, *GREEDY, "Hello"]) == 0
@@ -532,17 +538,9 @@ def test_generate_from_a_gguf_file_in_a_hub_repo_equals_the_file(tmp_path):
     assert "Paris" in run.stdout
 
 
-def test_quantization_flag_reaches_the_loader(llama_dir, monkeypatch, capsys):
+def test_quantization_flag_reaches_the_loader(llama_dir, built, capsys):
     from astrai.kernels.quant_ops import QuantizedLinear
 
-    built = []
-    init = InferenceEngine.__init__
-
-    def recording_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        built.append(self)
-
-    monkeypatch.setattr(InferenceEngine, "__init__", recording_init)
     flags = ["--quantization", "q4_0", "--device", "cpu", *SMALL_ENGINE, *GREEDY, "Hello"]
     assert main(["generate", "--model", str(llama_dir), *flags]) == 0
     (engine,) = built
