@@ -226,7 +226,9 @@ class ModelExecutor:
         # draft tokens: its own output so far, grammar state and seeded draw.
         row_tasks = [c.task for c in sampling for _ in range(len(c.draft) + 1)]
         outputs = [
-            c.task.output_ids + c.draft[:i] for c in sampling for i in range(len(c.draft) + 1)
+            c.task.output_ids + c.draft[:i] if i else c.task.output_ids
+            for c in sampling
+            for i in range(len(c.draft) + 1)
         ]
         batch = SamplingBatch.build(
             [t.params for t in row_tasks],

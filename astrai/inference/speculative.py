@@ -92,7 +92,8 @@ class DraftModelProposer:
             seqs, token_ids = [], []
             for i in active:
                 task = tasks[i]
-                new = (task.all_ids + drafts[i])[fed[i] :]
+                # First the real tokens the cache lacks, then each guess as it is made.
+                new = drafts[i][-1:] if drafts[i] else task.all_ids[fed[i] :]
                 seqs.append((task.id, fed[i], len(new)))
                 token_ids += new
                 fed[i] += len(new)
@@ -226,8 +227,7 @@ class Speculator:
         base = self.times.estimate(rows)
         chosen = [0] * len(decodes)
         tokens = float(len(decodes))
-        for gain, i in increments:
-            extra = sum(chosen)
+        for extra, (gain, i) in enumerate(increments):  # extra: the guesses taken so far
             if base is not None:
                 now = tokens / (self.times.estimate(rows + extra) or base)
                 then = (tokens + gain) / (self.times.estimate(rows + extra + 1) or base)
