@@ -275,7 +275,8 @@ class InferenceEngine:
 
     def _speculator(self) -> Speculator | None:
         """The speculative decoding the config asks for; a draft model is loaded here, in the
-        target's dtype and on its device, with a KV pool of as many tokens as the target's."""
+        target's dtype and on its device, with a KV pool of as many tokens as the target's in
+        the target's KV dtype."""
         config = self.config
         if config.speculative is None:
             return None
@@ -299,7 +300,7 @@ class InferenceEngine:
             *shape,
             self.cache.n_pages,
             self.cache.page_size,
-            dtype=weight.dtype,
+            dtype=self.cache.k_cache.dtype,
             device=weight.device,
             enable_prefix_cache=False,
         )

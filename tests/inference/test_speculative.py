@@ -274,3 +274,14 @@ def test_real_model_greedy_output_is_unchanged(monkeypatch, always_guess):
         stats = engine.get_stats()
     assert got.token_ids == expected.token_ids
     assert stats.accepted_tokens > 32
+
+
+def test_the_draft_models_pool_takes_the_kv_cache_dtype(model, tokenizer, speculation):
+    prompts, max_tokens = workload(n=4)
+    params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    expected, _ = outputs(model, tokenizer, prompts, params, kv_cache_dtype="bf16")
+    config = {**speculation["draft-same"], "kv_cache_dtype": "bf16"}
+    with make_engine(model, tokenizer, **config) as engine:
+        assert engine.scheduler.speculator.proposer.executor.cache.k_cache.dtype == torch.bfloat16
+        got = [[r.token_ids for r in group] for group in run_ids(engine, prompts, params)]
+    assert got == expected
