@@ -285,3 +285,15 @@ def test_the_draft_models_pool_takes_the_kv_cache_dtype(model, tokenizer, specul
         assert engine.scheduler.speculator.proposer.executor.cache.k_cache.dtype == torch.bfloat16
         got = [[r.token_ids for r in group] for group in run_ids(engine, prompts, params)]
     assert got == expected
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-other"])
+def test_guessed_rows_decode_alike_on_either_attention_path(
+    model, tokenizer, speculation, proposer, decode_attention, always_guess
+):
+    prompts, max_tokens = workload(seed=2, n=6)
+    params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    expected, _ = outputs(model, tokenizer, prompts, params)
+    got, stats = outputs(model, tokenizer, prompts, params, **speculation[proposer])
+    assert got == expected
+    assert stats.proposed_tokens > stats.accepted_tokens
