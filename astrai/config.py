@@ -692,6 +692,11 @@ class EngineConfig:
         "same tokenizer (directory, .gguf file or Hugging Face id)",
         metavar="DIR|FILE|ID",
     )
+    cuda_graphs: bool = setting(
+        True,
+        "on CUDA, replay each decode step from a CUDA graph captured per batch size (one "
+        "launch a step); --no-cuda-graphs launches its kernels one by one",
+    )
     tensor_parallel_size: int = setting(
         1,
         "processes that each hold 1/N of every layer's weights and KV heads (tensor "

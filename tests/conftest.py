@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from tiny_models import write_hf_model, write_tokenizer
+import torch
 
-from astrai.kernels import linear_ops
+
+def interpret_triton_kernels() -> None:
+    """Run the CUDA path's Triton kernels on CPU tensors under Triton's interpreter.
+
+    It reads TRITON_INTERPRET when a kernel is defined, so this runs before astrai is
+    imported. Its scalars are 1-element arrays that Triton 3.6 turns into loop bounds with
+    int(), which NumPy 2.4 refuses for arrays of one dimension: the bound is read with .item().
+    """
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:  # another Triton: leave its interpreter as it is
+        return
+
+    def patch_with_scalar_index(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+if not torch.cuda.is_available():
+    interpret_triton_kernels()
+
+from tiny_models import write_hf_model, write_tokenizer  # noqa: E402
+
+from astrai.kernels import linear_ops  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

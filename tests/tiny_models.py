@@ -343,6 +343,31 @@ def make_engine(model, tokenizer, **config):
     return InferenceEngine(model, tokenizer, **config)
 
 
+def greedy_with_logprobs(engine, prompts, max_tokens=12):
+    """Each prompt's greedy token ids and their logprobs, all submitted at once."""
+    import queue
+
+    from astrai.inference import STOP, GenerationParams
+
+    events = queue.SimpleQueue()
+    params = GenerationParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    tasks = [
+        task
+        for ids in prompts
+        for task in engine.submit(ids, params, lambda task, event: events.put((task, event)))
+    ]
+    ids, logprobs = {task: [] for task in tasks}, {task: [] for task in tasks}
+    remaining = len(tasks)
+    while remaining:
+        task, event = events.get(timeout=120)
+        if event is STOP:
+            remaining -= 1
+            continue
+        ids[task] += event.token_ids
+        logprobs[task] += [entry.logprob for entry in event.logprobs]
+    return [ids[t] for t in tasks], torch.tensor([logprobs[t] for t in tasks])
+
+
 def run_ids(engine, prompts, params):
     """Submit token-id prompts (a list of lists) at once; return one TaskResult per prompt."""
     import queue

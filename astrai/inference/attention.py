@@ -6,10 +6,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 
 from astrai.inference.kv_cache import PagedCache
 from astrai.kernels.paged_attention import PagedDecode
+from astrai.kernels.triton_attention import paged_attention, query_block, store_kv
 from astrai.model.transformer import LayerAttention, attend
 
 
@@ -273,3 +275,123 @@ class DecodeGroup:
             out.copy_(o)
         else:
             out.index_copy_(0, self.rows, o)
+
+
+# The int64 arrays a CUDA step uploads, in the order they lie in its packed buffer.
+DEVICE_FIELDS = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "seq_starts",
+    "seq_rows",
+    "seq_lens",
+    "block_seq",
+    "block_first",
+    "block_tables",
+)
+
+
+def ragged_layout(
+    cache: PagedCache,
+    seqs: Sequence[tuple[int, int, int]],
+    token_ids: Sequence[int],
+    block_q: int,
+    pad_seqs: int = 0,
+    table_width: int | None = None,
+) -> dict[str, np.ndarray]:
+    """A ragged batch as the arrays of DEVICE_FIELDS, built on the host.
+
+    seqs are (task_id, start, n) as CacheView takes them. pad_seqs sequences of no tokens
+    follow them, each owning one row (a recorded step's padding: token 0, slot -1, nothing
+    stored, output zeros); table_width pads every page table to that many pages.
+    """
+    page_size = cache.page_size
+    starts = np.array([start for _, start, _ in seqs] + [0] * pad_seqs, dtype=np.int64)
+    lens = np.array([n for _, _, n in seqs] + [0] * pad_seqs, dtype=np.int64)
+    owned = np.maximum(lens, 1)
+    rows = np.concatenate(([0], np.cumsum(owned)[:-1]))
+    tables = []
+    for task_id, start, n in seqs:
+        pages = cache.tasks.pages(task_id)
+        n_pages = -(-(start + n) // page_size)
+        if start < 0 or n < 1 or n_pages > len(pages):
+            raise ValueError(
+                f"task {task_id}: positions {start}..{start + n - 1} need {n_pages} pages but "
+                f"it holds {len(pages)}; allocate before the forward pass"
+            )
+        tables.append(pages[:n_pages])
+    width = table_width or max(len(table) for table in tables)
+    block_tables = np.zeros((len(starts), width), dtype=np.int64)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = table
+    seq_of_row = np.repeat(np.arange(len(starts)), owned)
+    offset = np.arange(len(seq_of_row)) - rows[seq_of_row]
+    positions = np.where(lens[seq_of_row] > 0, starts[seq_of_row] + offset, 0)
+    page = block_tables[seq_of_row, positions // page_size]
+    slots = np.where(lens[seq_of_row] > 0, page * page_size + positions % page_size, -1)
+    blocks_per_seq = -(-owned // block_q)
+    block_seq = np.repeat(np.arange(len(starts)), blocks_per_seq)
+    first_block = np.cumsum(blocks_per_seq) - blocks_per_seq  # each sequence's first block
+    block_first = (np.arange(len(block_seq)) - np.repeat(first_block, blocks_per_seq)) * block_q
+    tokens = np.zeros(len(seq_of_row), dtype=np.int64)
+    tokens[: len(token_ids)] = token_ids
+    return {
+        "token_ids": tokens,
+        "positions": positions,
+        "slot_mapping": slots,
+        "seq_starts": starts,
+        "seq_rows": rows,
+        "seq_lens": lens,
+        "block_seq": block_seq,
+        "block_first": block_first,
+        "block_tables": block_tables,
+    }
+
+
+class DeviceCacheView:
+    """The attention backend on CUDA: each layer stores its new K/V with one kernel, then
+    attends every row of the batch -- prompt chunks and decode rows -- with another, over the
+    pages in place (astrai.kernels.triton_attention). The rows' K/V are all stored before any
+    attends, so a chunk reads its own keys from the cache, rounded to its dtype, as decodes do.
+
+    Its tensors are the uploaded ragged_layout; a recorded step builds one view over static
+    buffers and refills them before each replay.
+    """
+
+    def __init__(self, cache: PagedCache, fields: dict[str, torch.Tensor], block_q: int):
+        self.k_cache, self.v_cache = cache.k_cache, cache.v_cache
+        self.fields = fields
+        self.block_q = block_q
+        self.positions = fields["positions"]
+        self.token_ids = fields["token_ids"]
+
+    @classmethod
+    def build(
+        cls,
+        cache: PagedCache,
+        seqs: Sequence[tuple[int, int, int]],
+        token_ids: Sequence[int],
+        n_heads: int,
+        upload: Callable[[dict[str, np.ndarray]], dict[str, torch.Tensor]],
+        **extra: np.ndarray,
+    ) -> DeviceCacheView:
+        """The view of one eager step: its layout built on the host and uploaded at once, with
+        any extra arrays the step needs on the device (in view.fields)."""
+        group = n_heads // cache.k_cache.shape[3]
+        block_q = query_block(group, max(n for _, _, n in seqs))
+        layout = ragged_layout(cache, seqs, token_ids, block_q)
+        return cls(cache, upload({**layout, **extra}), block_q)
+
+    def __call__(
+        self, layer: LayerAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        k_layer, v_layer = self.k_cache[layer.index], self.v_cache[layer.index]
+        fields = self.fields
+        store_kv(k, v, k_layer, v_layer, fields["slot_mapping"])
+        out = q.new_empty(q.shape)
+        paged_attention(
+            q, k_layer, v_layer, out, fields["block_tables"], fields["seq_starts"],
+            fields["seq_rows"], fields["seq_lens"], fields["block_seq"], fields["block_first"],
+            self.block_q, layer.scale, layer.window, layer.softcap,
+        )  # fmt: skip
+        return out

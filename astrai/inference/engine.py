@@ -262,8 +262,16 @@ class InferenceEngine:
                 f"loaded for {group_size} ranks; load it with "
                 "astrai.distributed.load_sharded(path, tensor_parallel_size)"
             )
-        make_executor = ModelExecutor if self._group is None else self._group.executor
-        executor = make_executor(model, self.cache, max_batch_size=rows)
+        if self._group is None:
+            executor = ModelExecutor(
+                model,
+                self.cache,
+                max_batch_size=rows,
+                cuda_graphs=self.config.cuda_graphs,
+                max_seq_len=self.max_seq_len,
+            )
+        else:
+            executor = self._group.executor(model, self.cache, max_batch_size=rows)
         self.scheduler = InferenceScheduler(
             executor, self.cache, self.manager, self.config, speculator
         )
@@ -310,7 +318,7 @@ class InferenceEngine:
             draft.weight_bytes() / 1e6,
             2 * cache.k_cache.nbytes / 1e6,
         )
-        proposer = DraftModelProposer(ModelExecutor(draft, cache))
+        proposer = DraftModelProposer(ModelExecutor(draft, cache, cuda_graphs=config.cuda_graphs))
         return Speculator(proposer, config.num_speculative_tokens)
 
     def __enter__(self) -> InferenceEngine:

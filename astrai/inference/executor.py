@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from astrai.inference.attention import CacheView
+from astrai.inference.attention import DEVICE_FIELDS, CacheView, DeviceCacheView, ragged_layout
 from astrai.inference.constraints import BatchMasker, ConstraintState, TokenMask
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
@@ -23,6 +25,8 @@ from astrai.kernels import (
     tune_linears,
 )
 from astrai.kernels.quant_ops import QuantizedLinear, tune_quant_linears
+
+log = logging.getLogger("astrai.executor")
 
 
 @dataclass(eq=False)
@@ -145,6 +149,148 @@ class RecordedLayers:
         return [w for params in self.parameters for w in params.values() if w is not None]
 
 
+class HostToDevice:
+    """A step's int64 host arrays copied to the device in one transfer, through a pinned
+    buffer reused from step to step (the copy overlaps the host's work; nothing waits on it)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(0, dtype=torch.int64)
+        self.copied: torch.cuda.Event | None = None  # the last copy out of self.host
+
+    def __call__(
+        self, arrays: dict[str, np.ndarray], out: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Views of one device buffer (out, if given, else a new one) holding the arrays."""
+        total = sum(a.size for a in arrays.values())
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has read the buffer: refill it
+        if self.host.numel() < total:
+            self.host = torch.empty(2 * total, dtype=torch.int64, pin_memory=self.pinned)
+        np.concatenate([a.ravel() for a in arrays.values()], out=self.host[:total].numpy())
+        if out is None:
+            out = torch.empty(total, dtype=torch.int64, device=self.device)
+        out[:total].copy_(self.host[:total], non_blocking=self.pinned)
+        if self.pinned:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        views, offset = {}, 0
+        for name, array in arrays.items():
+            views[name] = out[offset : offset + array.size].view(array.shape)
+            offset += array.size
+        return views
+
+
+@dataclass
+class CapturedDecode:
+    """A decode step of a fixed number of rows captured as a CUDA graph: its packed inputs
+    (ragged_layout's arrays back to back), the view over them and the logits it leaves."""
+
+    inputs: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+# Decode batch sizes a CUDA graph is captured for; a step pads its rows up to the next one.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class CudaSteps:
+    """The forward pass on CUDA: Triton paged attention over the ragged batch, and decode steps
+    replayed from CUDA graphs, one per batch-size bucket (captured when the engine starts; a
+    step pads its rows to its bucket), so a decode step is one graph launch. Steps with prompt
+    chunks, or more decode rows than the largest bucket, run eagerly, as does every step of a
+    model whose forward cannot be captured.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        max_rows: int,
+        max_seq_len: int,
+        graphs: bool,
+    ):
+        self.model = model
+        self.cache = cache
+        self.n_heads = model.config.n_heads
+        self.upload = HostToDevice(cache.k_cache.device)
+        self.buckets = [b for b in GRAPH_BATCH_SIZES if b < max_rows] if graphs else []
+        if graphs and max_rows <= GRAPH_BATCH_SIZES[-1]:
+            self.buckets.append(next(b for b in GRAPH_BATCH_SIZES if b >= max_rows))
+        self.graphs: dict[int, CapturedDecode] = {}
+        self.pool = None  # the memory pool the graphs share
+        # Every recorded step's page tables are this wide: the pages of the longest sequence.
+        self.table_width = min(-(-max_seq_len // cache.page_size), cache.n_pages)
+        if self.buckets:
+            start = time.perf_counter()
+            for bucket in reversed(self.buckets):  # the largest first: the rest reuse its memory
+                captured = self._capture(bucket)
+                if captured is None:
+                    break
+                self.graphs[bucket] = captured
+            log.info(
+                "decode steps of %s rows captured as CUDA graphs in %.1f s",
+                sorted(self.graphs),
+                time.perf_counter() - start,
+            )
+
+    def forward(
+        self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
+    ) -> torch.Tensor:
+        """ModelExecutor.forward's logits; from a graph, valid until the next step."""
+        if self.graphs and len(seqs) <= self.buckets[-1] and all(n == 1 for *_, n in seqs):
+            bucket = next(b for b in self.buckets if b >= len(seqs))
+            captured = self.graphs[bucket]
+            layout = ragged_layout(
+                self.cache, seqs, token_ids, 1, bucket - len(seqs), self.table_width
+            )
+            self.upload(layout, out=captured.inputs)
+            captured.graph.replay()
+            if np.array_equal(rows, np.arange(len(seqs))):
+                return captured.logits[: len(seqs)]
+            return captured.logits[torch.from_numpy(rows).to(captured.logits.device)]
+        view = DeviceCacheView.build(
+            self.cache, seqs, token_ids, self.n_heads, self.upload, logit_rows=rows
+        )
+        return self._run(view, view.fields["logit_rows"])
+
+    def _run(self, view: DeviceCacheView, rows: torch.Tensor | None) -> torch.Tensor:
+        model = self.model
+        h, cos, signed_sin = model.embed(view.token_ids, view.positions)
+        h, residual = model.run_layers(h, cos, signed_sin, view)
+        return model.logits(h, residual, rows)
+
+    def _capture(self, bucket: int) -> CapturedDecode | None:
+        """Record the decode step of bucket rows (all padding while it records: nothing is
+        stored), after one eager run that compiles the kernels; None if it cannot be
+        (a model whose forward reads values back to the host, as MoE routing does)."""
+        device = self.cache.k_cache.device
+        sizes = {name: bucket for name in DEVICE_FIELDS if name != "block_tables"}
+        total = sum(sizes.values()) + bucket * self.table_width
+        inputs = torch.zeros(total, dtype=torch.int64, device=device)
+        padding = ragged_layout(self.cache, [], [], 1, bucket, self.table_width)
+        view = DeviceCacheView(self.cache, self.upload(padding, out=inputs), block_q=1)
+        try:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._run(view, None)  # compiles the kernels, which capturing cannot
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._run(view, None)
+        except RuntimeError as error:
+            log.warning("decode steps run eagerly: capturing them failed (%s)", error)
+            torch.cuda.synchronize(device)
+            self.graphs.clear()  # what failed at one size fails at every size
+            return None
+        return CapturedDecode(inputs, graph, logits)
+
+
 class ModelExecutor:
     """Owns the model's forward pass; knows tensors, not scheduling policy."""
 
@@ -154,7 +300,11 @@ class ModelExecutor:
         cache: PagedCache,
         pipeline: SamplingPipeline | None = None,
         max_batch_size: int = 256,
+        cuda_graphs: bool = False,
+        max_seq_len: int | None = None,
     ) -> None:
+        """On CUDA, cuda_graphs replays decode steps from CUDA graphs (CudaSteps), whose page
+        tables have room for max_seq_len tokens (default: the model's context)."""
         self.model = model
         self.cache = cache
         self.pipeline = pipeline or SamplingPipeline()
@@ -162,6 +312,10 @@ class ModelExecutor:
         self.masker: BatchMasker | None = None  # made with the first constrained row
         self.device = next(model.parameters()).device
         self.recorded: RecordedLayers | None = None
+        self.cuda_steps: CudaSteps | None = None
+        if self.device.type == "cuda":
+            max_seq_len = max_seq_len or model.config.max_len
+            self.cuda_steps = CudaSteps(model, cache, max_batch_size, max_seq_len, cuda_graphs)
         if self.device.type == "cpu":
             dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
             if dense:
@@ -178,6 +332,8 @@ class ModelExecutor:
     ) -> torch.Tensor:
         """float32 logits [len(rows), vocab] of the given rows of one ragged batch: seqs are
         (task_id, start, n) as CacheView takes them, token_ids their tokens back to back."""
+        if self.cuda_steps is not None:
+            return self.cuda_steps.forward(seqs, token_ids, rows)
         view = CacheView(self.cache, seqs)
         model = self.model
         h, cos, signed_sin = model.embed(

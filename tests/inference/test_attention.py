@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import pytest
 import torch
-from kernel_switch import requires_compiler
+from kernel_switch import kernel_or_fallback, requires_compiler
 
-from astrai.inference.attention import CacheView, DecodeGroup
+from astrai.inference.attention import CacheView, DecodeGroup, DeviceCacheView
+from astrai.inference.executor import HostToDevice
 from astrai.inference.kv_cache import PagedCache
-from astrai.kernels import PagedDecode, native
+from astrai.kernels import PagedDecode, native, triton_attention
 from astrai.model.transformer import LayerAttention
 
 # Gemma-like layers beside the plain one: a sliding window shorter than most contexts here, a
@@ -65,21 +67,54 @@ def random_kv(n_layers, lengths, n_kv_heads, head_dim, generator):
     ]
 
 
-def run_pass(cache, full_k, full_v, seqs, n_heads, generator, kind="full", dtype=None):
+@pytest.fixture(params=["c-kernel", "sdpa", "triton"])
+def decode_attention(request, monkeypatch):
+    """Run a test with each attention path: the CPU's C kernel, then gather + SDPA, then the
+    CUDA path's Triton kernels (on CPU tensors under Triton's interpreter without a GPU)."""
+    if request.param == "triton":
+        if not triton_attention.available:
+            pytest.skip("triton is not installed")
+        return request.param
+    return kernel_or_fallback(request, monkeypatch, "paged_attention")
+
+
+def path_device(path: str) -> str:
+    """Where a path's tensors live: the Triton kernels run on the GPU where there is one."""
+    return "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def make_view(path, cache, seqs, n_heads):
+    """The view a step of seqs attends through on the path: the CPU's, or the CUDA path's
+    (whose cache the first view moves to the GPU where there is one)."""
+    if path != "triton":
+        return CacheView(cache, seqs)
+    device = torch.device(path_device(path))
+    if cache.k_cache.device != device:
+        cache.k_cache, cache.v_cache = cache.k_cache.to(device), cache.v_cache.to(device)
+    return DeviceCacheView.build(cache, seqs, [], n_heads, HostToDevice(device))
+
+
+def run_pass(
+    cache, full_k, full_v, seqs, n_heads, generator, kind="full", dtype=None, path="c-kernel"
+):
     """Run one pass of seqs through a view on every layer; check each against dense attention.
 
     q, k and v go in dtype (default: the cache's); the reference is fp32 attention over those
     values, k and v rounded to the cache's dtype as it stores them. Every layer attends as
     LAYER_KINDS[kind] says. Returns the view, so a test can see which decode backend it used."""
-    view = CacheView(cache, seqs)
     dtype = dtype or cache.k_cache.dtype
+    interpreted = path == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted and torch.bfloat16 in (dtype, cache.k_cache.dtype):
+        pytest.skip("Triton's interpreter (NumPy) computes bf16 wrongly; the GPU check runs it")
+    view = make_view(path, cache, seqs, n_heads)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
     for layer in range(cache.k_cache.shape[0]):
         k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
         v = torch.cat([full_v[layer][t][s : s + n] for t, s, n in seqs])
         q = torch.randn(k.shape[0], n_heads, k.shape[2], generator=generator).to(dtype)
         attention = layer_attention(layer, k.shape[2], kind)
-        out = view(attention, q, k.to(dtype), v.to(dtype))
+        device = path_device(path)
+        out = view(attention, q.to(device), k.to(device, dtype), v.to(device, dtype)).cpu()
         assert out.dtype == dtype
         row = 0
         for task_id, start, n in seqs:
@@ -123,15 +158,16 @@ def test_mixed_batch_matches_dense_causal_attention(
         for task_id, length in full_len.items():
             assert cache.allocate(task_id, min(length, pages * page_size))
 
-    earlier = [(t, 0, s) for t, (s, _) in plan.items() if s > 0]
-    run_pass(cache, full_k, full_v, earlier, n_heads, generator, kind)
+    check = partial(run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator)
+    check([(t, 0, s) for t, (s, _) in plan.items() if s > 0], kind=kind, path=decode_attention)
     mixed = [(0, 10, 1), (1, 0, 7), (2, 3, 1), (3, 5, 6), (4, 0, 1), (5, 8, 4), (6, 15, 1)]
-    view = run_pass(cache, full_k, full_v, mixed, n_heads, generator, kind)
-    assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
-    assert all(isinstance(group, DecodeGroup) for group in view.decode_groups)
-    assert bool(view.decode_groups) == (decode_attention == "sdpa")
+    view = check(mixed, kind=kind, path=decode_attention)
+    if decode_attention != "triton":
+        assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+        assert all(isinstance(group, DecodeGroup) for group in view.decode_groups)
+        assert bool(view.decode_groups) == (decode_attention == "sdpa")
     shuffled = [mixed[i] for i in (3, 6, 1, 0, 5, 2, 4)]
-    run_pass(cache, full_k, full_v, shuffled, n_heads, generator, kind)
+    check(shuffled, kind=kind, path=decode_attention)
 
 
 @pytest.mark.parametrize(("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (6, 1, 3)])
@@ -151,13 +187,14 @@ def test_steps_of_decodes_alone_store_their_kv(
     cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=30, page_size=page_size, dtype=dtype)
     for task_id, length in full_len.items():
         assert cache.allocate(task_id, length)
-    prefill = [(t, 0, n) for t, n in prompt_len.items()]
-    run_pass(cache, full_k, full_v, prefill, n_heads, generator, kind)
+    check = partial(run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator)
+    check([(t, 0, n) for t, n in prompt_len.items()], kind=kind, path=decode_attention)
     for step in range(steps):
         # Each token is new to the cache: attending before storing it would read a zero key.
         decodes = [(t, n + step, 1) for t, n in prompt_len.items()]
-        view = run_pass(cache, full_k, full_v, decodes, n_heads, generator, kind)
-        assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+        view = check(decodes, kind=kind, path=decode_attention)
+        if decode_attention != "triton":
+            assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
 
 
 @pytest.mark.parametrize(
@@ -187,14 +224,18 @@ def test_a_cache_of_another_dtype_holds_rounded_kv(dtype, cache_dtype, kind, dec
     )
     for task_id, length in full_len.items():
         assert cache.allocate(task_id, length)
-    check = partial(run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator)
-    check([(t, 0, n) for t, n in prompt_len.items()], kind=kind, dtype=dtype)
+    check = partial(
+        run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator, kind=kind,
+        dtype=dtype, path=decode_attention,
+    )  # fmt: skip
+    check([(t, 0, n) for t, n in prompt_len.items()])
     for step in range(steps):
-        view = check([(t, n + step, 1) for t, n in prompt_len.items()], kind=kind, dtype=dtype)
-        assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+        view = check([(t, n + step, 1) for t, n in prompt_len.items()])
+        if decode_attention != "triton":
+            assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
     # a mixed step: a chunk that reads its earlier keys from the cache beside two decodes
     mixed = [(0, 9 + steps, 3), (1, 1 + steps, 1), (2, 6 + steps, 1)]
-    check(mixed, kind=kind, dtype=dtype)
+    check(mixed)
 
 
 def test_prefix_hit_reads_the_shared_pages():
@@ -299,13 +340,14 @@ def test_several_decode_rows_of_one_task_see_each_others_new_keys(decode_attenti
     prompt_k, prompt_v = (
         torch.randn(context, n_kv_heads, head_dim, generator=generator) for _ in range(2)
     )
-    CacheView(cache, [(0, 0, context)])(
-        layer_attention(0, head_dim),
-        *(torch.randn(context, n_heads, head_dim, generator=generator), prompt_k, prompt_v),
+    device = path_device(decode_attention)
+    prompt_q = torch.randn(context, n_heads, head_dim, generator=generator)
+    make_view(decode_attention, cache, [(0, 0, context)], n_heads)(
+        layer_attention(0, head_dim), *(t.to(device) for t in (prompt_q, prompt_k, prompt_v))
     )
     q = torch.randn(rows, n_heads, head_dim, generator=generator)
     k, v = (torch.randn(rows, n_kv_heads, head_dim, generator=generator) for _ in range(2))
-    view = CacheView(cache, [(0, context + i, 1) for i in range(rows)])
-    out = view(layer_attention(0, head_dim), q, k, v)
+    view = make_view(decode_attention, cache, [(0, context + i, 1) for i in range(rows)], n_heads)
+    out = view(layer_attention(0, head_dim), q.to(device), k.to(device), v.to(device)).cpu()
     expected = dense_attention(q, torch.cat((prompt_k, k)), torch.cat((prompt_v, v)), context)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

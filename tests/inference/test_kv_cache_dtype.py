@@ -4,16 +4,14 @@ the SDPA path, against the same model over an fp32 cache."""
 from __future__ import annotations
 
 import logging
-import queue
 import random
 
 import pytest
 import torch
 from kernel_switch import kernel_or_fallback
-from tiny_models import make_engine
+from tiny_models import greedy_with_logprobs, make_engine
 
 from astrai.config import ConfigError, EngineConfig
-from astrai.inference import STOP, GenerationParams
 
 # Logprobs of the chosen tokens may move this much when K/V are rounded (bf16 keeps 8 bits of
 # mantissa, fp16 11); far below the greedy margins of the tiny model.
@@ -23,27 +21,6 @@ LOGPROB_TOLERANCE = {"bf16": 0.02, "fp16": 0.003}
 @pytest.fixture(params=["c-kernel", "sdpa"])
 def decode_attention(request, monkeypatch):
     return kernel_or_fallback(request, monkeypatch, "paged_attention")
-
-
-def greedy_with_logprobs(engine, prompts, max_tokens=12):
-    """Each prompt's greedy token ids and their logprobs, all submitted at once."""
-    events = queue.SimpleQueue()
-    params = GenerationParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    tasks = [
-        task
-        for ids in prompts
-        for task in engine.submit(ids, params, lambda task, event: events.put((task, event)))
-    ]
-    ids, logprobs = {task: [] for task in tasks}, {task: [] for task in tasks}
-    remaining = len(tasks)
-    while remaining:
-        task, event = events.get(timeout=120)
-        if event is STOP:
-            remaining -= 1
-            continue
-        ids[task] += event.token_ids
-        logprobs[task] += [entry.logprob for entry in event.logprobs]
-    return [ids[t] for t in tasks], torch.tensor([logprobs[t] for t in tasks])
 
 
 @pytest.fixture(scope="module")
