@@ -1,11 +1,12 @@
 """The model's small ops -- RMSNorm with the residual add, SiLU- or GELU-and-mul, rope -- one
 call each.
 
-For fp32 and bf16 on the CPU they run on C kernels: at batch 1 the 35 or so PyTorch ops
-between a layer's linears cost much of a decode step in dispatch and allocation alone. A
-bf16 kernel computes in fp32 and rounds wherever the PyTorch formula rounds. Everything else
-(other dtypes and devices, gradients, an install without a C compiler) takes the PyTorch
-formulas, which are transformers' own op for op.
+For fp32 and bf16 on the CPU they run on C kernels, on a GPU on Triton kernels
+(triton_ops.py): at batch 1 the 35 or so PyTorch ops between a layer's linears cost much of a
+decode step in dispatch and allocation alone. A bf16 kernel computes in fp32 and rounds
+wherever the PyTorch formula rounds. Everything else (other dtypes, gradients, an install
+without a C compiler or Triton) takes the PyTorch formulas, which are transformers' own op
+for op.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from astrai.kernels import native
+from astrai.kernels import native, triton_ops
 from astrai.kernels.graph import launch, new_output
 
 
@@ -72,6 +73,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     transformers computes it."""
     if _rows_kernel_takes(x, weight):
         return torch.ops.astrai.rms_norm(x, weight, eps)
+    if triton_ops.takes(x, weight) and x.stride(-1) == 1:
+        return triton_ops.rms_norm(x, weight, eps)[0]
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # One op instead of six, the same result bit for bit in fp32 (tested); in bf16 it would
         # round once where transformers rounds twice.
@@ -90,6 +93,12 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
         and residual.dtype == x.dtype
     ):
         return torch.ops.astrai.add_rms_norm(x, residual, weight, eps)
+    if (
+        triton_ops.takes(x, residual, weight)
+        and residual.shape == x.shape
+        and x.stride(-1) == residual.stride(-1) == 1
+    ):
+        return triton_ops.rms_norm(x, weight, eps, residual)
     total = x + residual
     return rms_norm(total, weight, eps), total
 
@@ -138,6 +147,8 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up, where gate_up [..., 2 * dim] holds gate then up (SwiGLU)."""
     if _gate_up_kernel_takes(gate_up):
         return torch.ops.astrai.silu_and_mul(gate_up)
+    if triton_ops.takes(gate_up) and gate_up.stride(-1) == 1:
+        return triton_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -185,4 +196,11 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
         and native.cpu_kernel_may_take(x, cos, signed_sin)
     ):
         return torch.ops.astrai.rope(x, cos, signed_sin)
+    if (
+        triton_ops.takes(x, cos, signed_sin)
+        and x.stride(2) == 1
+        and cos.is_contiguous()
+        and signed_sin.is_contiguous()
+    ):
+        return triton_ops.apply_rope(x, cos, signed_sin)
     return x * cos + x.roll(head_dim // 2, dims=-1) * signed_sin
