@@ -148,6 +148,20 @@ def streams(model, clients: int, new_tokens: int) -> dict[str, float]:
     }
 
 
+def kernel_profile(model, path: Path, steps: int = 20) -> None:
+    """The GPU time of each kernel over eager batch-1 decode steps (128-token context),
+    largest first, written to path: which kernels a step's GPU time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = list(range(1, 129))
+    with InferenceEngine(model, _NoTextTokenizer(), max_batch_size=1, cuda_graphs=False) as engine:
+        decode_rate(engine, prompt, 4)
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            decode_rate(engine, prompt, steps)
+    table = trace.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    path.write_text(f"{steps} eager decode steps, batch 1, 128-token context\n{table}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -197,6 +211,10 @@ def main() -> None:
         report["graphs"]["decode_tok_s"] / report["transformers_decode_tok_s"]
     )
     report["graph_output_equals_eager"] = outputs["graphs"] == outputs["eager"]
+    try:  # a breakdown only: the report stands without it
+        kernel_profile(model, args.out.with_name("gpu_kernels.txt"))
+    except Exception as error:
+        print(f"kernel profile failed: {error!r}")
     requests = offline_workload(args.num_requests, vocab_size=LLAMA_1B["vocab_size"])
     tokens, seconds = run_astrai(model, requests, args.num_requests)
     report["offline_64_tok_s"] = tokens / seconds

@@ -86,7 +86,7 @@ class SamplingBatch:
     penalties, biases, allowed tokens and masks.
     """
 
-    greedy: Tensor  # [B] bool
+    greedy: Tensor  # [B] bool, on the device only where greedy and random rows mix
     all_greedy: bool
     any_greedy: bool
     temperature: Tensor | None  # [B] float32, 1 for greedy rows
@@ -181,7 +181,9 @@ class SamplingBatch:
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         uniforms = [seeded_uniform(params[i].seed, len(output_ids[i])) for i in seeded]
         return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device)
+            if any(greedy) and not all(greedy)
+            else torch.tensor(greedy, dtype=torch.bool),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             temperature=per_row(temperature, 1.0),

@@ -25,8 +25,9 @@ available = triton is not None
 
 # Query rows of one program's tile: the query heads of a KV head times the queries of a block.
 TILE_ROWS = 64
-# Keys attended per loop iteration.
-KEY_TILE = 32
+# Keys attended per loop iteration: a decode-only step has few programs (one per sequence and
+# KV head), each bound by the latency of its loop's loads, so it takes larger strides.
+KEY_TILE, DECODE_KEY_TILE = 32, 128
 
 
 def query_block(group: int, max_new_tokens: int) -> int:
@@ -215,6 +216,7 @@ def paged_attention(
         block_tables.stride(0), scale, softcap or 1.0, window or 0,
         PAGE_SIZE=k_cache.shape[1], KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim,
         HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
-        ROWS=tile_rows(group, block_q), KEYS=KEY_TILE, HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
+        ROWS=tile_rows(group, block_q), KEYS=DECODE_KEY_TILE if block_q == 1 else KEY_TILE,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        IEEE=q.dtype == torch.float32,
     )  # fmt: skip

@@ -60,10 +60,15 @@ def test_rope_of_heads_lying_apart(dtype, head_dim, formulas):
     angles = torch.rand(tokens, 1, head_dim // 2, generator=generator) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(DEVICE, dtype)
     signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(DEVICE, dtype)
-    # no sum and no exp: the same roundings give the same bits
-    assert torch.equal(
-        triton_ops.apply_rope(x, cos, signed_sin), fused_ops.apply_rope(x, cos, signed_sin)
+    out, expected = (
+        triton_ops.apply_rope(x, cos, signed_sin),
+        fused_ops.apply_rope(x, cos, signed_sin),
     )
+    if DEVICE == "cpu":  # interpreted: no sum and no exp, the same roundings give the same bits
+        assert torch.equal(out, expected)
+    else:  # compiled, a product may meet the add in one fused multiply-add: the last bit moves
+        ulp = torch.finfo(dtype).eps * expected.abs().clamp(min=1.0)
+        assert bool(((out - expected).abs() <= ulp).all())
 
 
 @pytest.mark.cuda
