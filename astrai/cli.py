@@ -379,12 +379,14 @@ def _load_sharded(args: argparse.Namespace, config: EngineConfig, model_dir: Pat
     inside this call and exit)."""
     from astrai.distributed import load_sharded
 
-    if args.quantization is not None or args.dequantize:
-        raise ConfigError(
-            "--quantization and --dequantize are not sharded for tensor parallelism yet; drop "
-            "them or use --tensor-parallel-size 1"
-        )
-    return load_sharded(model_dir, config.tensor_parallel_size, dtype=dtype, device=device)
+    return load_sharded(
+        model_dir,
+        config.tensor_parallel_size,
+        dtype=dtype,
+        device=device,
+        dequantize=args.dequantize,
+        quantization=args.quantization,
+    )
 
 
 # -- commands ---------------------------------------------------------------------------------

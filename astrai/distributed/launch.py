@@ -32,20 +32,34 @@ def load_sharded(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     timeout: float = DEFAULT_TIMEOUT,
+    dequantize: bool = False,
+    quantization: str | None = None,
 ) -> Transformer:
     """Rank 0's shard of the model at path, its group started: size - 1 spawned workers, or
     the torchrun processes (where a rank other than 0 serves steps until rank 0 stops it, then
     exits). The model's tensor_parallel is the group; the engine built on it closes it.
 
-    Every rank reads only its share of each sharded tensor from the safetensors files.
+    Every rank reads only its share of each sharded tensor, from the safetensors files or the
+    GGUF file (whose quantized linears each rank keeps in blocks: rows of them, or columns cut
+    at block boundaries). dequantize and quantization are AutoModel.from_pretrained's, applied
+    to each rank's share.
     """
     path = Path(path)
     if path.suffix == ".gguf":
-        raise ConfigError(
-            f"{path}: GGUF files are not sharded for tensor parallelism yet; use the model's "
-            "Hugging Face safetensors directory, or tensor_parallel_size 1"
-        )
-    check_shardable(ModelConfig.from_pretrained(path), size)
+        from astrai.model.weights.gguf import gguf_model_config, open_gguf, shard_problems
+
+        config = gguf_model_config(open_gguf(path))
+        problems = [] if dequantize else shard_problems(path, size)
+        if problems:
+            raise ConfigError(
+                f"tensor_parallel_size={size} cannot split {path.name}'s quantized blocks: "
+                + "; ".join(problems)
+                + ". Pick another tensor_parallel_size, or load it with --dequantize."
+            )
+    else:
+        config = ModelConfig.from_pretrained(path)
+    check_shardable(config, size)
+    options = {"dtype": dtype, "dequantize": dequantize, "quantization": quantization}
     device = torch.device(device)
     if under_torchrun():
         rank = int(os.environ["RANK"])
@@ -56,13 +70,13 @@ def load_sharded(
             )
         group = join(rank, size, "env://", rank_device(device, rank), timeout)
         if rank != 0:
-            run_rank(group, path, dtype)
+            run_rank(group, path, options)
             sys.exit(0)
     else:
-        workers, init_method = spawn(worker_main, size, timeout, size, path, dtype, device)
+        workers, init_method = spawn(worker_main, size, timeout, size, path, options, device)
         group = join(0, size, init_method, rank_device(device, 0), timeout, workers)
     try:
-        model = load_shard(group, path, dtype)
+        model = load_shard(group, path, options)
     except BaseException:
         group.close()
         raise
@@ -70,28 +84,29 @@ def load_sharded(
     return model
 
 
-def load_shard(group: TensorParallelGroup, path: Path, dtype) -> Transformer:
-    """This rank's shard, its embedding's and row-parallel layers' partial outputs summed
-    across the group; returns once every rank has loaded its own."""
+def load_shard(group: TensorParallelGroup, path: Path, options: dict) -> Transformer:
+    """This rank's shard (options: AutoModel.from_pretrained's), its embedding's and
+    row-parallel layers' partial outputs summed across the group; returns once every rank has
+    loaded its own."""
     shard = TensorShard(group.rank, group.size)
-    model = AutoModel.from_pretrained(path, dtype=dtype, device=group.device, shard=shard)
+    model = AutoModel.from_pretrained(path, device=group.device, shard=shard, **options)
     for module in (model.tok_embeddings, *model.layers):
         module.sum_partials = group.all_reduce
     group.barrier()
     return model
 
 
-def run_rank(group: TensorParallelGroup, path: Path, dtype) -> None:
+def run_rank(group: TensorParallelGroup, path: Path, options: dict) -> None:
     """A worker rank's life: load its shard, serve steps, leave the group."""
     try:
-        serve_steps(group, load_shard(group, path, dtype))
+        serve_steps(group, load_shard(group, path, options))
     finally:
         group.close()
 
 
 def worker_main(
-    rank: int, init_method: str, timeout: float, size: int, path: Path, dtype, device
+    rank: int, init_method: str, timeout: float, size: int, path: Path, options: dict, device
 ) -> None:
     """The entry point of a spawned worker."""
     watch_parent()
-    run_rank(join(rank, size, init_method, rank_device(device, rank), timeout), path, dtype)
+    run_rank(join(rank, size, init_method, rank_device(device, rank), timeout), path, options)

@@ -172,7 +172,7 @@ class AutoModel:
             # Imported here: the GGUF reader builds on this module's checkpoint layout.
             from astrai.model.weights.gguf import load_gguf
 
-            return load_gguf(directory, dtype, device, dequantize)
+            return load_gguf(directory, dtype, device, dequantize, shard)
         config = ModelConfig.from_pretrained(directory)
         raw_config = json.loads((directory / "config.json").read_text())
         native = raw_config.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE

@@ -6,12 +6,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import write_hf_model
+from gguf import GGMLQuantizationType
+from tiny_models import write_gguf, write_hf_model
 
 from astrai.cli import DEMO_MODEL_DIR
 from astrai.config import ConfigError, ModelConfig
 from astrai.distributed import TensorShard, check_shardable
+from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model import AutoModel
+from astrai.model.weights.gguf import ConcatenatedLinear, shard_problems
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +35,55 @@ def phi3_dir(tmp_path_factory):
     return write_hf_model(tmp_path_factory.mktemp("phi3"), "phi3", pad_token_id=0)
 
 
-@pytest.mark.parametrize("checkpoint", ["qwen2", "phi3", "native"])
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """A Llama GGUF (q/k rows permuted as llama.cpp stores them) of Q8_0 linears and
+    embedding, but for a Q4_1 v: a wqkv of two block types."""
+    directory = tmp_path_factory.mktemp("gguf")
+    hf_dir = write_hf_model(directory / "hf", "llama")
+    linears = ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {f"{name}.weight": GGMLQuantizationType.Q8_0 for name in linears}
+    types["token_embd.weight"] = types["output.weight"] = GGMLQuantizationType.Q8_0
+    types["attn_v.weight"] = GGMLQuantizationType.Q4_1
+    return write_gguf(directory / "model.gguf", hf_dir, "llama", types=types)
+
+
+def dense_weights(model) -> dict[str, torch.Tensor]:
+    """The model's tensors by name, a quantized linear's weight decoded from its blocks."""
+    state = dict(model.state_dict())
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            state[f"{name}.weight"] = module.weight.dequantize()
+        elif isinstance(module, ConcatenatedLinear):
+            state[f"{name}.weight"] = torch.cat([p.weight.dequantize() for p in module.parts])
+    return {name: t for name, t in state.items() if not name.split(".")[-2].isdigit()}
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen2", "phi3", "native", "gguf"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_the_ranks_shards_put_back_together_are_the_whole_model(
-    qwen2_dir, phi3_dir, size, checkpoint
+    qwen2_dir, phi3_dir, gguf_file, size, checkpoint
 ):
     """q, k and v split by heads (KV heads replicated when there are fewer than ranks), gate
     and up split each, wo and w2 split by columns; the rest held whole by every rank. Qwen2's
-    checkpoints hold q, k, v, gate and up apart; Phi-3's and the native format fused."""
-    directory = {"qwen2": qwen2_dir, "phi3": phi3_dir, "native": DEMO_MODEL_DIR}[checkpoint]
-    whole = AutoModel.from_pretrained(directory)
+    checkpoints hold q, k, v, gate and up apart; Phi-3's and the native format fused; the GGUF
+    file's linears stay in blocks, rows of them or columns cut at block boundaries (dequantized
+    where a rank's columns would cut them: size 4 here)."""
+    directory = {"qwen2": qwen2_dir, "phi3": phi3_dir, "native": DEMO_MODEL_DIR}.get(
+        checkpoint, gguf_file
+    )
+    dequantize = checkpoint == "gguf" and bool(shard_problems(gguf_file, size))
+    whole = AutoModel.from_pretrained(directory, dequantize=dequantize)
     config = whole.config
-    parts = [model.state_dict() for model in shards(directory, size)]
+    parts = [
+        dense_weights(AutoModel.from_pretrained(directory, dequantize=dequantize, shard=shard))
+        for shard in (TensorShard(rank, size) for rank in range(size))
+    ]
+    if checkpoint == "gguf" and not dequantize:
+        assert isinstance(whole.layers[0].attention.wqkv, ConcatenatedLinear)
     q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     kv_ranks = max(1, size // config.n_kv_heads)  # ranks sharing one KV head
-    for name, tensor in whole.state_dict().items():
+    for name, tensor in dense_weights(whole).items():
         pieces = [part[name] for part in parts]
         if name.endswith(("wqkv.weight", "wqkv.bias")):
             q_rows, kv_rows = q_size // size, kv_size * kv_ranks // size

@@ -12,13 +12,15 @@ import time
 import httpx
 import psutil
 import pytest
+from gguf import GGMLQuantizationType
 from serve_process import REPO_ROOT, astrai_serve
-from tiny_models import write_hf_model
+from tiny_models import real_gguf, write_gguf, write_hf_model
 
 from astrai.config import ConfigError
 from astrai.distributed import load_sharded
 from astrai.distributed.group import free_port
 from astrai.inference import InferenceEngine
+from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -107,20 +109,66 @@ def test_a_rank_that_dies_while_idle_stops_the_engine(llama_dir):
     assert not spawned_workers()
 
 
-def test_what_is_not_sharded_yet_is_refused_before_any_worker_starts(llama_dir, tmp_path):
-    with pytest.raises(ConfigError, match="GGUF files are not sharded"):
-        load_sharded(tmp_path / "model.gguf", 2)
-    run = subprocess.run(
-        [sys.executable, "-m", "astrai", "generate", "--model", str(llama_dir)]
-        + ["--tensor-parallel-size", "2", "--quantization", "q8_0", "Hello"],
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode != 0
-    assert "--quantization and --dequantize are not sharded" in run.stderr
-    assert "Traceback" not in run.stderr
+def test_three_ranks_give_the_real_ggufs_greedy_tokens(monkeypatch):
+    """SmolLM2-135M-Instruct's GGUF (Q4_1 linears, Q8_0 embedding; 9 heads over 3 KV heads)
+    over 3 ranks, each holding a third of every layer's blocks. The products take the GEMM
+    path: the int8 kernel rounds each activation to 8 bits, which turns the all-reduce's other
+    order of additions into other tokens now and then (3 of 6 here within 32 tokens), while
+    the GEMM's arithmetic gives the single process's tokens."""
+    path = real_gguf()
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with InferenceEngine(AutoModel.from_pretrained(path), tokenizer, **SMALL) as engine:
+        expected = greedy(engine)
+    model = load_sharded(path, 3)
+    wqkv, wo = model.layers[0].attention.wqkv, model.layers[0].attention.wo
+    assert isinstance(wqkv, QuantizedLinear) and wqkv.weight.shape == (320, 576)  # 3 + 1 + 1 heads
+    assert isinstance(wo, QuantizedLinear) and wo.weight.shape == (576, 192)
+    with InferenceEngine(model, tokenizer, tensor_parallel_size=3, **SMALL) as engine:
+        assert greedy(engine) == expected
+    assert not spawned_workers()
+
+
+def test_blocks_a_rank_would_cut_are_refused_before_any_worker_starts(tmp_path):
+    """Q8_0 blocks hold 32 weights: 4 ranks' shares of the tiny model's 64-wide attention
+    output would cut them."""
+    hf_dir = write_hf_model(tmp_path / "hf", "llama")
+    types = {"attn_output.weight": GGMLQuantizationType.Q8_0}
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, "llama", types=types)
+    with pytest.raises(ConfigError, match="attn_output.weight in Q8_0 blocks of 32 weights"):
+        load_sharded(path, 4)
+    assert not spawned_workers()
+
+
+def test_each_rank_quantizes_its_share_on_load(llama_dir, monkeypatch):
+    """quantization="q8_0": each rank's linears are its share in Q8_0 blocks, and (on the GEMM
+    path, as above) they give the single process's tokens."""
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    whole = AutoModel.from_pretrained(llama_dir, quantization="q8_0")
+    with InferenceEngine(whole, tokenizer, **SMALL) as engine:
+        expected = greedy(engine)
+    model = load_sharded(llama_dir, 2, quantization="q8_0")
+    w2 = model.layers[0].feed_forward.w2
+    assert isinstance(w2, QuantizedLinear) and w2.weight.shape == (64, 64)
+    with InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
+        assert greedy(engine) == expected
+
+
+def test_generate_with_quantized_ranks(llama_dir):
+    """The same through the command line: `--quantization q8_0 --tensor-parallel-size 2`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ASTRAI_LINEAR_PATH": "gemm"}
+    command = [sys.executable, "-m", "astrai", "generate", "--model", str(llama_dir)]
+    command += ["--quantization", "q8_0", "--max-tokens", "8", "--temperature", "0"]
+    texts = []
+    for size in ("1", "2"):
+        run = subprocess.run(
+            [*command, "--tensor-parallel-size", size, PROMPTS[0]],
+            env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        texts.append(run.stdout)
+    assert texts[0].strip() and texts[0] == texts[1]
 
 
 def completion(base: str, prompt: str, **fields) -> httpx.Response:

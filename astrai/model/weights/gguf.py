@@ -16,13 +16,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize as decode_blocks
 
 from astrai.config import LAYER_TYPES, ConfigError, ModelConfig, MoEConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
 from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
-from astrai.model.automodel import CheckpointError, _sources, expert_template, loading
+from astrai.model.automodel import (
+    CheckpointError,
+    WeightShard,
+    _sources,
+    expert_template,
+    loading,
+)
 from astrai.model.transformer import Transformer
 from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
@@ -91,11 +97,16 @@ GGUF_TOP_NAMES = {
 
 
 def load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, dequantize: bool = False
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    dequantize: bool = False,
+    shard: WeightShard | None = None,
 ) -> Transformer:
     """The Transformer of a GGUF file. On the CPU a linear whose blocks have a kernel (Q8_0,
     Q4_0, Q4_1, Q4_K, Q6_K) keeps them, unless dequantize; every other tensor is dequantized
-    to dtype on device."""
+    to dtype on device. With shard, the rank's share of each tensor is read: rows of blocks,
+    or columns cut at block boundaries (shard_problems says where they cannot be)."""
     reader = open_gguf(path)
     tensors = {name: part for tensor in reader.tensors for name, part in _per_expert(tensor)}
     config = gguf_model_config(reader)
@@ -111,22 +122,32 @@ def load_gguf(
         for name, t in model.state_dict().items()
     }
     _check(path, layout, tensors, config)
+    if shard is not None:
+        with torch.device("meta"):
+            model = shard.model(config)
     permuted = arch in PERMUTED_ARCHITECTURES
     quantize = not dequantize and device.type == "cpu"
     state, dequantized = {}, set()
     for name, parts in loading(layout.items(), path):
         sources = [tensors[source] for source, _ in parts]
-        if quantize and is_linear_weight(model, name) and _has_kernel(sources):
-            replace_linear(
-                model, name, functools.partial(_quantized_linear, sources, config, permuted)
-            )
-        elif quantize and name == "tok_embeddings.weight" and _has_kernel(sources):
-            table = _quantized_linear(sources, config, permuted)
+        linear = is_linear_weight(model, name) or name == "tok_embeddings.weight"
+        in_blocks = quantize and linear and _has_kernel(sources)
+        # a tensor's stored rows: of blocks' bytes if it stays in blocks, else of numbers
+        rows = [t.data if in_blocks else decode_blocks(t.data, t.tensor_type) for t in sources]
+        if shard is not None:
+            sizes = [GGML_QUANT_SIZES[t.tensor_type] if in_blocks else (1, 1) for t in sources]
+            rows = _shard_rows(rows, sizes, shard.spans(name, config), sources[0].name)
+        if permuted:  # after sharding, which takes whole heads: only the share is read
+            rows = [_unpermuted(t, r, config) for t, r in zip(sources, rows, strict=True)]
+        if in_blocks and name != "tok_embeddings.weight":
+            replace_linear(model, name, functools.partial(_quantized_linear, sources, rows))
+        elif in_blocks:
+            table = _quantized_linear(sources, rows)
             state[name] = table.weight.dequantize(dtype)  # rows are looked up, not streamed
             if config.tie_weight:  # the tied head streams the whole table: from its blocks
                 model.output = table
         else:
-            loaded = [_dequantized(tensor, config, dtype, permuted) for tensor in sources]
+            loaded = [_tensor(r, dtype) for r in rows]
             state[name] = (loaded[0] if len(loaded) == 1 else torch.cat(loaded)).to(device)
             if quantize:
                 dequantized.update(
@@ -174,25 +195,76 @@ def _has_kernel(sources: list) -> bool:
 
 
 def _quantized_linear(
-    sources: list, config: ModelConfig, permuted: bool, bias: torch.Tensor | None = None
+    sources: list, raws: list[np.ndarray], bias: torch.Tensor | None = None
 ) -> torch.nn.Module:
-    """One QuantizedLinear over the sources' rows, stacked; sources of different block types
-    (a Q4_K_M file's Q4_K q and k beside a Q6_K v) stay apart, their outputs concatenated."""
+    """One QuantizedLinear over the sources' rows of blocks (raws), stacked; sources of
+    different block types (a Q4_K_M file's Q4_K q and k beside a Q6_K v) stay apart, their
+    outputs concatenated."""
     if len({tensor.tensor_type for tensor in sources}) > 1:
-        parts = [_quantized_linear([tensor], config, permuted) for tensor in sources]
+        parts = [_quantized_linear([t], [raw]) for t, raw in zip(sources, raws, strict=True)]
         return ConcatenatedLinear(parts, bias)
-    rows = [_raw_rows(tensor, config, permuted) for tensor in sources]
-    blocks = rows[0] if len(rows) == 1 else np.concatenate(rows)
-    shape = (blocks.shape[0], _shape(sources[0])[1])
+    blocks = raws[0] if len(raws) == 1 else np.concatenate(raws)
+    block_weights, block_bytes = GGML_QUANT_SIZES[sources[0].tensor_type]
+    shape = (blocks.shape[0], blocks.shape[1] // block_bytes * block_weights)
     return QuantizedLinear(QuantizedWeight.from_gguf(blocks, sources[0].tensor_type, shape), bias)
 
 
-def _raw_rows(tensor, config: ModelConfig, permuted: bool) -> np.ndarray:
-    """A quantized tensor's bytes, one row of blocks per output feature, q/k rows unpermuted."""
-    if permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-        heads = config.n_heads if tensor.name.endswith("attn_q.weight") else config.n_kv_heads
-        return unpermute_rotary_rows(tensor.data, heads)
-    return tensor.data
+def _unpermuted(tensor, raw: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Stored rows raw of a tensor (one per output feature: of blocks' bytes, or of numbers),
+    whole heads of them, with a q or k weight's rows put back in astrai's rope order."""
+    if not tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        return raw
+    return unpermute_rotary_rows(raw, len(raw) // config.head_dim)
+
+
+def _shard_rows(
+    rows: list[np.ndarray],
+    block_sizes: list[tuple[int, int]],
+    spans: tuple[int, list[tuple[int, int]]] | None,
+    name: str,
+) -> list[np.ndarray]:
+    """Each source's stored rows that a tensor-parallel rank holds, as WeightShard.spans says:
+    ranges of the sources' rows one after another (dim 0), or of the one source's columns
+    (dim 1), which start and stop at block boundaries. block_sizes: each source's (weights,
+    stored units) per block, (1, 1) for rows of numbers."""
+    if spans is None:
+        return rows
+    dim, ranges = spans
+    if dim == 1:
+        [(start, stop)], [stored], [(block, units)] = ranges, rows, block_sizes
+        if start % block or stop % block:
+            raise ConfigError(
+                f"{name}: a rank's columns {start}..{stop} cut its blocks of {block} weights; "
+                "load it with dequantize=True (--dequantize) or pick another tensor_parallel_size"
+            )
+        return [stored[:, start // block * units : stop // block * units]]
+    shares, offset = [], 0
+    for stored in rows:
+        taken = [
+            stored[max(start - offset, 0) : min(stop - offset, len(stored))]
+            for start, stop in ranges
+            if start < offset + len(stored) and stop > offset
+        ]
+        shares.append(taken[0] if len(taken) == 1 else np.concatenate(taken))
+        offset += len(stored)
+    return shares
+
+
+def shard_problems(path: Path, size: int) -> list[str]:
+    """Why a GGUF file's row-parallel linears (attn_output, ffn_down) cannot be split into
+    size ranks' columns at their block boundaries; [] when they can."""
+    problems = set()
+    for tensor in open_gguf(path).tensors:
+        if not tensor.name.endswith(("attn_output.weight", "ffn_down.weight")):
+            continue
+        block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+        share = _shape(tensor)[-1] // size
+        if share % block:
+            problems.add(
+                f"{tensor.name.split('.', 2)[2]} in {tensor.tensor_type.name} blocks of {block} "
+                f"weights: a rank's {share} columns cut them"
+            )
+    return sorted(problems)
 
 
 class ConcatenatedLinear(torch.nn.Module):
@@ -404,7 +476,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
 
 def _vector(tensor) -> list[float]:
     """A one-dimensional tensor's numbers (rope factors)."""
-    return [float(f) for f in dequantize(tensor.data, tensor.tensor_type)]
+    return [float(f) for f in decode_blocks(tensor.data, tensor.tensor_type)]
 
 
 def _metadata(reader: GGUFReader, name: str, default=...):
@@ -473,15 +545,11 @@ def _shape(tensor) -> list[int]:
     return [int(n) for n in reversed(tensor.shape)]
 
 
-def _dequantized(tensor, config: ModelConfig, dtype, permuted: bool) -> torch.Tensor:
-    """One GGUF tensor as a torch tensor of dtype, its q/k rows un-permuted if permuted."""
-    array = dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
-    if permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-        heads = config.n_heads if tensor.name.endswith("attn_q.weight") else config.n_kv_heads
-        array = unpermute_rotary_rows(array, heads)
-    if not array.flags.writeable:  # a view of the read-only mapping (F32 tensors)
-        array = array.copy()
-    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+def _tensor(rows: np.ndarray, dtype) -> torch.Tensor:
+    """Rows of numbers (of the read-only mapping, or decoded) as a torch tensor of dtype."""
+    if not rows.flags.writeable:
+        rows = rows.copy()
+    return torch.from_numpy(np.ascontiguousarray(rows)).to(dtype)
 
 
 def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
