@@ -52,6 +52,9 @@ def spawned_workers() -> list[psutil.Process]:
         ("llama", {"tie_word_embeddings": True}),  # the head is the embedding's rows
         ("qwen2", {}),  # biased q/k/v
         ("qwen3", {"num_key_value_heads": 1}),  # q/k norms; one KV head, replicated on both
+        ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.5}),  # fused projections
+        ("granite", {}),  # embedding, attention, residual and logit multipliers
+        ("mistral", {"sliding_window": 8}),  # a window shorter than the prompts
     ],
 )
 def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):
