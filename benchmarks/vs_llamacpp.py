@@ -12,7 +12,10 @@ astrai dequantizes Q5_0 at load). Four parts, each astrai first, then llama.cpp:
 - offline: 64 requests (prompts 32-512, outputs 32-256, EOS ignored) submitted at once to the
   engine, vs `llama-server -np 64 -kvu --cont-batching` fed the same ids at once over HTTP;
 - serving: c streaming clients, each sending its next request when one ends, against an
-  `astrai serve` process and a `llama-server` with the same number of slots (c).
+  `astrai serve` process and a `llama-server` with the same number of slots (c);
+- quality: perplexity of `astrai/assets/demo/heldout.txt` as `llama-perplexity` computes it
+  (chunks of 512 tokens, the second half of each scored), and greedy output of 16 prompts (48
+  tokens of that text each) for 32 tokens against `llama-server`'s.
 
 llama.cpp's repacked weights (its AMX path on an AMX CPU) crashed on every batch of more than
 one token here, so everything with a context runs `--repack 0` / `--no-repack`; the repacked
@@ -35,9 +38,11 @@ import http.client
 import importlib.util
 import itertools
 import json
+import math
 import os
 import queue
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -57,13 +62,16 @@ from machine import read_bandwidth
 from offline_throughput import _NoTextTokenizer, run_astrai
 from workload import Request, offline_workload
 
-from astrai.inference import GenerationParams, InferenceEngine
+from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built without LLAMA_CPP_BIN
 BUILD_DIR = Path.home() / ".cache" / "astrai-bench" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
 GGUF_TYPES = {"q4_1": None, "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}  # None: as is
-PARTS = ("decode", "prefill", "offline", "serving")
+PARTS = ("decode", "prefill", "offline", "serving", "quality")
+HELDOUT = Path(__file__).resolve().parents[1] / "astrai" / "assets" / "demo" / "heldout.txt"
+PPL_CONTEXT = 512  # llama-perplexity's -c: each chunk's tokens, the second half scored
 SLOT_TOKENS = 1024  # a server's context per slot: a 512-token prompt and 256 new tokens fit
 
 
@@ -237,6 +245,7 @@ def llama_server(bin_dir: Path, gguf: Path, slots: int, threads: int, log: Path)
             "ignore_eos": True,
             "temperature": 0,
             "cache_prompt": False,
+            "return_tokens": True,
             "stream": stream,
         },
         lambda response: response["tokens_predicted"],
@@ -507,6 +516,86 @@ def measure_serving(report, gguf_type, gguf, bin_dir, args, logs: Path) -> list[
     return rows
 
 
+def astrai_perplexity(model, ids: list[int], chunks: int, bos: int | None) -> float:
+    """llama-perplexity's figure computed by astrai: in each chunk of PPL_CONTEXT tokens (its
+    first one BOS where the model adds one), each token of the second half predicted from the
+    tokens before it in the chunk."""
+    first, nll, count = PPL_CONTEXT // 2, 0.0, 0
+    for chunk in range(chunks):
+        tokens = ids[chunk * PPL_CONTEXT : (chunk + 1) * PPL_CONTEXT]
+        if bos is not None:
+            tokens[0] = bos
+        with torch.inference_mode():
+            logprobs = model.token_logprobs(torch.tensor([tokens]))[0]  # [j]: token j + 1
+        nll -= float(logprobs[first : PPL_CONTEXT - 1].double().sum())
+        count += PPL_CONTEXT - 1 - first
+    return math.exp(nll / count)
+
+
+def llama_perplexity(bin_dir: Path, gguf: Path, chunks: int, threads: int) -> float:
+    run = subprocess.run(
+        [str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(HELDOUT)]
+        + ["-c", str(PPL_CONTEXT), "-b", str(PPL_CONTEXT), "--chunks", str(chunks)]
+        + ["-t", str(threads), "--no-repack"],
+        capture_output=True,
+        text=True,
+    )
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+    if run.returncode != 0 or found is None:
+        raise RuntimeError(f"llama-perplexity exited {run.returncode}: {run.stderr[-500:]}")
+    return float(found[1])
+
+
+def measure_quality(report, gguf_type, model, gguf, bin_dir, args, logs: Path) -> None:
+    """Perplexity beside llama-perplexity's, and greedy tokens beside llama-server's."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf)
+    ids = tokenizer.encode(HELDOUT.read_text())
+    chunks = min(args.ppl_chunks, len(ids) // PPL_CONTEXT)
+    bos = tokenizer.bos_token_id if ids and ids[0] == tokenizer.bos_token_id else None
+    ours = astrai_perplexity(model, ids, chunks, bos)
+    peer = llama_perplexity(bin_dir, gguf, chunks, args.threads)
+    report.row(
+        gguf_type,
+        f"perplexity of heldout.txt, {chunks} chunks of {PPL_CONTEXT} (lower is better)",
+        f"{ours:.3f}",
+        f"{peer:.3f}",
+        f"{(ours / peer - 1) * 100:+.2f} %",
+        "within 2 %",
+    )
+    step = (len(ids) - 48) // 16
+    prompts = [Request(ids[i * step : i * step + 48], 32) for i in range(16)]
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    params = GenerationParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    with InferenceEngine(model, _NoTextTokenizer(), max_batch_size=16) as engine:
+        tasks = [
+            task
+            for prompt in prompts
+            for task in engine.submit(prompt.prompt_ids, params, lambda *event: events.put(event))
+        ]
+        for _ in tasks:
+            while events.get()[1] is not STOP:
+                pass
+        ours = [task.output_ids for task in tasks]
+    server_process, server = llama_server(bin_dir, gguf, 16, args.threads, logs / "quality.log")
+    with server_process:
+        results, _ = run_clients(server, prompts, 16, stream=False)
+    peer = [events[0][1]["tokens"] for _, events in results]
+    equal = sum(a == b for a, b in zip(ours, peer, strict=True))
+    agree = statistics.mean(
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        for a, b in zip(ours, peer, strict=True)
+    )
+    report.row(
+        gguf_type,
+        "greedy, 16 prompts x 32 tokens: prompts equal to llama.cpp's (mean tokens before "
+        "they part)",
+        f"{equal} of 16 ({agree:.1f})",
+        "",
+        "",
+        "most of 16",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -531,6 +620,7 @@ def main() -> None:
     )
     parser.add_argument("--serving-prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--serving-new", type=int, default=128, help="output tokens")
+    parser.add_argument("--ppl-chunks", type=int, default=16, help="perplexity chunks")
     args = parser.parse_args()
     parts = args.parts.split(",")
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -559,6 +649,8 @@ def main() -> None:
             measure_prefill(report, gguf_type, model, gguf, bin_dir, args)
         if "offline" in parts:
             measure_offline(report, gguf_type, model, gguf, bin_dir, args, logs)
+        if "quality" in parts:
+            measure_quality(report, gguf_type, model, gguf, bin_dir, args, logs)
         del model
         if "serving" in parts:
             serving_rows += measure_serving(report, gguf_type, gguf, bin_dir, args, logs)
