@@ -28,6 +28,7 @@ llama-cpp-python sdist (pip download --no-binary; CMake, Release, GGML_NATIVE fo
 
     LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/vs_llamacpp.py  # ~9 min
     python benchmarks/vs_llamacpp.py --parts decode,prefill --types q4_1,q8_0,q4_0,q4_k_m
+    python benchmarks/vs_llamacpp.py --shape 1b --parts decode,prefill  # bandwidth-bound
 """
 
 from __future__ import annotations
@@ -117,15 +118,63 @@ def build_llama_cpp(root: Path) -> None:
     )
 
 
-def gguf_file(bin_dir: Path, gguf_type: str, directory: Path, threads: int) -> Path:
-    """The SmolLM2 GGUF in gguf_type: the Q4_1 file itself, or llama-quantize's copy of it."""
-    source = smollm2_gguf()
-    if GGUF_TYPES[gguf_type] is None:
-        return source
-    target = directory / f"SmolLM2-135M-Instruct.{GGUF_TYPES[gguf_type]}.gguf"
+def llama_1b_gguf(directory: Path) -> Path:
+    """A random-weight F16 GGUF shaped like Llama 3.2 1B (16 layers, dim 2048, 32 query and
+    8 KV heads, FFN 8192; tied), with SmolLM2's tokenizer and so its 49152-token vocabulary:
+    1.0 B parameters, whose decode reads its weights from memory rather than the cache."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    path = directory / "llama-1b-shape.F16.gguf"
+    shape = {"block_count": 16, "embedding_length": 2048, "feed_forward_length": 8192}
+    shape |= {"attention.head_count": 32, "attention.head_count_kv": 8}
+    shape |= {"context_length": 2048, "rope.freq_base": 500000.0, "general.file_type": 1}
+    writer = GGUFWriter(path, "llama")
+    for field in GGUFReader(smollm2_gguf()).fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = shape.get(field.name.removeprefix("llama."), field.contents())
+        array = field.types[0] == GGUFValueType.ARRAY
+        writer.add_key_value(field.name, value, field.types[0], field.types[-1] if array else None)
+    rng = np.random.default_rng(0)
+    vocab, dim, ffn, kv = 49152, 2048, 8192, 512
+
+    def add(name: str, rows: int, cols: int | None = None) -> None:
+        if cols is None:
+            writer.add_tensor(name, np.ones(rows, dtype=np.float32))
+        else:
+            weight = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+            writer.add_tensor(name, weight.astype(np.float16))
+
+    add("token_embd.weight", vocab, dim)
+    add("output_norm.weight", dim)
+    for layer in range(shape["block_count"]):
+        for name, rows, cols in (
+            ("attn_norm", dim, None), ("attn_q", dim, dim), ("attn_k", kv, dim),
+            ("attn_v", kv, dim), ("attn_output", dim, dim), ("ffn_norm", dim, None),
+            ("ffn_gate", ffn, dim), ("ffn_up", ffn, dim), ("ffn_down", dim, ffn),
+        ):  # fmt: skip
+            add(f"blk.{layer}.{name}.weight", rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_file(
+    bin_dir: Path, gguf_type: str, directory: Path, threads: int, source: Path | None = None
+) -> Path:
+    """The model's GGUF in gguf_type: llama-quantize's copy of source (default: the SmolLM2
+    Q4_1 file, which is its own q4_1)."""
+    if source is None and GGUF_TYPES[gguf_type] is None:
+        return smollm2_gguf()
+    source = source or smollm2_gguf()
+    qtype = GGUF_TYPES[gguf_type] or "Q4_1"
+    target = directory / f"{source.stem.split('.')[0]}.{qtype}.gguf"
     subprocess.run(
         [str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(target)]
-        + [GGUF_TYPES[gguf_type], str(threads)],
+        + [qtype, str(threads)],
         check=True,
         capture_output=True,
     )
@@ -621,6 +670,12 @@ def main() -> None:
     parser.add_argument("--serving-prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--serving-new", type=int, default=128, help="output tokens")
     parser.add_argument("--ppl-chunks", type=int, default=16, help="perplexity chunks")
+    parser.add_argument(
+        "--shape",
+        default="smollm2",
+        choices=["smollm2", "1b"],
+        help="the real SmolLM2-135M, or a random model shaped like Llama 3.2 1B (llama_1b_gguf)",
+    )
     args = parser.parse_args()
     parts = args.parts.split(",")
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -638,8 +693,9 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"read bandwidth (1 GiB sum): {bandwidth / 1e9:.1f} GB/s; load average: {load}")
     report, serving_rows = Report(), []
+    source = llama_1b_gguf(workdir) if args.shape == "1b" else None
     for gguf_type in args.types.split(","):
-        gguf = gguf_file(bin_dir, gguf_type, workdir, args.threads)
+        gguf = gguf_file(bin_dir, gguf_type, workdir, args.threads, source)
         logs = workdir / gguf_type
         logs.mkdir()
         model = AutoModel.from_pretrained(gguf, dtype=getattr(torch, args.dtype))

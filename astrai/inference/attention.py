@@ -277,20 +277,6 @@ class DecodeGroup:
             out.index_copy_(0, self.rows, o)
 
 
-# The int64 arrays a CUDA step uploads, in the order they lie in its packed buffer.
-DEVICE_FIELDS = (
-    "token_ids",
-    "positions",
-    "slot_mapping",
-    "seq_starts",
-    "seq_rows",
-    "seq_lens",
-    "block_seq",
-    "block_first",
-    "block_tables",
-)
-
-
 def ragged_layout(
     cache: PagedCache,
     seqs: Sequence[tuple[int, int, int]],
@@ -299,7 +285,8 @@ def ragged_layout(
     pad_seqs: int = 0,
     table_width: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """A ragged batch as the arrays of DEVICE_FIELDS, built on the host.
+    """A ragged batch as the int64 arrays a CUDA step uploads, built on the host (a recorded
+    step refills its buffer with them in this order).
 
     seqs are (task_id, start, n) as CacheView takes them. pad_seqs sequences of no tokens
     follow them, each owning one row (a recorded step's padding: token 0, slot -1, nothing

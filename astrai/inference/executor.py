@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from astrai.inference.attention import DEVICE_FIELDS, CacheView, DeviceCacheView, ragged_layout
+from astrai.inference.attention import CacheView, DeviceCacheView, ragged_layout
 from astrai.inference.constraints import BatchMasker, ConstraintState, TokenMask
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
@@ -185,7 +185,8 @@ class HostToDevice:
 @dataclass
 class CapturedDecode:
     """A decode step of a fixed number of rows captured as a CUDA graph: its packed inputs
-    (ragged_layout's arrays back to back), the view over them and the logits it leaves."""
+    (ragged_layout's arrays back to back, refilled before each replay) and the logits it
+    leaves."""
 
     inputs: torch.Tensor
     graph: torch.cuda.CUDAGraph
@@ -267,10 +268,9 @@ class CudaSteps:
         stored), after one eager run that compiles the kernels; None if it cannot be
         (a model whose forward reads values back to the host, as MoE routing does)."""
         device = self.cache.k_cache.device
-        sizes = {name: bucket for name in DEVICE_FIELDS if name != "block_tables"}
-        total = sum(sizes.values()) + bucket * self.table_width
-        inputs = torch.zeros(total, dtype=torch.int64, device=device)
         padding = ragged_layout(self.cache, [], [], 1, bucket, self.table_width)
+        total = sum(array.size for array in padding.values())
+        inputs = torch.zeros(total, dtype=torch.int64, device=device)
         view = DeviceCacheView(self.cache, self.upload(padding, out=inputs), block_q=1)
         try:
             stream = torch.cuda.Stream(device)
