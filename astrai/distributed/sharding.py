@@ -2,12 +2,15 @@
 
 Each rank holds a column-parallel share of wqkv (its query heads, and the key/value heads they
 read) and of w13 (its share of the gate and of the up projection), and the matching
-row-parallel share of wo and w2, whose partial outputs one all-reduce each adds up. Its model
-is then an ordinary Transformer of a narrower config (n_heads / N, n_kv_heads / N, dim_ffn / N),
-so the forward pass runs unchanged. The embedding and the LM head are vocabulary-parallel: each
-rank holds 1/N of the vocabulary's rows, embeds its own tokens (the ranks' sum is every
-token's row) and computes its own columns of the logits, which rank 0 gathers. Norms are
-replicated.
+row-parallel share of wo and w2, whose partial outputs one all-reduce each adds up. A
+mixture-of-experts layer splits every expert (and the shared expert) the same way: each rank
+routes every token as the others do (the router is replicated) and runs its share of each
+chosen expert, and the layer's one all-reduce adds the experts' partial outputs up. Its model
+is then an ordinary Transformer of a narrower config (n_heads / N, n_kv_heads / N, the FFN
+widths / N), so the forward pass runs unchanged. The embedding and the LM head are
+vocabulary-parallel: each rank holds 1/N of the vocabulary's rows, embeds its own tokens (the
+ranks' sum is every token's row) and computes its own columns of the logits, which rank 0
+gathers. Norms are replicated.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         )
     if config.vocab_size % size:
         problems.append(f"vocab_size={config.vocab_size} is not a multiple of it")
-    if config.moe is not None:
-        problems.append("mixture-of-experts layers are not sharded yet")
+    moe = config.moe
+    if moe is not None and moe.dim_expert % size:
+        problems.append(f"moe.dim_expert={moe.dim_expert} is not a multiple of it")
+    if moe is not None and moe.dim_shared_expert is not None and moe.dim_shared_expert % size:
+        problems.append(f"moe.dim_shared_expert={moe.dim_shared_expert} is not a multiple of it")
     if config.qk_norm_across_heads:
         problems.append("a q/k norm across all heads (OLMo 2) needs every rank's heads")
     if problems:
@@ -63,12 +69,21 @@ class TensorShard:
         """The rank's narrower model: its query heads, KV heads, FFN columns and vocabulary
         rows; its config keeps the whole vocabulary's size, which the engine checks ids by."""
         check_shardable(config, self.size)
+        moe = config.moe
+        if moe is not None:
+            shared = moe.dim_shared_expert
+            moe = replace(
+                moe,
+                dim_expert=moe.dim_expert // self.size,
+                dim_shared_expert=None if shared is None else shared // self.size,
+            )
         model = Transformer(
             replace(
                 config,
                 n_heads=config.n_heads // self.size,
                 n_kv_heads=max(1, config.n_kv_heads // self.size),
                 dim_ffn=config.dim_ffn // self.size,
+                moe=moe,
             )
         )
         rows = self._share(0, config.vocab_size)
@@ -93,10 +108,11 @@ class TensorShard:
             return 0, [q, k, v]
         if name.endswith("attention.wo.weight"):
             return 1, [self._share(0, q_size)]
-        if name.endswith("feed_forward.w13.weight"):
-            return 0, [self._share(0, config.dim_ffn), self._share(config.dim_ffn, config.dim_ffn)]
-        if name.endswith("feed_forward.w2.weight"):
-            return 1, [self._share(0, config.dim_ffn)]
+        if name.endswith(".w13.weight"):  # a dense MLP's, an expert's or the shared expert's
+            width = ffn_width(name, config)
+            return 0, [self._share(0, width), self._share(width, width)]
+        if name.endswith(".w2.weight"):
+            return 1, [self._share(0, ffn_width(name, config))]
         if name in ("tok_embeddings.weight", "output.weight"):
             return 0, [self._share(0, config.vocab_size)]
         return None
@@ -105,6 +121,15 @@ class TensorShard:
         """This rank's equal part of [offset, offset + length)."""
         part = length // self.size
         return offset + self.rank * part, offset + (self.rank + 1) * part
+
+
+def ffn_width(name: str, config: ModelConfig) -> int:
+    """The hidden width of the MLP whose w13 or w2 is native tensor `name`."""
+    if ".experts." in name:
+        return config.moe.dim_expert
+    if ".shared_expert." in name:
+        return config.moe.dim_shared_expert
+    return config.dim_ffn
 
 
 class VocabParallelEmbedding(nn.Module):

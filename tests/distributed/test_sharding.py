@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from tiny_models import write_gguf, write_hf_model
 
 from astrai.cli import DEMO_MODEL_DIR
-from astrai.config import ConfigError, ModelConfig
+from astrai.config import ConfigError, ModelConfig, MoEConfig
 from astrai.distributed import TensorShard, check_shardable
 from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model import AutoModel
@@ -33,6 +33,14 @@ def shards(directory, size):
 def phi3_dir(tmp_path_factory):
     """Phi-3: q/k/v in one qkv_proj, gate and up in one gate_up_proj."""
     return write_hf_model(tmp_path_factory.mktemp("phi3"), "phi3", pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """Qwen2-MoE: 4 experts, a shared expert with its gate, a dense layer."""
+    settings = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    settings |= dict(shared_expert_intermediate_size=64, mlp_only_layers=[1])
+    return write_hf_model(tmp_path_factory.mktemp("qwen2_moe"), "qwen2_moe", **settings)
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +67,18 @@ def dense_weights(model) -> dict[str, torch.Tensor]:
     return {name: t for name, t in state.items() if not name.split(".")[-2].isdigit()}
 
 
-@pytest.mark.parametrize("checkpoint", ["qwen2", "phi3", "native", "gguf"])
+@pytest.mark.parametrize("checkpoint", ["qwen2", "phi3", "native", "gguf", "moe"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_the_ranks_shards_put_back_together_are_the_whole_model(
-    qwen2_dir, phi3_dir, gguf_file, size, checkpoint
+    qwen2_dir, phi3_dir, gguf_file, moe_dir, size, checkpoint
 ):
     """q, k and v split by heads (KV heads replicated when there are fewer than ranks), gate
     and up split each, wo and w2 split by columns; the rest held whole by every rank. Qwen2's
     checkpoints hold q, k, v, gate and up apart; Phi-3's and the native format fused; the GGUF
     file's linears stay in blocks, rows of them or columns cut at block boundaries (dequantized
     where a rank's columns would cut them: size 4 here)."""
-    directory = {"qwen2": qwen2_dir, "phi3": phi3_dir, "native": DEMO_MODEL_DIR}.get(
-        checkpoint, gguf_file
-    )
+    checkpoints = {"qwen2": qwen2_dir, "phi3": phi3_dir, "native": DEMO_MODEL_DIR}
+    directory = {**checkpoints, "gguf": gguf_file, "moe": moe_dir}[checkpoint]
     dequantize = checkpoint == "gguf" and bool(shard_problems(gguf_file, size))
     whole = AutoModel.from_pretrained(directory, dequantize=dequantize)
     config = whole.config
@@ -136,6 +143,7 @@ def test_a_rank_reads_its_slices_only(qwen2_dir, monkeypatch):
         ({"dim_ffn": 129}, 2, "dim_ffn=129"),
         ({"n_kv_heads": 2, "n_heads": 6}, 3, "n_kv_heads=2"),
         ({"vocab_size": 63}, 2, "vocab_size=63"),
+        ({"moe": MoEConfig(n_experts=4, n_experts_per_token=2, dim_expert=33)}, 2, "dim_expert"),
     ],
 )
 def test_a_model_that_does_not_split_evenly_is_refused(overrides, size, problem):

@@ -55,6 +55,19 @@ def spawned_workers() -> list[psutil.Process]:
         ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.5}),  # fused projections
         ("granite", {}),  # embedding, attention, residual and logit multipliers
         ("mistral", {"sliding_window": 8}),  # a window shorter than the prompts
+        # every expert split across the ranks, the router replicated
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        (  # a shared expert and a dense layer
+            "qwen2_moe",
+            {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 64,
+                "mlp_only_layers": [1],
+            },
+        ),
+        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     ],
 )
 def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):

@@ -251,11 +251,12 @@ def _shard_rows(
 
 
 def shard_problems(path: Path, size: int) -> list[str]:
-    """Why a GGUF file's row-parallel linears (attn_output, ffn_down) cannot be split into
-    size ranks' columns at their block boundaries; [] when they can."""
+    """Why a GGUF file's row-parallel linears (attn_output, the ffn_down of the MLP, of the
+    experts and of the shared expert) cannot be split into size ranks' columns at their block
+    boundaries; [] when they can."""
     problems = set()
     for tensor in open_gguf(path).tensors:
-        if not tensor.name.endswith(("attn_output.weight", "ffn_down.weight")):
+        if not re.search(r"\.(attn_output|ffn_down(_exps|_shexp)?)\.weight$", tensor.name):
             continue
         block = GGML_QUANT_SIZES[tensor.tensor_type][0]
         share = _shape(tensor)[-1] // size
