@@ -68,6 +68,9 @@ def spawned_workers() -> list[psutil.Process]:
             },
         ),
         ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+        # scaled embeddings, soft-caps, post-norms, a window every other layer
+        ("gemma2", {"head_dim": 16, "sliding_window": 8}),
+        ("gemma3_text", {"head_dim": 16, "sliding_window": 8}),  # q/k norms, local rope
     ],
 )
 def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):
