@@ -90,8 +90,9 @@ def load_shard(group: TensorParallelGroup, path: Path, options: dict) -> Transfo
     loaded its own."""
     shard = TensorShard(group.rank, group.size)
     model = AutoModel.from_pretrained(path, device=group.device, shard=shard, **options)
-    for module in (model.tok_embeddings, *model.layers):
-        module.sum_partials = group.all_reduce
+    for module in model.modules():  # the embedding, each layer, OLMo 2's q/k norms
+        if hasattr(module, "sum_partials"):
+            module.sum_partials = group.all_reduce
     group.barrier()
     return model
 

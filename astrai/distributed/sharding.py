@@ -10,7 +10,8 @@ is then an ordinary Transformer of a narrower config (n_heads / N, n_kv_heads / 
 widths / N), so the forward pass runs unchanged. The embedding and the LM head are
 vocabulary-parallel: each rank holds 1/N of the vocabulary's rows, embeds its own tokens (the
 ranks' sum is every token's row) and computes its own columns of the logits, which rank 0
-gathers. Norms are replicated.
+gathers. Norms are replicated, but for OLMo 2's q and k norms across all heads, which add each
+rank's sum of squares up before they scale (ShardedRMSNorm).
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         problems.append(f"moe.dim_expert={moe.dim_expert} is not a multiple of it")
     if moe is not None and moe.dim_shared_expert is not None and moe.dim_shared_expert % size:
         problems.append(f"moe.dim_shared_expert={moe.dim_shared_expert} is not a multiple of it")
-    if config.qk_norm_across_heads:
-        problems.append("a q/k norm across all heads (OLMo 2) needs every rank's heads")
     if problems:
         raise ConfigError(
             f"tensor_parallel_size={size} cannot split this model: "
@@ -86,6 +85,15 @@ class TensorShard:
                 moe=moe,
             )
         )
+        if config.qk_norm_across_heads:  # OLMo 2: each norm spans every rank's heads
+            q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+            kv_replicas = max(1, self.size // config.n_kv_heads)
+            for layer in model.layers:
+                attention = layer.attention
+                attention.q_norm = ShardedRMSNorm(q_size // self.size, q_size, config.norm_eps)
+                attention.k_norm = ShardedRMSNorm(
+                    attention.k_norm.weight.shape[0], kv_size * kv_replicas, config.norm_eps
+                )
         rows = self._share(0, config.vocab_size)
         model.tok_embeddings = VocabParallelEmbedding(rows, config.dim)
         if model.output is not None:
@@ -97,15 +105,12 @@ class TensorShard:
         q_size = config.n_heads * config.head_dim
         kv_size = config.n_kv_heads * config.head_dim
         if name.endswith(("attention.wqkv.weight", "attention.wqkv.bias")):
-            q = self._share(0, q_size)
-            if config.n_kv_heads >= self.size:
-                k = self._share(q_size, kv_size)
-            else:  # the one KV head this rank's query heads read, replicated
-                head = self.rank * config.n_kv_heads // self.size
-                start = q_size + head * config.head_dim
-                k = (start, start + config.head_dim)
-            v = (k[0] + kv_size, k[1] + kv_size)
-            return 0, [q, k, v]
+            q, k = self._share(0, q_size), self._kv_share(q_size, config)
+            return 0, [q, k, (k[0] + kv_size, k[1] + kv_size)]
+        if config.qk_norm_across_heads and name.endswith("attention.q_norm.weight"):
+            return 0, [self._share(0, q_size)]
+        if config.qk_norm_across_heads and name.endswith("attention.k_norm.weight"):
+            return 0, [self._kv_share(0, config)]
         if name.endswith("attention.wo.weight"):
             return 1, [self._share(0, q_size)]
         if name.endswith(".w13.weight"):  # a dense MLP's, an expert's or the shared expert's
@@ -116,6 +121,14 @@ class TensorShard:
         if name in ("tok_embeddings.weight", "output.weight"):
             return 0, [self._share(0, config.vocab_size)]
         return None
+
+    def _kv_share(self, offset: int, config: ModelConfig) -> tuple[int, int]:
+        """This rank's KV heads in [offset, offset + n_kv_heads * head_dim): its equal part, or
+        the one KV head its query heads read, where there are fewer KV heads than ranks."""
+        if config.n_kv_heads >= self.size:
+            return self._share(offset, config.n_kv_heads * config.head_dim)
+        start = offset + self.rank * config.n_kv_heads // self.size * config.head_dim
+        return start, start + config.head_dim
 
     def _share(self, offset: int, length: int) -> tuple[int, int]:
         """This rank's equal part of [offset, offset + length)."""
@@ -130,6 +143,25 @@ def ffn_width(name: str, config: ModelConfig) -> int:
     if ".shared_expert." in name:
         return config.moe.dim_shared_expert
     return config.dim_ffn
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a vector whose parts lie on the ranks (OLMo 2's q and k norms across all
+    heads): each rank's sum of squares, added up across the ranks by sum_partials (set by the
+    group), over the whole width; the rank's part of the weight. A KV head replicated on r
+    ranks counts r times, so its width is counted r times too."""
+
+    def __init__(self, dim: int, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.width, self.eps = width, eps
+        self.sum_partials: Callable[[Tensor], object] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        self.sum_partials(squares)
+        return self.weight * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -71,6 +71,8 @@ def spawned_workers() -> list[psutil.Process]:
         # scaled embeddings, soft-caps, post-norms, a window every other layer
         ("gemma2", {"head_dim": 16, "sliding_window": 8}),
         ("gemma3_text", {"head_dim": 16, "sliding_window": 8}),  # q/k norms, local rope
+        ("olmo2", {}),  # q and k normed across all heads: across the ranks
+        ("olmo2", {"num_key_value_heads": 1}),  # ... k's one head replicated on both
     ],
 )
 def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):
