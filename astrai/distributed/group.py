@@ -144,6 +144,9 @@ class TensorParallelGroup:
                 worker.kill()
                 worker.join()
         dist.destroy_process_group()
+        # Free the step channel's group now: left to the interpreter's exit (an engine kept
+        # alive by a finished stream), gloo's threads could be torn down unjoined (an abort).
+        self.plans = None
         torch.set_num_threads(self.threads)
 
 
