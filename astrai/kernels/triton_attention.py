@@ -6,20 +6,25 @@ through the page table (no gather). A program takes one block of a sequence's qu
 KV head: the query heads that share the KV head are rows of the same tile, so GQA reads each
 key once per group. Softmax is online (flash-attention style) in fp32.
 
-Triton is optional: `available` is False without it, and a CUDA step needs it. With
-TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how CI checks them.
+Triton is optional: `available` is False without it, and a CUDA step needs it. It is imported
+only where a GPU could run the kernels, or where TRITON_INTERPRET=1 asks to run them on CPU
+tensors (as CI checks them): a CPU process has no use for it and its import time.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only install: the CPU paths never reach this module's kernels
-    triton = None
+triton = None
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # PyTorch without Triton: the CPU paths run as they always do
+        triton = None
 
 available = triton is not None
 
