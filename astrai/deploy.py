@@ -170,6 +170,7 @@ def build_app(
     num_replicas: int = 1,
     max_replicas: int | None = None,
     target_ongoing_requests: float | None = None,
+    upscale_delay_s: float | None = None,
     max_ongoing_requests: int | None = None,
     replica_cpus: float = 1.0,
     replica_gpus: float = 0.0,
@@ -182,7 +183,8 @@ def build_app(
     not --port, since Ray's proxy listens; --shutdown-timeout is how long Ray lets a stopping
     replica's requests run); they are checked here, before any replica starts.
     With max_replicas, Ray Serve scales between num_replicas and max_replicas replicas to keep
-    target_ongoing_requests in flight on each (default: the engine's max batch size).
+    target_ongoing_requests in flight on each (default: the engine's max batch size), adding
+    one once the load has stayed above that for upscale_delay_s seconds (Ray's default: 30).
     A replica takes at most max_ongoing_requests at once (default: twice the max batch size);
     Ray queues the rest. Each replica reserves replica_cpus CPUs (Ray sizes its torch thread
     pool to them) and replica_gpus GPUs (Ray sets CUDA_VISIBLE_DEVICES; `--device auto` then
@@ -216,6 +218,8 @@ def build_app(
             "max_replicas": max_replicas,
             "target_ongoing_requests": target,
         }
+        if upscale_delay_s is not None:
+            autoscaling["upscale_delay_s"] = upscale_delay_s
         scaling = {"autoscaling_config": autoscaling}
     if prefix_affinity:
         # Breaking affinity costs one prefill of the prefix on another replica, which then
@@ -266,6 +270,7 @@ class DeployArgs(BaseModel):
     num_replicas: int = 1
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
+    upscale_delay_s: float | None = None
     max_ongoing_requests: int | None = None
     replica_cpus: float = 1.0
     replica_gpus: float = 0.0
