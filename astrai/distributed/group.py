@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -164,7 +165,9 @@ def join(
     timeout: float,
     workers: list[BaseProcess] = (),
 ) -> TensorParallelGroup:
-    """Join the group as rank; collectives wait at most timeout seconds for the others."""
+    """Join the group as rank; collectives wait at most timeout seconds for the others. Rank 0
+    first waits for its spawned workers to start, failing at once if one exits instead."""
+    wait_started(workers, timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     threads = torch.get_num_threads()
@@ -208,18 +211,47 @@ def watch_parent() -> None:
 
 def spawn(target, size: int, timeout: float, *args) -> tuple[list[BaseProcess], str]:
     """Start ranks 1 .. size - 1 as target(rank, init_method, timeout, *args) in spawned
-    processes; (the processes, the init_method rank 0 joins by)."""
+    processes; (the processes, the init_method rank 0 joins by). Each process's `started`
+    event is set once it is past its start-up (wait_started waits for it)."""
     init_method = f"tcp://127.0.0.1:{free_port()}"
     context = mp.get_context("spawn")
-    workers = [
-        context.Process(
-            target=target,
-            args=(rank, init_method, timeout, *args),
+    workers = []
+    for rank in range(1, size):
+        started = context.Event()
+        worker = context.Process(
+            target=_started,
+            args=(started, target, rank, init_method, timeout, *args),
             name=f"astrai-tp-rank{rank}",
             daemon=True,
         )
-        for rank in range(1, size)
-    ]
+        worker.started = started
+        workers.append(worker)
     for worker in workers:
         worker.start()
     return workers, init_method
+
+
+def _started(started, target, *args) -> None:
+    """A spawned worker's entry: past its start-up (its imports, and the parent's main module,
+    which spawn imports again), it says so, then runs target(*args)."""
+    started.set()
+    target(*args)
+
+
+def wait_started(workers: Sequence[BaseProcess], timeout: float) -> None:
+    """Wait until each spawned worker is past its start-up; one that exits first fails the
+    group at once (the others are killed) instead of leaving rank 0 waiting out timeout."""
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        while not worker.started.wait(0.05) and time.monotonic() < deadline:
+            if worker.is_alive():
+                continue
+            for other in workers:
+                other.kill()
+                other.join()
+            raise RuntimeError(
+                f"tensor-parallel worker {worker.name} exited with code {worker.exitcode} "
+                "while starting, before it joined the group (its error is above). A script "
+                "that starts tensor parallelism must run it under `if __name__ == "
+                '"__main__":`: each spawned worker imports the script again.'
+            )

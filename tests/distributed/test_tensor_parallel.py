@@ -132,6 +132,28 @@ def test_a_rank_that_dies_while_idle_stops_the_engine(llama_dir):
     assert not spawned_workers()
 
 
+def test_a_worker_that_dies_starting_fails_the_load_at_once(tmp_path, llama_dir):
+    """A script that starts tensor parallelism without a `__main__` guard: each spawned worker
+    imports it again and dies starting. Rank 0 says so at once, where it used to wait out the
+    rendezvous timeout (120 s)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        f"from astrai.distributed import load_sharded\nload_sharded({str(llama_dir)!r}, 2)\n"
+    )
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode != 0
+    assert "astrai-tp-rank1 exited with code 1 while starting" in run.stderr
+    assert '`if __name__ == "__main__":`' in run.stderr
+    assert time.monotonic() - start < 60
+
+
 def test_closing_lets_go_of_the_step_channel_at_once(llama_dir):
     """A closed group frees its gloo process group then, not at the interpreter's exit: left
     there (a finished stream keeps the engine alive), gloo's threads were torn down unjoined
