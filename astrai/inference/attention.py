@@ -15,6 +15,21 @@ from astrai.kernels.triton_attention import paged_attention, query_block, store_
 from astrai.model.transformer import LayerAttention, attend
 
 
+def page_tables(cache: PagedCache, seqs: Sequence[tuple[int, int, int]]) -> list[list[int]]:
+    """Each (task_id, start, n)'s pages up to position start + n - 1; refused if it holds fewer."""
+    tables = []
+    for task_id, start, n in seqs:
+        pages = cache.tasks.pages(task_id)
+        n_pages = -(-(start + n) // cache.page_size)
+        if start < 0 or n < 1 or n_pages > len(pages):
+            raise ValueError(
+                f"task {task_id}: positions {start}..{start + n - 1} need {n_pages} pages but "
+                f"it holds {len(pages)}; allocate before the forward pass"
+            )
+        tables.append(pages[:n_pages])
+    return tables
+
+
 class CacheView:
     """The model's attention backend for one forward pass over a ragged batch of seqs, each
     (task_id, start, n): n new tokens at positions start .. start + n - 1.
@@ -33,16 +48,9 @@ class CacheView:
     def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
         page_size, device = cache.page_size, cache.k_cache.device
         self.k_cache, self.v_cache = cache.k_cache, cache.v_cache
-        tables, offsets, num_tokens = [], [], 0
-        for task_id, start, n in seqs:
-            pages = cache.tasks.pages(task_id)
-            n_ctx_pages = -(-(start + n) // page_size)
-            if start < 0 or n < 1 or n_ctx_pages > len(pages):
-                raise ValueError(
-                    f"task {task_id}: positions {start}..{start + n - 1} need {n_ctx_pages} "
-                    f"pages but it holds {len(pages)}; allocate before the forward pass"
-                )
-            tables.append(pages[:n_ctx_pages])
+        tables = page_tables(cache, seqs)
+        offsets, num_tokens = [], 0
+        for _, _, n in seqs:
             offsets.append(num_tokens)
             num_tokens += n
         max_pages = max(len(table) for table in tables)
@@ -297,16 +305,7 @@ def ragged_layout(
     lens = np.array([n for _, _, n in seqs] + [0] * pad_seqs, dtype=np.int64)
     owned = np.maximum(lens, 1)
     rows = np.concatenate(([0], np.cumsum(owned)[:-1]))
-    tables = []
-    for task_id, start, n in seqs:
-        pages = cache.tasks.pages(task_id)
-        n_pages = -(-(start + n) // page_size)
-        if start < 0 or n < 1 or n_pages > len(pages):
-            raise ValueError(
-                f"task {task_id}: positions {start}..{start + n - 1} need {n_pages} pages but "
-                f"it holds {len(pages)}; allocate before the forward pass"
-            )
-        tables.append(pages[:n_pages])
+    tables = page_tables(cache, seqs)
     width = table_width or max(len(table) for table in tables)
     block_tables = np.zeros((len(starts), width), dtype=np.int64)
     for i, table in enumerate(tables):

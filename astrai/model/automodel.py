@@ -222,20 +222,32 @@ def _read(
         tensors = [files[src].read(handles[files[src].file]) for src, _ in parts]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     dim, ranges = spans
-    pieces, offset = [], 0
-    for src, shape in parts:
+    if dim == 1:
+        assert len(parts) == 1, "columns are taken of one-part tensors only"
+        stored = files[parts[0][0]]
+        index = [(slice(None), slice(start, stop)) for start, stop in ranges]
+        return torch.cat([stored.read(handles[stored.file], i) for i in index], dim)
+    pieces = []
+    for (src, _), rows in zip(parts, part_rows([s[0] for _, s in parts], ranges), strict=True):
         stored = files[src]
-        for start, stop in ranges:
-            if dim == 1:
-                assert len(parts) == 1, "columns are taken of one-part tensors only"
-                pieces.append(stored.read(handles[stored.file], (slice(None), slice(start, stop))))
-                continue
-            low, high = max(start, offset), min(stop, offset + shape[0])
-            if low < high:
-                index = (slice(low - offset, high - offset),)
-                pieces.append(stored.read(handles[stored.file], index))
-        offset += shape[0]
-    return torch.cat(pieces, dim)
+        pieces += [stored.read(handles[stored.file], (share,)) for share in rows]
+    return torch.cat(pieces)
+
+
+def part_rows(lengths: list[int], ranges: list[tuple[int, int]]) -> list[list[slice]]:
+    """For parts of these row counts lying one after another, the slices of each part's rows
+    that the ranges of the whole cover, in order (a WeightShard's spans along dim 0)."""
+    shares, offset = [], 0
+    for length in lengths:
+        shares.append(
+            [
+                slice(max(start - offset, 0), min(stop - offset, length))
+                for start, stop in ranges
+                if start < offset + length and stop > offset
+            ]
+        )
+        offset += length
+    return shares
 
 
 def check_device(device: torch.device, dtype: torch.dtype) -> None:

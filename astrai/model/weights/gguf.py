@@ -28,6 +28,7 @@ from astrai.model.automodel import (
     _sources,
     expert_template,
     loading,
+    part_rows,
 )
 from astrai.model.transformer import Transformer
 from astrai.model.weights.quantize import is_linear_weight, replace_linear
@@ -238,16 +239,11 @@ def _shard_rows(
                 "load it with dequantize=True (--dequantize) or pick another tensor_parallel_size"
             )
         return [stored[:, start // block * units : stop // block * units]]
-    shares, offset = [], 0
-    for stored in rows:
-        taken = [
-            stored[max(start - offset, 0) : min(stop - offset, len(stored))]
-            for start, stop in ranges
-            if start < offset + len(stored) and stop > offset
-        ]
-        shares.append(taken[0] if len(taken) == 1 else np.concatenate(taken))
-        offset += len(stored)
-    return shares
+    slices = part_rows([len(stored) for stored in rows], ranges)
+    return [
+        np.concatenate([stored[share] for share in shares])
+        for stored, shares in zip(rows, slices, strict=True)
+    ]
 
 
 def shard_problems(path: Path, size: int) -> list[str]:
