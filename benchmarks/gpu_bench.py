@@ -21,24 +21,11 @@ from pathlib import Path
 
 import torch
 from offline_throughput import _NoTextTokenizer, run_astrai
-from workload import offline_workload
+from workload import LLAMA_1B, offline_workload
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.kernels import triton_ops
 from astrai.model import AutoModel
-
-LLAMA_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-)
 
 
 def device_seconds(fn, repeats: int = 10) -> float:

@@ -61,7 +61,7 @@ from concurrency_sweep import requests as equal_requests
 from decode_roofline import astrai_decode_rate
 from machine import read_bandwidth
 from offline_throughput import _NoTextTokenizer, run_astrai
-from workload import Request, offline_workload
+from workload import LLAMA_1B, SMOLLM2_135M, Request, offline_workload
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
@@ -126,9 +126,12 @@ def llama_1b_gguf(directory: Path) -> Path:
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     path = directory / "llama-1b-shape.F16.gguf"
-    shape = {"block_count": 16, "embedding_length": 2048, "feed_forward_length": 8192}
-    shape |= {"attention.head_count": 32, "attention.head_count_kv": 8}
-    shape |= {"context_length": 2048, "rope.freq_base": 500000.0, "general.file_type": 1}
+    dim, ffn = LLAMA_1B["hidden_size"], LLAMA_1B["intermediate_size"]
+    heads, kv_heads = LLAMA_1B["num_attention_heads"], LLAMA_1B["num_key_value_heads"]
+    shape = {"block_count": LLAMA_1B["num_hidden_layers"], "embedding_length": dim}
+    shape |= {"feed_forward_length": ffn, "rope.freq_base": LLAMA_1B["rope_theta"]}
+    shape |= {"attention.head_count": heads, "attention.head_count_kv": kv_heads}
+    shape |= {"context_length": 2048, "general.file_type": 1}  # 1: F16
     writer = GGUFWriter(path, "llama")
     for field in GGUFReader(smollm2_gguf()).fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
@@ -137,7 +140,7 @@ def llama_1b_gguf(directory: Path) -> Path:
         array = field.types[0] == GGUFValueType.ARRAY
         writer.add_key_value(field.name, value, field.types[0], field.types[-1] if array else None)
     rng = np.random.default_rng(0)
-    vocab, dim, ffn, kv = 49152, 2048, 8192, 512
+    vocab, kv = SMOLLM2_135M["vocab_size"], dim // heads * kv_heads
 
     def add(name: str, rows: int, cols: int | None = None) -> None:
         if cols is None:

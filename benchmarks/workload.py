@@ -22,6 +22,21 @@ SMOLLM2_135M = dict(
     tie_word_embeddings=True,
 )
 
+# Llama 3.2 1B's shape, for a random model whose decode reads its weights from memory rather
+# than the cache (gpu_bench.py; vs_llamacpp.py --shape 1b with SmolLM2's vocabulary).
+LLAMA_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+
 
 @dataclass(frozen=True)
 class Request:
