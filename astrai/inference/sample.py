@@ -86,9 +86,9 @@ class SamplingBatch:
     penalties, biases, allowed tokens and masks.
     """
 
-    greedy: Tensor  # [B] bool, on the device only where greedy and random rows mix
+    # [B] bool, the greedy rows where greedy and random rows mix (else None: all_greedy says)
+    greedy: Tensor | None
     all_greedy: bool
-    any_greedy: bool
     temperature: Tensor | None  # [B] float32, 1 for greedy rows
     top_k: Tensor | None  # [B] int64, 0 = off
     top_k_max: int
@@ -181,11 +181,8 @@ class SamplingBatch:
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         uniforms = [seeded_uniform(params[i].seed, len(output_ids[i])) for i in seeded]
         return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device)
-            if any(greedy) and not all(greedy)
-            else torch.tensor(greedy, dtype=torch.bool),
+            greedy=torch.tensor(greedy, device=device) if any(greedy) and not all(greedy) else None,
             all_greedy=all(greedy),
-            any_greedy=any(greedy),
             temperature=per_row(temperature, 1.0),
             top_k=per_row(top_k, 0, torch.long),
             top_k_max=max(top_k, default=0),
@@ -455,14 +452,16 @@ def sample(
     processed logits. Logprobs, when asked for, are of the raw logits. The logits are not
     modified.
     """
-    assert logits.dim() == 2 and logits.shape[0] == len(batch.greedy), "a row of logits per request"
+    assert logits.dim() == 2 and logits.shape[0] == len(batch.logprobs), (
+        "a row of logits per request"
+    )
     logits = logits.float()
     processed = (pipeline or _DEFAULT_PIPELINE)(logits, batch)
     if batch.all_greedy:
         token_ids = processed.argmax(dim=-1)
     else:
         token_ids = _draw(processed.softmax(dim=-1), batch)
-        if batch.any_greedy:
+        if batch.greedy is not None:
             token_ids = torch.where(batch.greedy, processed.argmax(dim=-1), token_ids)
     logprobs = top_logprobs = None
     if any(k is not None for k in batch.logprobs):
