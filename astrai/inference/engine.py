@@ -218,6 +218,12 @@ class InferenceEngine:
                 f"{model_config.max_len} tokens"
             )
         weight = next(model.parameters())
+        if not self.config.cuda_graphs and weight.device.type != "cuda":
+            raise ConfigError(
+                f"cuda_graphs=False (--no-cuda-graphs) applies to CUDA; this model is on "
+                f"{weight.device}, whose decode steps replay recorded kernel calls instead; "
+                "drop the option"
+            )
         page_size = self.config.page_size
         kv_shape = (model_config.n_layers, model_config.n_kv_heads, model_config.head_dim)
         kv_dtype = self.config.kv_cache_dtype

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_models import make_engine
 
+from astrai.config import ConfigError
 from astrai.inference import (
     STOP,
     EngineClosedError,
@@ -200,3 +201,9 @@ def test_streams_racing_close_always_end(model, tokenizer):
         engine.close()
         ended = outcome.get(timeout=TIMEOUT)  # a hang fails here
         assert isinstance(ended, str | RequestAbortedError | EngineClosedError), ended
+
+
+def test_turning_cuda_graphs_off_is_refused_off_cuda(model, tokenizer):
+    """--no-cuda-graphs on a CPU model would be accepted and do nothing: refused instead."""
+    with pytest.raises(ConfigError, match="applies to CUDA"):
+        make_engine(model, tokenizer, cuda_graphs=False)
