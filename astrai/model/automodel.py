@@ -204,6 +204,9 @@ class AutoModel:
                     tensor = 1.0 + tensor.float()
                 if qtype is None or not quantize_into(model, name, tensor, qtype):
                     state[name] = tensor.to(dtype).to(device)
+        if qtype is not None:
+            quantized = len(layout) - len(state)
+            log.info("quantized %d linears to %s at load", quantized, qtype.name)
         model.load_state_dict(state, strict=True, assign=True)
         # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
         model.to(device)

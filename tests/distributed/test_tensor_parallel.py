@@ -227,6 +227,7 @@ def test_generate_with_quantized_ranks(llama_dir):
             env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
+        assert "linears to Q8_0 at load" in run.stderr  # rank 0's share was quantized
         texts.append(run.stdout)
     assert texts[0].strip() and texts[0] == texts[1]
 
