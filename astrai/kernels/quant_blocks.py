@@ -1,5 +1,5 @@
 """GGUF's quantized block types as the quant_linear kernel reads them: decoded with the gguf
-package's own arithmetic, and packed into 4-row records (csrc/quant_linear.c draws the layout).
+package's own arithmetic, and packed into 16-row records (csrc/quant_linear.c draws the layout).
 
 Every type is one row of BLOCK_TYPES (units, scale fields); packing and unpacking are written
 once over those fields, so a caller never switches on the type.
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K
 
 # Rows of W in one packed record (csrc/quant_linear.c describes the layout).
-GROUP = 4
+GROUP = 16
 BLOCK = 32
 Q = GGMLQuantizationType
 
@@ -120,6 +120,13 @@ def _to_records(x: np.ndarray) -> np.ndarray:
     return np.moveaxis(padded, 1, 2)
 
 
+def _high_bit_shifts() -> np.ndarray:
+    """Q6_K: where element 16 h + 4 (2 p + w) + i's 2 high bits lie in byte i of chunk p,
+    as a shift [h, 1, w, 1] (csrc/quant_linear.c draws the layout)."""
+    h, w = np.arange(2).reshape(2, 1, 1, 1), np.arange(2).reshape(1, 1, 2, 1)
+    return (2 * (2 * w + h)).astype(np.uint8)
+
+
 def pack_blocks(blocks: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray:
     """GGUF blocks of W [out_features, in_features] (any uint8 array holding them in order) as
     the kernel's records: uint8 [groups, units, record bytes]."""
@@ -127,15 +134,15 @@ def pack_blocks(blocks: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray
     fields = gguf_fields(blocks, qtype, shape)
     rows, units = shape[0], shape[1] // kind.unit_weights
     u = fields["u"].reshape(rows, units, kind.unit_blocks, 32)
-    if qtype == Q.Q8_0:  # [groups, units, 2 halves, GROUP, 16]
-        parts = [np.moveaxis(_to_records(u.reshape(rows, units, 2, 16)), 2, 3)]
-    else:  # [groups, units, blocks, GROUP, 16]: element k low, k + 16 high
+    if qtype == Q.Q8_0:  # [groups, units, chunk t, GROUP, 4]: bytes 4 t..
+        parts = [np.moveaxis(_to_records(u.reshape(rows, units, 8, 4)), 2, 3)]
+    else:  # [groups, units, blocks, chunk t, GROUP, 4]: element 4 t + i low, 16 + 4 t + i high
         codes = (u[..., :16] & 15) | (u[..., 16:] & 15) << 4
-        parts = [np.moveaxis(_to_records(codes), 2, 3)]
-    if qtype == Q.Q6_K:  # bits 2 f.. of part p: block 2 p + f // 2, element k + 16 (f % 2)
-        high = (u >> 4).reshape(rows, units, 4, 4, 16)  # [.., part, f, k]
-        bits = sum(high[:, :, :, f] << (2 * f) for f in range(4)).astype(np.uint8)
-        parts.append(np.moveaxis(_to_records(bits), 2, 3))
+        parts = [np.moveaxis(_to_records(codes.reshape(rows, units, -1, 4, 4)), 2, 4)]
+    if qtype == Q.Q6_K:  # [groups, units, blocks, chunk p, GROUP, 4]
+        high = (u >> 4).reshape(rows, units, 8, 2, 2, 2, 4)  # [.., h, p, w, i]
+        bits = (high << _high_bit_shifts()).sum(axis=(3, 5), dtype=np.uint8)  # bits apart
+        parts.append(np.moveaxis(_to_records(bits), 2, 4))
     for name, dtype, _ in kind.fields:  # [groups, units, count, GROUP]
         field = np.moveaxis(_to_records(fields[name].astype(dtype)), 2, 3)
         parts.append(np.ascontiguousarray(field).view(np.uint8))
@@ -150,29 +157,29 @@ def packed_fields(packed: np.ndarray, qtype, shape: tuple[int, int]) -> dict[str
     rows, at = shape[0], 0
 
     def take(nbytes: int, dtype=np.uint8, inner: tuple = ()) -> np.ndarray:
-        """The next nbytes of each record as [rows, units, *inner] from [*inner', GROUP]."""
+        """The next nbytes of each record as [groups, units, *inner]."""
         nonlocal at
         part = packed[..., at : at + nbytes].copy().view(dtype)
         at += nbytes
-        part = part.reshape(groups, units, *inner)
-        return part
+        return part.reshape(groups, units, *inner)
 
-    fields = {}
+    def per_row(part: np.ndarray, axis: int) -> np.ndarray:  # the GROUP axis to rows
+        part = np.moveaxis(part, axis, 1)
+        return part.reshape(groups * GROUP, *part.shape[2:])
+
+    blocks = kind.unit_blocks
     if qtype == Q.Q8_0:
-        u = np.moveaxis(take(128, inner=(2, GROUP, 16)), 3, 1).reshape(-1, units, 32)
+        u = per_row(take(512, inner=(8, GROUP, 4)), 3).reshape(-1, units, 1, 32)
     else:
-        codes = np.moveaxis(take(64 * kind.unit_blocks, inner=(kind.unit_blocks, GROUP, 16)), 3, 1)
-        u = np.concatenate([codes & 15, codes >> 4], axis=-1).reshape(
-            -1, units, kind.unit_blocks, 32
-        )
+        codes = per_row(take(256 * blocks, inner=(blocks, 4, GROUP, 4)), 4)
+        codes = codes.reshape(-1, units, blocks, 16)
+        u = np.concatenate([codes & 15, codes >> 4], axis=-1)
         if qtype == Q.Q6_K:
-            bits = np.moveaxis(take(256, inner=(4, GROUP, 16)), 3, 1).reshape(-1, units, 4, 1, 16)
-            high = bits >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1) & 3
-            u = u | (high.reshape(-1, units, 8, 32) << 4)
-    fields["u"] = u.reshape(groups * GROUP, -1, 32)[:rows]
+            bits = per_row(take(1024, inner=(8, 2, GROUP, 4)), 4)  # [.., blocks, p, i]
+            bits = bits.reshape(-1, units, 8, 1, 2, 1, 4)
+            u = u | ((bits >> _high_bit_shifts()) & 3).reshape(-1, units, 8, 32) << 4
+    fields = {"u": u.reshape(groups * GROUP, -1, 32)[:rows]}
     for name, dtype, count in kind.fields:
         nbytes = count * GROUP * np.dtype(dtype).itemsize
-        fields[name] = np.moveaxis(take(nbytes, dtype, (count, GROUP)), 3, 1).reshape(
-            groups * GROUP, units, count
-        )[:rows]
+        fields[name] = per_row(take(nbytes, dtype, (count, GROUP)), 3)[:rows]
     return fields

@@ -30,7 +30,7 @@ needs_kernel = pytest.mark.skipif(
 QTYPES = list(BLOCK_TYPES)
 ISAS = ["scalar", "avx2", "avx512vnni"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# (out_features, units of in_features): out not a multiple of the 4-row groups or of the
+# (out_features, units of in_features): out not a multiple of the 16-row groups or of the
 # threads' split, and an odd number of 32-blocks or super-blocks
 SHAPES = [(37, 3), (130, 7), (4, 1)]
 # where each type's fp16 scales lie in its GGUF block
@@ -124,13 +124,14 @@ def test_kernel_is_built_where_a_compiler_is():
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_packing_keeps_every_field(qtype, shape):
     """Records hold the GGUF blocks' codes and scales, as many bytes (Q4_K: its 6-bit scales
-    as bytes), rows padded to groups of 4."""
+    as bytes), rows padded to whole groups."""
     shape = shape_of(qtype, shape)
     blocks = random_blocks(qtype, shape, seed=1)
     packed = pack_blocks(blocks, qtype, shape)
-    padded = -(-shape[0] // 4) * 4 * blocks.shape[1]
-    widened = 1 + (16 - 12) / 144 if qtype == GGMLQuantizationType.Q4_K else 1
-    assert packed.nbytes == padded * widened
+    group = quant_blocks.GROUP
+    padded = -(-shape[0] // group) * group * blocks.shape[1]
+    widened = padded // 144 * (16 - 12) if qtype == GGMLQuantizationType.Q4_K else 0
+    assert packed.nbytes == padded + widened
     fields = quant_blocks.gguf_fields(blocks, qtype, shape)
     unpacked = quant_blocks.packed_fields(packed, qtype, shape)
     assert fields.keys() == unpacked.keys()
@@ -183,7 +184,7 @@ def test_bias_is_added(isa, qtype, dtype):
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_rows_do_not_depend_on_the_batch_or_the_threads(isa, qtype, dtype):
-    """A row's result is bit-identical alone, in any batch (tiles of 4 rows and the rest) and
+    """A row's result is bit-identical alone, in any batch (tiles of 6 rows and the rest) and
     on 1, 2 or 3 threads (groups split unevenly)."""
     shape = shape_of(qtype, (37, 3))
     weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, seed=4), qtype, shape)

@@ -16,21 +16,22 @@
  * vpdpbusd, AVX2 vpmaddubsw); c sum q depends on x alone and is computed with x's quantization,
  * where it seeds the integer accumulator.
  *
- * Packed layout (quant_ops.pack_blocks makes it from GGUF blocks at load). W's rows are taken
- * GROUP = 4 at a time (the last group padded with zero rows); a group is one record per unit
- * (a 32-block, or a K type's 256-weight super-block), records in order, groups one after the
- * other, so a thread streams one contiguous range. In a record, 64 bytes hold the 4 rows' codes
- * of a 32-block: row r's 16 bytes at 16 r, byte k with element k in the low nibble and element
- * k + 16 in the high one. One 512-bit load thus gives 16 elements of each of 4 rows, and one
- * vpdpbusd against those 16 x values broadcast to each 128-bit lane does the 4 rows at once.
- * Then per type (scale arrays are [unit's sub-blocks][4 rows]):
- *   Q4_0  codes, fp16 d[4]                                                         72 bytes
- *   Q4_1  codes, fp16 d[4], fp16 m[4]                                              80
- *   Q8_0  row r's bytes 0..15 at 16 r, its bytes 16..31 at 64 + 16 r, fp16 d[4]   136
- *   Q4_K  8 x codes, u8 sc[8][4], u8 mn[8][4], fp16 d[4], fp16 dmin[4]            592
- *   Q6_K  8 x low 4 bits as codes, 4 x 64 bytes of high 2 bits (bits 2 f..2 f + 1 of byte
- *         16 r + k: block 2 p + f / 2 of the record's 64-byte part p, element k + 16 (f % 2)),
- *         i8 sc[16][4] (per 16 weights), fp16 d[4]                               840
+ * Packed layout (quant_blocks.pack_blocks makes it from GGUF blocks at load). W's rows are
+ * taken GROUP = 16 at a time (the last group padded with zero rows), so that a 32-bit lane of a
+ * 512-bit vector is one row of W: a 4-byte run of x broadcast to every lane, one vpdpbusd adds 4
+ * products to each of the 16 rows, the rows' sums never need reducing across lanes, and a scale
+ * is one vector over the 16 rows. A group is one record per unit (a 32-block, or a K type's
+ * 256-weight super-block), records in order, groups one after the other, so a thread streams
+ * one contiguous range. In a record, a 32-block's codes are 4 chunks of 64 bytes: chunk t holds
+ * row r's bytes 4 t..4 t + 3 at 4 r, byte k with element k in the low nibble and element k + 16
+ * in the high one (GGUF's own order of a 4-bit block). Then per type, scale arrays [...][16 rows]:
+ *   Q4_0  codes, fp16 d[16]                                                            288 bytes
+ *   Q4_1  codes, fp16 d[16], fp16 m[16]                                                320
+ *   Q8_0  8 chunks (row r's int8 bytes 4 t..4 t + 3 of chunk t at 4 r), fp16 d[16]     544
+ *   Q4_K  8 x codes, u8 sc[8][16], u8 mn[8][16], fp16 d[16], fp16 dmin[16]            2368
+ *   Q6_K  8 x low 4 bits as codes, 8 x 2 chunks of high 2 bits (chunk p's byte 4 r + i: bits
+ *         2 (2 w + h).. the high bits of element 16 h + 4 (2 p + w) + i), i8 sc[16][16] (per 16
+ *         weights), fp16 d[16]                                                          3360
  * Records are as many bytes as the GGUF blocks they hold, but Q4_K's (+3 %: 6-bit scales
  * widened to bytes).
  *
@@ -55,7 +56,7 @@
 #include <immintrin.h>
 #define X86 1
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define TARGET_VNNI                                                                            \
+#define TARGET_VNNI                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 #else
@@ -65,18 +66,25 @@
 /* GGML's type ids */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 #define QK 32
-#define GROUP 4
+#define GROUP 16
+#define CHUNK (4 * GROUP) /* bytes of 4 codes (or code bytes) of each row */
 
-/* 32-blocks per unit and bytes per record, by type */
+/* 32-blocks per unit, by type */
 static int unit_blocks(int qtype) { return qtype == Q4_K || qtype == Q6_K ? 8 : 1; }
 
-static int64_t record_bytes(int qtype) {
+/* Where a record's parts start: its scales d (and m: Q4_1's m, Q4_K's dmin; sc: the K types'
+ * 8-bit scales, mn: Q4_K's mins; high: Q6_K's high bits), and its size. */
+struct layout {
+    int d, m, sc, mn, high, bytes;
+};
+
+static struct layout layout_of(int qtype) {
     switch (qtype) {
-    case Q4_0: return 72;
-    case Q4_1: return 80;
-    case Q8_0: return 136;
-    case Q4_K: return 592;
-    default: return 840;
+    case Q4_0: return (struct layout){.d = 256, .bytes = 288};
+    case Q4_1: return (struct layout){.d = 256, .m = 288, .bytes = 320};
+    case Q8_0: return (struct layout){.d = 512, .bytes = 544};
+    case Q4_K: return (struct layout){.sc = 2048, .mn = 2176, .d = 2304, .m = 2336, .bytes = 2368};
+    default: return (struct layout){.high = 2048, .sc = 3072, .d = 3328, .bytes = 3360};
     }
 }
 
@@ -120,60 +128,56 @@ static float half_to_float(const uint8_t *p) {
 }
 
 /* Row r's code u of element k of 32-block j of a record. */
-static int code(const uint8_t *rec, int qtype, int r, int j, int k) {
-    if (qtype == Q8_0) return (uint8_t)(rec[k < 16 ? 16 * r + k : 64 + 16 * r + k - 16] ^ 0x80);
-    const uint8_t byte = rec[64 * j + 16 * r + k % 16];
+static inline __attribute__((always_inline)) int code(const uint8_t *rec, int qtype, int r, int j,
+                                                      int k) {
+    const int in_chunk = 4 * r + k % 4;
+    if (qtype == Q8_0) return (uint8_t)(rec[CHUNK * (k / 4) + in_chunk] ^ 0x80);
+    const uint8_t byte = rec[4 * CHUNK * j + CHUNK * (k % 16 / 4) + in_chunk];
     const int low = k < 16 ? byte & 15 : byte >> 4;
     if (qtype != Q6_K) return low;
-    const int f = 2 * (j % 2) + k / 16;
-    return low | (rec[512 + 64 * (j / 2) + 16 * r + k % 16] >> 2 * f & 3) << 4;
+    const int t = k % 16 / 4, shift = 2 * (2 * (t % 2) + k / 16);
+    return low | (rec[2048 + 2 * CHUNK * j + CHUNK * (t / 2) + in_chunk] >> shift & 3) << 4;
 }
 
 /* Row r's scales of 32-block j of a record: d of its two halves, and m. */
-static void block_scales(const uint8_t *rec, int qtype, int r, int j, float d[2], float *m) {
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *rec, int qtype, int r,
+                                                               int j, float d[2], float *m) {
+    const struct layout at = layout_of(qtype);
     *m = 0.0f;
     switch (qtype) {
     case Q4_K:
-        d[0] = d[1] = half_to_float(rec + 576 + 2 * r) * rec[512 + 4 * j + r];
-        *m = -(half_to_float(rec + 584 + 2 * r) * rec[544 + 4 * j + r]);
+        d[0] = d[1] = half_to_float(rec + at.d + 2 * r) * rec[at.sc + GROUP * j + r];
+        *m = -(half_to_float(rec + at.m + 2 * r) * rec[at.mn + GROUP * j + r]);
         return;
     case Q6_K:
         for (int h = 0; h < 2; h++)
-            d[h] = half_to_float(rec + 832 + 2 * r) * (int8_t)rec[768 + 4 * (2 * j + h) + r];
+            d[h] = half_to_float(rec + at.d + 2 * r) * (int8_t)rec[at.sc + GROUP * (2 * j + h) + r];
         return;
     default:
-        d[0] = d[1] = half_to_float(rec + (qtype == Q8_0 ? 128 : 64) + 2 * r);
-        if (qtype == Q4_1) *m = half_to_float(rec + 72 + 2 * r);
+        d[0] = d[1] = half_to_float(rec + at.d + 2 * r);
+        if (qtype == Q4_1) *m = half_to_float(rec + at.m + 2 * r);
     }
 }
 
 /* A 32-block of a row of x as the kernels read it. */
 struct xblock {
     int8_t q[QK];
-    float dx, sx;  /* x ~= dx q; sx = dx sum q */
-    int32_t lanes[8]; /* -c times the sums of q over elements 4 i..4 i + 3 and 16 + 4 i.. (i <
-                         4): both in lane i (one accumulator takes both halves), or, for Q6_K
-                         (a scale per half), the first half's in lane i, the second's in 4 + i */
+    float dx, sx;    /* x ~= dx q; sx = dx sum q */
+    int32_t seed[2]; /* -c sum q, or, for Q6_K (a scale per half), -c times each half's sum */
 };
+
+/* A 32-block's seeds and sx from the sums of its halves' q. */
+static inline __attribute__((always_inline)) void
+finish_block(struct xblock *b, float dx, int32_t first, int32_t second, int c, int halves) {
+    b->dx = dx;
+    b->sx = dx * (float)(first + second);
+    b->seed[0] = -c * (halves ? first : first + second);
+    b->seed[1] = halves ? -c * second : 0;
+}
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define SHUFFLE __builtin_shufflevector
 #endif
-
-/* [sums of a's lanes 0..3 and 4..7, then of b's], in lanes 0..3 */
-static inline __attribute__((always_inline)) int8v sums_of_four(int8v a, int8v b) {
-#ifdef SHUFFLE
-    const int8v pairs = SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
-                        SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
-    return SHUFFLE(pairs, pairs, 0, 2, 4, 6, 0, 2, 4, 6) +
-           SHUFFLE(pairs, pairs, 1, 3, 5, 7, 1, 3, 5, 7);
-#else
-    int8v sums = {0};
-    for (int i = 0; i < 4; i++)
-        for (int l = 0; l < 4; l++) sums[i] += (i < 2 ? a : b)[4 * (i % 2) + l];
-    return sums;
-#endif
-}
 
 /* the largest lane of v, v's lanes >= 0 */
 static inline __attribute__((always_inline)) float max8(vec8 v) {
@@ -194,9 +198,8 @@ static inline __attribute__((always_inline)) float max8(vec8 v) {
  * rounding, so NumPy reproduces it exactly (the tests do): x * (127 / max|x|) is rounded to the
  * nearest integer, ties to even, by adding and subtracting 1.5 * 2^23 (exact below 2^22 in
  * magnitude, and it is at most 127). */
-static inline __attribute__((always_inline)) void quantize(struct xblock *out, const void *x,
-                                                            int64_t in, int c, int halves,
-                                                            const int is_bf16) {
+static inline __attribute__((always_inline)) void
+quantize(struct xblock *out, const void *x, int64_t in, int c, int halves, const int is_bf16) {
     const vec8 round = (vec8){0.0f} + 12582912.0f;
     for (int64_t b = 0; b < in / QK; b++) {
         vec8 v[QK / LANES], amax = {0.0f};
@@ -206,23 +209,16 @@ static inline __attribute__((always_inline)) void quantize(struct xblock *out, c
             amax = select8(a > amax, a, amax);
         }
         const float max = max8(amax), dx = max / 127.0f, scale = max != 0.0f ? 127.0f / max : 0.0f;
-        int8v qk[QK / LANES];
+        int8v sums[2] = {{0}, {0}};
         for (int k = 0; k < QK / LANES; k++) {
-            qk[k] = __builtin_convertvector((v[k] * scale + round) - round, int8v);
-            for (int l = 0; l < LANES; l++) out[b].q[k * LANES + l] = (int8_t)qk[k][l];
+            const int8v qk = __builtin_convertvector((v[k] * scale + round) - round, int8v);
+            sums[k / 2] += qk;
+            for (int l = 0; l < LANES; l++) out[b].q[k * LANES + l] = (int8_t)qk[l];
         }
-        /* sums of 4: elements 4 i.. of the first half (qk[0], qk[1]), then of the second */
-        const int8v first = sums_of_four(qk[0], qk[1]), second = sums_of_four(qk[2], qk[3]);
-        const int8v both = first + second, own = halves ? first : both;
-        out[b].dx = dx;
-        out[b].sx = dx * (float)((both[0] + both[1]) + (both[2] + both[3]));
-#ifdef SHUFFLE
-        const int8v lanes = SHUFFLE(own, second, 0, 1, 2, 3, 8, 9, 10, 11) * -c;
-#else
-        const int8v lanes = {own[0] * -c, own[1] * -c, own[2] * -c, own[3] * -c,
-                             second[0] * -c, second[1] * -c, second[2] * -c, second[3] * -c};
-#endif
-        memcpy(out[b].lanes, &lanes, sizeof lanes);
+        int32_t half[2] = {0, 0};
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < LANES; l++) half[h] += sums[h][l];
+        finish_block(out + b, dx, half[0], half[1], c, halves);
     }
 }
 
@@ -262,6 +258,11 @@ static void store(const struct call *c, int64_t m, int64_t n, float dot) {
     }
 }
 
+/* The group's sums of x row m (GROUP floats, row r's at r) stored. */
+static void store_group(const struct call *c, int64_t m, int64_t g, const float *sums) {
+    for (int r = 0; r < GROUP; r++) store(c, m, GROUP * g + r, sums[r]);
+}
+
 /* The portable path: correct everywhere, and the plainest statement of the arithmetic. */
 static void group_scalar(const struct call *c, int64_t g) {
     const int per_unit = unit_blocks(c->qtype), offset = code_offset(c->qtype);
@@ -285,128 +286,103 @@ static void group_scalar(const struct call *c, int64_t g) {
 }
 
 #if X86
-/* 4 fp16 values as fp32 */
-TARGET_AVX2 INLINE __m128 halves4(const uint8_t *p) {
-    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+/* AVX-512 VNNI. Per x row an accumulator of 16 floats, lane r row r's sum of d dx (u . q - c
+ * sum q), and a second of its m sx. n_x rows of x run together (n_x a constant after
+ * inlining), each using W's vectors decoded once. */
+#define VNNI_X 6
+
+/* 16 fp16 values as floats */
+TARGET_VNNI INLINE __m512 halves16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* AVX-512 VNNI. Per x row an accumulator of 16 floats: lane 4 r + i sums row r's products of
- * elements 4 i..4 i + 3 and 16 + 4 i.. of each block, scaled by d dx, and the 4 lanes of a row
- * sum to its result, plus lane r of a second accumulator, of the offset terms m sx. n_x rows
- * of x run together (n_x a constant after inlining), each using W's vectors loaded once. */
-#define VNNI_X 4
-
-/* lanes 4 r .. 4 r + 3 of v's element 4 s + r: row r's value of sub-block s of a scale array */
-TARGET_VNNI INLINE __m512 spread(__m512 v, int s) {
-    const __m512i rows = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(4 * s)), v);
+/* 16 bytes as 16 floats */
+TARGET_VNNI INLINE __m512 bytes16(const uint8_t *p, const int is_signed) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes)
+                                        : _mm512_cvtepu8_epi32(bytes));
 }
 
-/* 16 bytes, in each 128-bit lane */
-TARGET_VNNI INLINE __m512i broadcast4(const void *p) {
-    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
-}
-
-/* 16 bytes as 16 floats, times the 4 rows' fp16 values at halves (for [4][4] scale arrays) */
-TARGET_VNNI INLINE __m512 scales16(__m128i bytes, const int is_signed, const uint8_t *halves) {
-    const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-    const __m128 d = halves4(halves);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_broadcast_f32x4(d));
-}
-
-TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int64_t g,
-                                  int64_t m0, const int n_x, const int qtype) {
+TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
+                                  const int n_x, const int qtype) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
     const int per_unit = unit_blocks(qtype);
-    __m512 acc[VNNI_X];
-    __m128 offsets[VNNI_X];
-    for (int i = 0; i < n_x; i++) {
-        acc[i] = _mm512_setzero_ps();
-        offsets[i] = _mm_setzero_ps();
-    }
+    const struct layout at = layout_of(qtype);
+    __m512 acc[VNNI_X], offsets[VNNI_X];
+    for (int i = 0; i < n_x; i++) acc[i] = offsets[i] = _mm512_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
-        __m512 unit_d[4], unit_m[2]; /* K types: d and m of 4 sub-blocks each, [4][4] */
-        if (qtype == Q4_K)
-            for (int p = 0; p < 2; p++) {
-                const __m128i *sc = (const __m128i *)(rec + 512 + 16 * p);
-                const __m128i *mn = (const __m128i *)(rec + 544 + 16 * p);
-                unit_d[p] = scales16(_mm_loadu_si128(sc), 0, rec + 576);
-                unit_m[p] = _mm512_sub_ps(_mm512_setzero_ps(),
-                                          scales16(_mm_loadu_si128(mn), 0, rec + 584));
-            }
-        if (qtype == Q6_K)
-            for (int p = 0; p < 4; p++)
-                unit_d[p] = scales16(_mm_loadu_si128((const __m128i *)(rec + 768 + 16 * p)), 1,
-                                     rec + 832);
+        __m512 unit_d = _mm512_setzero_ps(), unit_m = _mm512_setzero_ps(); /* K types */
+        if (qtype == Q4_K || qtype == Q6_K) unit_d = halves16(rec + at.d);
+        if (qtype == Q4_K) unit_m = _mm512_sub_ps(_mm512_setzero_ps(), halves16(rec + at.m));
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
-            __m512i low, high;
-            __m512 d_low, d_high;
-            __m128 m = _mm_setzero_ps(); /* [m0..m3] */
+            __m512i low[4], high[4]; /* elements 4 t.. and 16 + 4 t.. of each row */
+            __m512 d_low, d_high, m = _mm512_setzero_ps();
             if (qtype == Q8_0) {
                 const __m512i flip = _mm512_set1_epi8((char)0x80);
-                low = _mm512_xor_si512(_mm512_loadu_si512(rec), flip);
-                high = _mm512_xor_si512(_mm512_loadu_si512(rec + 64), flip);
+                for (int t = 0; t < 4; t++) {
+                    low[t] = _mm512_xor_si512(_mm512_loadu_si512(rec + CHUNK * t), flip);
+                    high[t] = _mm512_xor_si512(_mm512_loadu_si512(rec + CHUNK * (4 + t)), flip);
+                }
             } else {
-                const __m512i codes = _mm512_loadu_si512(rec + 64 * j);
-                low = _mm512_and_si512(codes, low4);
-                high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+                for (int t = 0; t < 4; t++) {
+                    const __m512i codes = _mm512_loadu_si512(rec + 4 * CHUNK * j + CHUNK * t);
+                    low[t] = _mm512_and_si512(codes, low4);
+                    high[t] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+                }
             }
-            if (qtype == Q6_K) { /* bits 2 f, 2 f + 1 of the high-bit bytes, moved to bits 4, 5 */
-                const __m512i bits = _mm512_loadu_si512(rec + 512 + 64 * (j / 2));
-                const __m512i h_low = j % 2 ? bits : _mm512_slli_epi16(bits, 4);
-                const __m512i h_high =
-                    j % 2 ? _mm512_srli_epi16(bits, 2) : _mm512_slli_epi16(bits, 2);
-                low = _mm512_or_si512(low, _mm512_and_si512(h_low, high2));
-                high = _mm512_or_si512(high, _mm512_and_si512(h_high, high2));
-                d_low = spread(unit_d[j / 2], 2 * j % 4);
-                d_high = spread(unit_d[j / 2], 2 * j % 4 + 1);
+            if (qtype == Q6_K) { /* bits 2 (2 w + h) of chunk p's bytes moved to bits 4, 5 */
+                for (int p = 0; p < 2; p++) {
+                    const __m512i bits =
+                        _mm512_loadu_si512(rec + at.high + 2 * CHUNK * j + CHUNK * p);
+                    low[2 * p] = _mm512_or_si512(
+                        low[2 * p], _mm512_and_si512(_mm512_slli_epi16(bits, 4), high2));
+                    high[2 * p] = _mm512_or_si512(
+                        high[2 * p], _mm512_and_si512(_mm512_slli_epi16(bits, 2), high2));
+                    low[2 * p + 1] = _mm512_or_si512(low[2 * p + 1], _mm512_and_si512(bits, high2));
+                    high[2 * p + 1] = _mm512_or_si512(
+                        high[2 * p + 1], _mm512_and_si512(_mm512_srli_epi16(bits, 2), high2));
+                }
+                d_low = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * 2 * j, 1));
+                d_high = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * (2 * j + 1), 1));
             } else if (qtype == Q4_K) {
-                d_low = d_high = spread(unit_d[j / 4], j % 4);
-                const __m512i iota =
-                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-                const __m512i quarter = _mm512_add_epi32(iota, _mm512_set1_epi32(4 * (j % 4)));
-                m = _mm512_castps512_ps128(_mm512_permutexvar_ps(quarter, unit_m[j / 4]));
+                d_low = d_high = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * j, 0));
+                m = _mm512_mul_ps(unit_m, bytes16(rec + at.mn + GROUP * j, 0));
             } else {
-                /* [d0..d3, m0..m3] spread: d_r to lanes 4 r .. 4 r + 3, m_r to lane 4 r */
-                const __m128 d = halves4(rec + (qtype == Q8_0 ? 128 : 64));
-                d_low = d_high = spread(_mm512_castps128_ps512(d), 0);
-                if (qtype == Q4_1) m = halves4(rec + 72);
+                d_low = d_high = halves16(rec + at.d);
+                if (qtype == Q4_1) m = halves16(rec + at.m);
             }
             for (int i = 0; i < n_x; i++) {
                 const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
-                const __m512i q_low = broadcast4(xb->q), q_high = broadcast4(xb->q + 16);
-                const __m512i seed_low = broadcast4(xb->lanes);
+                int32_t q4[8];
+                memcpy(q4, xb->q, sizeof q4);
+                __m512i dot_low = _mm512_set1_epi32(xb->seed[0]);
+                __m512i dot_high = _mm512_set1_epi32(xb->seed[1]);
+                for (int t = 0; t < 4; t++) {
+                    dot_low = _mm512_dpbusd_epi32(dot_low, low[t], _mm512_set1_epi32(q4[t]));
+                    dot_high = _mm512_dpbusd_epi32(dot_high, high[t], _mm512_set1_epi32(q4[4 + t]));
+                }
                 const __m512 dx = _mm512_set1_ps(xb->dx);
                 if (qtype == Q6_K) {
-                    const __m512i seed_high = broadcast4(xb->lanes + 4);
-                    const __m512i dot_low = _mm512_dpbusd_epi32(seed_low, low, q_low);
-                    const __m512i dot_high = _mm512_dpbusd_epi32(seed_high, high, q_high);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low),
-                                             _mm512_mul_ps(d_low, dx), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low), _mm512_mul_ps(d_low, dx),
+                                             acc[i]);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high),
                                              _mm512_mul_ps(d_high, dx), acc[i]);
                 } else {
-                    const __m512i seed = qtype == Q4_0 || qtype == Q8_0 ? seed_low
-                                                                         : _mm512_setzero_si512();
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed, low, q_low),
-                                                            high, q_high);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d_low, dx),
-                                             acc[i]);
-                    if (qtype == Q4_1 || qtype == Q4_K)
-                        offsets[i] = _mm_fmadd_ps(m, _mm_set1_ps(xb->sx), offsets[i]);
+                    acc[i] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot_low, dot_high)),
+                                        _mm512_mul_ps(d_low, dx), acc[i]);
                 }
+                if (qtype == Q4_1 || qtype == Q4_K)
+                    offsets[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xb->sx), offsets[i]);
             }
         }
     }
     for (int i = 0; i < n_x; i++) {
-        float lanes[16], m[4];
-        _mm512_storeu_ps(lanes, acc[i]);
-        _mm_storeu_ps(m, offsets[i]);
-        for (int r = 0; r < GROUP; r++)
-            store(c, m0 + i, GROUP * g + r,
-                  (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]) + m[r]);
+        float sums[GROUP];
+        _mm512_storeu_ps(sums, _mm512_add_ps(acc[i], offsets[i]));
+        store_group(c, m0 + i, g, sums);
     }
 }
 
@@ -414,7 +390,14 @@ TARGET_VNNI INLINE void vnni_group(const struct call *c, int64_t g, const int qt
     const uint8_t *recs = c->w + g * (c->blocks / unit_blocks(qtype)) * c->rec_bytes;
     int64_t m = 0;
     for (; m + VNNI_X <= c->rows; m += VNNI_X) vnni_tile(c, recs, g, m, VNNI_X, qtype);
-    for (; m < c->rows; m++) vnni_tile(c, recs, g, m, 1, qtype);
+    switch (c->rows - m) { /* the rest in one pass over W */
+    case 1: vnni_tile(c, recs, g, m, 1, qtype); break;
+    case 2: vnni_tile(c, recs, g, m, 2, qtype); break;
+    case 3: vnni_tile(c, recs, g, m, 3, qtype); break;
+    case 4: vnni_tile(c, recs, g, m, 4, qtype); break;
+    case 5: vnni_tile(c, recs, g, m, 5, qtype); break;
+    default: break;
+    }
 }
 
 /* quantize() in AVX-512: the same arithmetic (vcvtps2dq rounds to nearest even, as the
@@ -422,7 +405,7 @@ TARGET_VNNI INLINE void vnni_group(const struct call *c, int64_t g, const int qt
  * one-row step quantizes x once per linear. */
 TARGET_VNNI static void quantize_vnni(struct xblock *out, const void *x, int64_t in, int c,
                                       int halves, int is_bf16) {
-    const __m128i ones = _mm_set1_epi8(1), minus_c = _mm_set1_epi32(-c);
+    const __m128i ones = _mm_set1_epi8(1);
     for (int64_t b = 0; b < in / QK; b++) {
         __m512 v[2];
         for (int h = 0; h < 2; h++) {
@@ -437,20 +420,16 @@ TARGET_VNNI static void quantize_vnni(struct xblock *out, const void *x, int64_t
         const float max =
             _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
         const float dx = max / 127.0f, scale = max != 0.0f ? 127.0f / max : 0.0f;
-        __m128i q[2], fours[2];
+        int32_t half[2];
         for (int h = 0; h < 2; h++) {
             const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(scale)));
-            q[h] = _mm512_cvtepi32_epi8(rounded);
-            _mm_storeu_si128((__m128i *)(out[b].q + 16 * h), q[h]);
-            fours[h] = _mm_dpbusd_epi32(_mm_setzero_si128(), ones, q[h]); /* sums of 4 */
+            const __m128i q = _mm512_cvtepi32_epi8(rounded);
+            _mm_storeu_si128((__m128i *)(out[b].q + 16 * h), q);
+            const __m128i fours = _mm_dpbusd_epi32(_mm_setzero_si128(), ones, q); /* sums of 4 */
+            half[h] = (_mm_extract_epi32(fours, 0) + _mm_extract_epi32(fours, 1)) +
+                      (_mm_extract_epi32(fours, 2) + _mm_extract_epi32(fours, 3));
         }
-        const __m128i both = _mm_add_epi32(fours[0], fours[1]);
-        out[b].dx = dx;
-        out[b].sx = dx * (float)((_mm_extract_epi32(both, 0) + _mm_extract_epi32(both, 1)) +
-                                 (_mm_extract_epi32(both, 2) + _mm_extract_epi32(both, 3)));
-        const __m128i first = halves ? fours[0] : both;
-        _mm_storeu_si128((__m128i *)out[b].lanes, _mm_mullo_epi32(first, minus_c));
-        _mm_storeu_si128((__m128i *)(out[b].lanes + 4), _mm_mullo_epi32(fours[1], minus_c));
+        finish_block(out + b, dx, half[0], half[1], c, halves);
     }
 }
 
@@ -464,138 +443,142 @@ TARGET_VNNI static void group_vnni(const struct call *c, int64_t g) {
     }
 }
 
-/* AVX2: as the VNNI path with 256-bit vectors, vector h (h = 0, 1) holding rows 2 h and 2 h +
- * 1 of a group. vpmaddubsw multiplies unsigned codes by the signed x in pairs into int16 and
- * vpmaddwd sums those pairs into the same int32 lanes vpdpbusd fills. Q8_0's codes as unsigned
- * would overflow vpmaddubsw's int16 pairs (255 * 127 * 2), so they stay signed: |s| times x
- * with s's sign, and c = 0. */
+/* AVX2: as the VNNI path with 256-bit vectors, half h (h = 0, 1) of a group's rows, 8 h..8 h +
+ * 7, in the 32 bytes at 32 h of each chunk. vpmaddubsw multiplies unsigned codes by the signed x
+ * in pairs into int16 lanes and vpmaddwd sums those pairs into the int32 lanes vpdpbusd fills;
+ * a 4-bit code's pairs (at most 2 * 15 * 127) are summed as int16 over the whole 32-block first,
+ * a 6-bit one's (2 * 63 * 127) two at a time. Q8_0's codes as unsigned would overflow those
+ * pairs (255 * 127 * 2), so they stay signed: |s| times x with s's sign, and c = 0. */
 #define AVX2_X 2
 
-/* lanes 0..3 of v's element 4 s + 2 h, lanes 4..7 of element 4 s + 2 h + 1: rows 2 h and 2 h
- * + 1 of sub-block s of a scale array [2][4] */
-TARGET_AVX2 INLINE __m256 spread2(__m256 v, int s, int h) {
-    const __m256i rows = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm256_permutevar8x32_ps(v, _mm256_add_epi32(rows, _mm256_set1_epi32(4 * s + 2 * h)));
+/* 8 fp16 values as floats */
+TARGET_AVX2 INLINE __m256 halves8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* 8 bytes as 8 floats, times the 4 rows' fp16 values at halves (for [2][4] scale arrays) */
-TARGET_AVX2 INLINE __m256 scales8(const uint8_t *bytes, const int is_signed,
-                                  const uint8_t *halves) {
-    const __m128i packed = _mm_loadl_epi64((const __m128i *)bytes);
-    const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(packed) : _mm256_cvtepu8_epi32(packed);
-    const __m128 d = halves4(halves);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set_m128(d, d));
+/* 8 bytes as 8 floats */
+TARGET_AVX2 INLINE __m256 bytes8(const uint8_t *p, const int is_signed) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes)
+                                        : _mm256_cvtepu8_epi32(bytes));
 }
 
-/* 16 bytes, in each 128-bit lane */
-TARGET_AVX2 INLINE __m256i broadcast2(const void *p) {
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+TARGET_AVX2 INLINE __m256i pairs(__m256i w, int32_t q4, const int is_signed) {
+    const __m256i q = _mm256_set1_epi32(q4);
+    return is_signed ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w))
+                     : _mm256_maddubs_epi16(w, q);
 }
 
-TARGET_AVX2 INLINE __m256i avx2_dot(__m256i w, __m256i q, const int is_signed) {
-    const __m256i pairs = is_signed
-                              ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w))
-                              : _mm256_maddubs_epi16(w, q);
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
-TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int64_t g,
-                                  int64_t m0, const int n_x, const int qtype) {
+TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
+                                  const int n_x, const int qtype) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
+    const __m256i ones = _mm256_set1_epi16(1);
     const int per_unit = unit_blocks(qtype);
-    __m256 acc[AVX2_X][2];
-    __m128 offsets[AVX2_X];
-    for (int i = 0; i < n_x; i++) {
-        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-        offsets[i] = _mm_setzero_ps();
-    }
+    const struct layout at = layout_of(qtype);
+    __m256 acc[AVX2_X][2], offsets[AVX2_X][2];
+    for (int i = 0; i < n_x; i++)
+        for (int h = 0; h < 2; h++) acc[i][h] = offsets[i][h] = _mm256_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
-        __m256 unit_d[8], unit_m[4]; /* K types: d and m of 2 sub-blocks each, [2][4] */
-        if (qtype == Q4_K)
-            for (int p = 0; p < 4; p++) {
-                unit_d[p] = scales8(rec + 512 + 8 * p, 0, rec + 576);
-                unit_m[p] = _mm256_sub_ps(_mm256_setzero_ps(),
-                                          scales8(rec + 544 + 8 * p, 0, rec + 584));
-            }
-        if (qtype == Q6_K)
-            for (int p = 0; p < 8; p++) unit_d[p] = scales8(rec + 768 + 8 * p, 1, rec + 832);
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
-            __m256i low[2], high[2];
-            __m256 d_low[2], d_high[2];
-            __m128 d, m = _mm_setzero_ps(); /* [d0..d3] (of Q4_0, Q4_1, Q8_0), [m0..m3] */
-            if (per_unit == 1) d = halves4(rec + (qtype == Q8_0 ? 128 : 64));
-            if (qtype == Q4_1) m = halves4(rec + 72);
-            if (qtype == Q4_K) /* elements 4 s.. 4 s + 3 */
-                m = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
-                    unit_m[j / 2], _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
-                                                    _mm256_set1_epi32(4 * (j % 2)))));
             for (int h = 0; h < 2; h++) {
-                const __m256i codes = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
-                if (qtype == Q8_0) {
-                    low[h] = codes;
-                    high[h] = _mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h));
-                } else {
-                    low[h] = _mm256_and_si256(codes, low4);
-                    high[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+                __m256i low[4], high[4];
+                __m256 d_low, d_high, m = _mm256_setzero_ps();
+                for (int t = 0; t < 4; t++) {
+                    if (qtype == Q8_0) {
+                        low[t] = _mm256_loadu_si256((const __m256i *)(rec + CHUNK * t + 32 * h));
+                        high[t] =
+                            _mm256_loadu_si256((const __m256i *)(rec + CHUNK * (4 + t) + 32 * h));
+                    } else {
+                        const __m256i codes = _mm256_loadu_si256(
+                            (const __m256i *)(rec + 4 * CHUNK * j + CHUNK * t + 32 * h));
+                        low[t] = _mm256_and_si256(codes, low4);
+                        high[t] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+                    }
                 }
                 if (qtype == Q6_K) {
-                    const uint8_t *high_bits = rec + 512 + 64 * (j / 2) + 32 * h;
-                    const __m256i bits = _mm256_loadu_si256((const __m256i *)high_bits);
-                    const __m256i h_low = j % 2 ? bits : _mm256_slli_epi16(bits, 4);
-                    const __m256i h_high =
-                        j % 2 ? _mm256_srli_epi16(bits, 2) : _mm256_slli_epi16(bits, 2);
-                    low[h] = _mm256_or_si256(low[h], _mm256_and_si256(h_low, high2));
-                    high[h] = _mm256_or_si256(high[h], _mm256_and_si256(h_high, high2));
-                    d_low[h] = spread2(unit_d[j], 0, h);
-                    d_high[h] = spread2(unit_d[j], 1, h);
-                } else if (qtype == Q4_K) {
-                    d_low[h] = d_high[h] = spread2(unit_d[j / 2], j % 2, h);
-                } else {
-                    d_low[h] = d_high[h] = spread2(_mm256_castps128_ps256(d), 0, h);
-                }
-            }
-            for (int i = 0; i < n_x; i++) {
-                const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
-                const __m256i q_low = broadcast2(xb->q), q_high = broadcast2(xb->q + 16);
-                const __m256i seed_low = broadcast2(xb->lanes);
-                const __m256i seed_high = broadcast2(xb->lanes + 4);
-                const __m256 dx = _mm256_set1_ps(xb->dx);
-                if (qtype == Q4_1 || qtype == Q4_K)
-                    offsets[i] = _mm_fmadd_ps(m, _mm_set1_ps(xb->sx), offsets[i]);
-                for (int h = 0; h < 2; h++) {
-                    const __m256i dot_low = avx2_dot(low[h], q_low, qtype == Q8_0);
-                    const __m256i dot_high = avx2_dot(high[h], q_high, qtype == Q8_0);
-                    __m256 *const sum = &acc[i][h];
-                    if (qtype == Q6_K) {
-                        const __m256i low = _mm256_add_epi32(dot_low, seed_low);
-                        const __m256i high = _mm256_add_epi32(dot_high, seed_high);
-                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_mul_ps(d_low[h], dx),
-                                               *sum);
-                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high),
-                                               _mm256_mul_ps(d_high[h], dx), *sum);
-                        continue;
+                    for (int p = 0; p < 2; p++) {
+                        const __m256i bits = _mm256_loadu_si256(
+                            (const __m256i *)(rec + at.high + 2 * CHUNK * j + CHUNK * p + 32 * h));
+                        low[2 * p] = _mm256_or_si256(
+                            low[2 * p], _mm256_and_si256(_mm256_slli_epi16(bits, 4), high2));
+                        high[2 * p] = _mm256_or_si256(
+                            high[2 * p], _mm256_and_si256(_mm256_slli_epi16(bits, 2), high2));
+                        low[2 * p + 1] =
+                            _mm256_or_si256(low[2 * p + 1], _mm256_and_si256(bits, high2));
+                        high[2 * p + 1] = _mm256_or_si256(
+                            high[2 * p + 1], _mm256_and_si256(_mm256_srli_epi16(bits, 2), high2));
                     }
-                    __m256i dot = _mm256_add_epi32(dot_low, dot_high);
-                    if (qtype == Q4_0) dot = _mm256_add_epi32(dot, seed_low);
-                    *sum =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low[h], dx), *sum);
+                    const __m256 d = halves8(rec + at.d + 16 * h);
+                    d_low = _mm256_mul_ps(d, bytes8(rec + at.sc + GROUP * 2 * j + 8 * h, 1));
+                    d_high = _mm256_mul_ps(d, bytes8(rec + at.sc + GROUP * (2 * j + 1) + 8 * h, 1));
+                } else if (qtype == Q4_K) {
+                    d_low = d_high = _mm256_mul_ps(halves8(rec + at.d + 16 * h),
+                                                   bytes8(rec + at.sc + GROUP * j + 8 * h, 0));
+                    m = _mm256_mul_ps(halves8(rec + at.m + 16 * h),
+                                      bytes8(rec + at.mn + GROUP * j + 8 * h, 0));
+                    m = _mm256_sub_ps(_mm256_setzero_ps(), m);
+                } else {
+                    d_low = d_high = halves8(rec + at.d + 16 * h);
+                    if (qtype == Q4_1) m = halves8(rec + at.m + 16 * h);
+                }
+                for (int i = 0; i < n_x; i++) {
+                    const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
+                    int32_t q4[8];
+                    memcpy(q4, xb->q, sizeof q4);
+                    const __m256 dx = _mm256_set1_ps(xb->dx);
+                    __m256 *const sum = &acc[i][h];
+                    if (qtype == Q8_0) {
+                        __m256i dot = _mm256_setzero_si256();
+                        for (int t = 0; t < 4; t++) {
+                            dot = _mm256_add_epi32(
+                                dot, _mm256_madd_epi16(pairs(low[t], q4[t], 1), ones));
+                            dot = _mm256_add_epi32(
+                                dot, _mm256_madd_epi16(pairs(high[t], q4[4 + t], 1), ones));
+                        }
+                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low, dx),
+                                               *sum);
+                    } else if (qtype == Q6_K) {
+                        __m256i dot[2];
+                        for (int half = 0; half < 2; half++) {
+                            const __m256i *w = half ? high : low;
+                            const int32_t *q = q4 + 4 * half;
+                            const __m256i first =
+                                _mm256_add_epi16(pairs(w[0], q[0], 0), pairs(w[1], q[1], 0));
+                            const __m256i second =
+                                _mm256_add_epi16(pairs(w[2], q[2], 0), pairs(w[3], q[3], 0));
+                            dot[half] =
+                                _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(first, ones),
+                                                                  _mm256_madd_epi16(second, ones)),
+                                                 _mm256_set1_epi32(xb->seed[half]));
+                        }
+                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0]), _mm256_mul_ps(d_low, dx),
+                                               *sum);
+                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1]),
+                                               _mm256_mul_ps(d_high, dx), *sum);
+                    } else {
+                        __m256i sixteen = _mm256_setzero_si256();
+                        for (int t = 0; t < 4; t++) {
+                            sixteen = _mm256_add_epi16(sixteen, pairs(low[t], q4[t], 0));
+                            sixteen = _mm256_add_epi16(sixteen, pairs(high[t], q4[4 + t], 0));
+                        }
+                        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sixteen, ones),
+                                                             _mm256_set1_epi32(xb->seed[0]));
+                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low, dx),
+                                               *sum);
+                    }
+                    if (qtype == Q4_1 || qtype == Q4_K)
+                        offsets[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->sx), offsets[i][h]);
                 }
             }
         }
     }
     for (int i = 0; i < n_x; i++) {
-        float m[4];
-        _mm_storeu_ps(m, offsets[i]);
-        for (int h = 0; h < 2; h++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, acc[i][h]);
-            for (int r = 0; r < 2; r++)
-                store(c, m0 + i, GROUP * g + 2 * h + r,
-                      (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]) +
-                          m[2 * h + r]);
-        }
+        float sums[GROUP];
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(sums + 8 * h, _mm256_add_ps(acc[i][h], offsets[i][h]));
+        store_group(c, m0 + i, g, sums);
     }
 }
 
@@ -610,7 +593,6 @@ TARGET_AVX2 INLINE void avx2_group(const struct call *c, int64_t g, const int qt
 TARGET_AVX2 static void quantize_avx2(struct xblock *out, const void *x, int64_t in, int c,
                                       int halves, int is_bf16) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m128i minus_c = _mm_set1_epi32(-c);
     for (int64_t b = 0; b < in / QK; b++) {
         __m256 v[4], amax = _mm256_setzero_ps();
         for (int k = 0; k < 4; k++) {
@@ -632,22 +614,17 @@ TARGET_AVX2 static void quantize_avx2(struct xblock *out, const void *x, int64_t
         for (int k = 0; k < 4; k++)
             q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(scale)));
         /* int32 -> int8 packs within 128-bit lanes; the permute puts the 4-byte runs in order */
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
-                                                  _mm256_packs_epi32(q[2], q[3]));
+        const __m256i packed =
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         const __m256i bytes =
             _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)out[b].q, bytes);
         const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes),
                                                 _mm256_set1_epi16(1)); /* sums of 4 */
-        const __m128i low = _mm256_castsi256_si128(fours);
-        const __m128i high = _mm256_extracti128_si256(fours, 1);
-        const __m128i both = _mm_add_epi32(low, high);
-        out[b].dx = dx;
-        out[b].sx = dx * (float)((_mm_extract_epi32(both, 0) + _mm_extract_epi32(both, 1)) +
-                                 (_mm_extract_epi32(both, 2) + _mm_extract_epi32(both, 3)));
-        const __m128i first = halves ? low : both;
-        _mm_storeu_si128((__m128i *)out[b].lanes, _mm_mullo_epi32(first, minus_c));
-        _mm_storeu_si128((__m128i *)(out[b].lanes + 4), _mm_mullo_epi32(high, minus_c));
+        int32_t sums[8];
+        _mm256_storeu_si256((__m256i *)sums, fours);
+        finish_block(out + b, dx, (sums[0] + sums[1]) + (sums[2] + sums[3]),
+                     (sums[4] + sums[5]) + (sums[6] + sums[7]), c, halves);
     }
 }
 
@@ -689,8 +666,11 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     const int64_t blocks = in_features / QK;
     struct xblock *xq = malloc(sizeof(struct xblock) * (rows * blocks + 1));
     if (xq == NULL) return PyErr_NoMemory();
-    const struct call c = {(void *)out, (const uint8_t *)w, xq, (const void *)bias, rows,
-                           blocks, n_out, record_bytes(qtype), qtype, is_bf16};
+    const struct call c = {(void *)out, (const uint8_t *)w,
+                           xq,          (const void *)bias,
+                           rows,        blocks,
+                           n_out,       layout_of(qtype).bytes,
+                           qtype,       is_bf16};
     void (*group)(const struct call *, int64_t) = group_scalar;
 #if X86
     if (current_isa == AVX512VNNI) group = group_vnni;
@@ -698,8 +678,7 @@ static PyObject *linear(PyObject *module, PyObject *args) {
 #endif
     const size_t x_row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
-    void (*quantize_row)(struct xblock *, const void *, int64_t, int, int, int) =
-        quantize_generic;
+    void (*quantize_row)(struct xblock *, const void *, int64_t, int, int, int) = quantize_generic;
 #if X86
     if (current_isa == AVX512VNNI) quantize_row = quantize_vnni;
     if (current_isa == AVX2) quantize_row = quantize_avx2;
@@ -726,41 +705,39 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Row r of a group as fp32 or bf16, from the group's records: each 32-block's codes taken in
- * plain loops over its 16 bytes, which the compiler vectorizes. Exact, as the gguf package
+/* Row r of a group as fp32 or bf16, from the group's records. Exact, as the gguf package
  * computes it: d (u - c) + m has at most 24 significant bits. */
 static inline __attribute__((always_inline)) void dequantize_row(void *out, const uint8_t *recs,
-                                                                  int64_t blocks, int qtype,
-                                                                  int r, const int is_bf16) {
+                                                                 int64_t blocks, int qtype, int r,
+                                                                 const int is_bf16) {
     const int per_unit = unit_blocks(qtype), offset = code_offset(qtype);
-    const int64_t rec_bytes = record_bytes(qtype);
+    const int64_t rec_bytes = layout_of(qtype).bytes;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *rec = recs + b / per_unit * rec_bytes;
         const int j = b % per_unit;
+        /* row r's bytes of the block's chunks, then codes in loops the compiler vectorizes */
+        uint8_t bytes[QK], high[8];
         int u[QK];
-        if (qtype == Q8_0) {
+        const uint8_t *codes = rec + (qtype == Q8_0 ? 0 : 4 * CHUNK * j) + 4 * r;
+        for (int t = 0; t < (qtype == Q8_0 ? 8 : 4); t++)
+            memcpy(bytes + 4 * t, codes + CHUNK * t, 4);
+        if (qtype == Q8_0)
+            for (int k = 0; k < QK; k++) u[k] = bytes[k] ^ 0x80;
+        else
             for (int k = 0; k < 16; k++) {
-                u[k] = rec[16 * r + k] ^ 0x80;
-                u[16 + k] = rec[64 + 16 * r + k] ^ 0x80;
+                u[k] = bytes[k] & 15;
+                u[16 + k] = bytes[k] >> 4;
             }
-        } else {
-            const uint8_t *codes = rec + 64 * j + 16 * r;
-            for (int k = 0; k < 16; k++) {
-                u[k] = codes[k] & 15;
-                u[16 + k] = codes[k] >> 4;
-            }
-        }
         if (qtype == Q6_K) {
-            const uint8_t *bits = rec + 512 + 64 * (j / 2) + 16 * r;
-            const int f = 2 * (j % 2);
-            for (int k = 0; k < 16; k++) {
-                u[k] |= (bits[k] >> 2 * f & 3) << 4;
-                u[16 + k] |= (bits[k] >> (2 * f + 2) & 3) << 4;
-            }
+            for (int p = 0; p < 2; p++)
+                memcpy(high + 4 * p, rec + 2048 + 2 * CHUNK * j + CHUNK * p + 4 * r, 4);
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 16; k++) /* k = 4 (2 p + w) + i */
+                    u[16 * h + k] |= (high[4 * (k / 8) + k % 4] >> 2 * (2 * (k / 4 % 2) + h) & 3)
+                                     << 4;
         }
-        float d[2], m;
+        float d[2], m, value[QK];
         block_scales(rec, qtype, r, j, d, &m);
-        float value[QK];
         for (int k = 0; k < QK; k++) value[k] = d[k / 16] * (float)(u[k] - offset) + m;
         for (int k = 0; k < QK; k += LANES) store_any(out, b * QK + k, load8(value + k), is_bf16);
     }
@@ -785,7 +762,7 @@ static PyObject *dequantize(PyObject *module, PyObject *args) {
         !check_shape(qtype, in_features))
         return NULL;
     const int64_t blocks = in_features / QK;
-    const int64_t group_bytes = blocks / unit_blocks(qtype) * record_bytes(qtype);
+    const int64_t group_bytes = blocks / unit_blocks(qtype) * layout_of(qtype).bytes;
     const size_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
 #pragma omp parallel for schedule(static)
@@ -804,8 +781,7 @@ static PyObject *set_isa(PyObject *module, PyObject *arg) {
     for (int isa = SCALAR; isa <= AVX512VNNI; isa++)
         if (strcmp(name, isa_names[isa]) == 0) {
             if (!isa_runs(isa))
-                return PyErr_Format(PyExc_ValueError, "quant_linear: this CPU cannot run %s",
-                                    name);
+                return PyErr_Format(PyExc_ValueError, "quant_linear: this CPU cannot run %s", name);
             current_isa = isa;
             Py_RETURN_NONE;
         }
