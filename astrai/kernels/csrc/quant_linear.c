@@ -161,7 +161,10 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
 
 /* A 32-block of a row of x as the kernels read it. */
 struct xblock {
-    int8_t q[QK];
+    union {
+        int8_t q[QK];
+        int32_t q4[QK / 4]; /* runs of 4, which the kernels broadcast from memory */
+    };
     float dx, sx;    /* x ~= dx q; sx = dx sum q */
     int32_t seed[2]; /* -c sum q, or, for Q6_K (a scale per half), -c times each half's sum */
 };
@@ -355,8 +358,7 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
             }
             for (int i = 0; i < n_x; i++) {
                 const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
-                int32_t q4[8];
-                memcpy(q4, xb->q, sizeof q4);
+                const int32_t *q4 = xb->q4;
                 __m512i dot_low = _mm512_set1_epi32(xb->seed[0]);
                 __m512i dot_high = _mm512_set1_epi32(xb->seed[1]);
                 for (int t = 0; t < 4; t++) {
@@ -525,8 +527,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                 }
                 for (int i = 0; i < n_x; i++) {
                     const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
-                    int32_t q4[8];
-                    memcpy(q4, xb->q, sizeof q4);
+                    const int32_t *q4 = xb->q4;
                     const __m256 dx = _mm256_set1_ps(xb->dx);
                     __m256 *const sum = &acc[i][h];
                     if (qtype == Q8_0) {
