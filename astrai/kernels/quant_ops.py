@@ -81,6 +81,9 @@ class QuantizedWeight:
         return self._kept[dtype]
 
 
+# Rows of x the kernel's CPU paths are timed at: a decode step's one, and a speculative check's
+# few, where the paths part (at one row they all wait on memory, and AVX2 can win by noise).
+ISA_TIMED_ROWS = (1, 4)
 # x dtype -> the path of each row bucket, set by tune_quant_linears()
 _paths: dict[torch.dtype, list[LinearPath]] = {}
 _timed: dict[tuple, list[LinearPath]] = {}
@@ -193,7 +196,7 @@ def tune_quant_linears(
 ) -> dict[int, LinearPath]:
     """Time the paths for x of dtype on these weights (one model's quantized linears, in
     order; once per machine, as tuning_cache keeps the answer) -- first the kernel's CPU paths
-    at one row, keeping the fastest -- use the fastest path per row bucket from now on, and
+    at ISA_TIMED_ROWS, keeping the fastest -- use the fastest path per row bucket from now on, and
     return them {bucket: path}."""
     key = (dtype, tuple((w.qtype, w.shape) for w in weights))
     if native.quant_linear is not None and key not in _timed and forced_path() is None:
@@ -208,7 +211,8 @@ def tune_quant_linears(
 
 
 def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtype) -> list:
-    """[the kernel's fastest CPU path, then the fastest path of each row bucket], timed.
+    """[the kernel's fastest CPU path (over a pass of each of ISA_TIMED_ROWS), then the
+    fastest path of each row bucket], timed.
 
     The kernel quantizes x and a GEMM does not, so their results differ by more than rounding:
     the kernel keeps every bucket up to the first a GEMM wins, and none beyond, so that a
@@ -218,7 +222,10 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
 
     def kernel_on(isa: str, limit: float) -> float:
         native.quant_linear.set_isa(isa)
-        return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
+        seconds = 0.0
+        for rows in ISA_TIMED_ROWS:
+            seconds += _time_path(LinearPath.KERNEL, streamed, dtype, rows, limit - seconds)
+        return seconds
 
     isa = fastest({i: partial(kernel_on, i) for i in isas}, isas[0])
     native.quant_linear.set_isa(isa)

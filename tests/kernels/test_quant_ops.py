@@ -267,9 +267,13 @@ def test_types_and_shapes_without_a_kernel_are_refused():
 
 
 KERNEL, GEMM, UPCAST = LinearPath.KERNEL, LinearPath.GEMM, LinearPath.UPCAST
-# for a fake clock: seconds of a one-row pass of the kernel on each CPU path (timed first, twice
-# each), then of each path per rows (1.0 where not given)
-ISA_SECONDS = {"scalar": 3.0, "avx2": 1.0, "avx512vnni": 2.0}
+# for a fake clock: seconds of a pass of the kernel on each CPU path at 1 and 4 rows (timed
+# first, twice each: AVX2 wins at one row, VNNI over both), then of each path per rows (1.0
+# where not given)
+ISA_SECONDS = {
+    1: {"scalar": 3.0, "avx2": 1.0, "avx512vnni": 1.1},
+    4: {"scalar": 9.0, "avx2": 3.0, "avx512vnni": 1.5},
+}
 SECONDS = {
     1: {KERNEL: 1.05, GEMM: 1.0},  # the GEMM 5 % faster: not enough to leave the kernel
     4: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast: from here on, GEMMs only
@@ -290,10 +294,11 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     def fake_time(path, weights, dtype_, rows, limit):
         isa = native.quant_linear.isa()
         timed.append((path, rows, isa))
-        if len(timed) <= 2 * len(native.quant_linear.isas()):
-            return ISA_SECONDS[isa]
+        if len(timed) <= isa_timings:
+            return ISA_SECONDS[rows][isa]
         return SECONDS.get(rows, {}).get(path, 1.0)
 
+    isa_timings = 2 * len(quant_module.ISA_TIMED_ROWS) * len(native.quant_linear.isas())
     monkeypatch.setattr(quant_module, "_time_path", fake_time)
     weights = []
     for qtype in QTYPES:
@@ -302,14 +307,17 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     before = native.quant_linear.isa()
     try:
         chosen = tune_quant_linears(weights, dtype)
-        fastest = min(native.quant_linear.isas(), key=ISA_SECONDS.get)
+        fastest = min(
+            native.quant_linear.isas(), key=lambda i: sum(ISA_SECONDS[r][i] for r in (1, 4))
+        )
         assert native.quant_linear.isa() == fastest
         assert {isa for _, _, isa in timed} == set(native.quant_linear.isas())
     finally:
         native.quant_linear.set_isa(before)
     want = {1: KERNEL, 2: KERNEL, 256: UPCAST if dtype == torch.bfloat16 else GEMM}
     assert chosen == {rows: want.get(rows, GEMM) for rows in quant_module.ROW_BUCKETS}
-    path_timings = timed[2 * len(native.quant_linear.isas()) :]
+    assert {rows for _, rows, _ in timed[:isa_timings]} == set(quant_module.ISA_TIMED_ROWS)
+    path_timings = timed[isa_timings:]
     assert {rows for path, rows, _ in path_timings if path is KERNEL} == {1, 2, 4}
     assert quant_module.choose_path(torch.empty(2, 32, dtype=dtype)) is KERNEL
     assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype)) is GEMM
