@@ -141,7 +141,7 @@ def pack_blocks(blocks: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray
         parts = [np.moveaxis(_to_records(codes.reshape(rows, units, -1, 4, 4)), 2, 4)]
     if qtype == Q.Q6_K:  # [groups, units, blocks, chunk p, GROUP, 4]
         high = (u >> 4).reshape(rows, units, 8, 2, 2, 2, 4)  # [.., h, p, w, i]
-        bits = (high << _high_bit_shifts()).sum(axis=(3, 5), dtype=np.uint8)  # bits apart
+        bits = np.bitwise_or.reduce(high << _high_bit_shifts(), axis=(3, 5))
         parts.append(np.moveaxis(_to_records(bits), 2, 4))
     for name, dtype, _ in kind.fields:  # [groups, units, count, GROUP]
         field = np.moveaxis(_to_records(fields[name].astype(dtype)), 2, 3)

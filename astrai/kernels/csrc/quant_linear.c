@@ -140,7 +140,8 @@ static inline __attribute__((always_inline)) int code(const uint8_t *rec, int qt
     const int low = k < 16 ? byte & 15 : byte >> 4;
     if (qtype != Q6_K) return low;
     const int t = k % 16 / 4, shift = 2 * (2 * (t % 2) + k / 16);
-    return low | (rec[2048 + 2 * CHUNK * j + CHUNK * (t / 2) + in_chunk] >> shift & 3) << 4;
+    const uint8_t bits = rec[layout_of(Q6_K).high + 2 * CHUNK * j + CHUNK * (t / 2) + in_chunk];
+    return low | (bits >> shift & 3) << 4;
 }
 
 /* Row r's scales of 32-block j of a record: d of its two halves, and m. */
@@ -765,7 +766,8 @@ static inline __attribute__((always_inline)) void dequantize_row(void *out, cons
             }
         if (qtype == Q6_K) {
             for (int p = 0; p < 2; p++)
-                memcpy(high + 4 * p, rec + 2048 + 2 * CHUNK * j + CHUNK * p + 4 * r, 4);
+                memcpy(high + 4 * p, rec + layout_of(Q6_K).high + 2 * CHUNK * j + CHUNK * p + 4 * r,
+                       4);
             for (int h = 0; h < 2; h++)
                 for (int k = 0; k < 16; k++) /* k = 4 (2 p + w) + i */
                     u[16 * h + k] |= (high[4 * (k / 8) + k % 4] >> 2 * (2 * (k / 4 % 2) + h) & 3)
