@@ -5,7 +5,8 @@ A decode step is one row; a speculative check of K guesses is K + 1. This times 
 (16 layers: q, k, v, o, gate, up, down), random blocks of each GGUF type with real-sized
 scales, so that every pass streams its weights from memory: GB/s against the machine's read
 bandwidth (the roofline of one row), and GMAC/s a core (what extra rows cost once the weights
-are read).
+are read). The peer, timed in the same run at the same rows: PyTorch's F.linear on dense bf16
+weights of the same shapes, what the model would run without quantized weights.
 
     python benchmarks/quant_rows.py                          # Q4_1, Q8_0, Q4_K, Q6_K, Q4_0
     python benchmarks/quant_rows.py --types q4_1 --rows 1,2,3,4,5,6 --isa avx2
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from machine import read_bandwidth
 from workload import LLAMA_1B
@@ -65,38 +68,53 @@ def main() -> None:
         f"{args.layers} layers of the 1B shape, {args.threads} threads, path "
         f"{native.quant_linear.isa()}, read bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB sum)\n"
     )
-    print(
-        "| type | rows | ms a pass | GB/s | of read bandwidth | GMAC/s a core | x one row's time |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows_timed = sorted({1, *(int(r) for r in args.rows.split(","))})
+    shapes = layer_shapes(args.layers)
     rng = np.random.default_rng(0)
+    peer = {}  # rows -> seconds of a pass of F.linear on dense bf16 weights
+    dense = [torch.randn(shape, dtype=torch.bfloat16) for shape in shapes]
+    for rows in rows_timed:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in dense}
+        peer[rows] = best_pass([partial(F.linear, inputs[w.shape[1]], w) for w in dense], args)
+    del dense
+    print("| type | rows | ms a pass | GB/s | of read bandwidth | GMAC/s a core | x one row | "
+          "dense bf16 F.linear ms | its time / ours |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.types.upper().split(","):
         qtype = GGMLQuantizationType[name]
-        weights = [random_weight(qtype, shape, rng) for shape in layer_shapes(args.layers)]
+        weights = [random_weight(qtype, shape, rng) for shape in shapes]
         nbytes = sum(w.nbytes() for w in weights)
         macs = sum(w.shape[0] * w.shape[1] for w in weights)
         one_row = None
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in rows_timed:
             inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
             outputs = [torch.empty(rows, w.shape[0]) for w in weights]
             calls = [
-                (out.data_ptr(), inputs[w.shape[1]].data_ptr(), w.packed.data_ptr(), 0, rows,
-                 w.shape[1], w.shape[0], int(w.qtype), False)
+                partial(native.quant_linear.linear, out.data_ptr(),
+                        inputs[w.shape[1]].data_ptr(), w.packed.data_ptr(), 0, rows, w.shape[1],
+                        w.shape[0], int(w.qtype), False)
                 for w, out in zip(weights, outputs, strict=True)
             ]  # fmt: skip
-            best = float("inf")
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                for call in calls:
-                    native.quant_linear.linear(*call)
-                best = min(best, time.perf_counter() - started)
+            best = best_pass(calls, args)
             one_row = one_row or best
             gmacs = macs * rows / best / 1e9 / args.threads
             print(
                 f"| {name} | {rows} | {best * 1e3:.1f} | {nbytes / best / 1e9:.1f} | "
-                f"{nbytes / best / bandwidth:.0%} | {gmacs:.0f} | {best / one_row:.2f} |",
+                f"{nbytes / best / bandwidth:.0%} | {gmacs:.0f} | {best / one_row:.2f} | "
+                f"{peer[rows] * 1e3:.1f} | {peer[rows] / best:.2f}x |",
                 flush=True,
             )
+
+
+def best_pass(calls: list, args) -> float:
+    """Seconds of the fastest of args.repeats passes over the calls, after one to warm up."""
+    best = float("inf")
+    for _ in range(args.repeats + 1):
+        started = time.perf_counter()
+        for call in calls:
+            call()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 if __name__ == "__main__":
