@@ -307,6 +307,17 @@ static void group_scalar(const struct call *c, int64_t g) {
 }
 
 #if X86
+/* W's stream is read PREFETCH_BYTES ahead of the record being decoded: the hardware prefetcher
+ * alone left a one-row pass waiting on memory for a third of its time (it starts over at each
+ * 4 KB page), and the kernel's arithmetic did not overlap the misses. 2 KB ahead measured best
+ * of 1-8 KB (benchmarks/README.md, "Prefetching W"). */
+#define PREFETCH_BYTES 2048
+
+INLINE void prefetch_ahead(const uint8_t *rec, const int bytes) {
+    for (int line = 0; line < bytes; line += 64)
+        _mm_prefetch((const char *)rec + PREFETCH_BYTES + line, _MM_HINT_T0);
+}
+
 /* AVX-512 VNNI. Per x row an accumulator of 16 floats, lane r row r's sum of d dx (u . q - c
  * sum q), and a second of its m sx. n_x rows of x run together (n_x a constant after
  * inlining), each using W's vectors decoded once. */
@@ -334,6 +345,7 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
     for (int i = 0; i < n_x; i++) acc[i] = offsets[i] = _mm512_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
+        prefetch_ahead(rec, at.bytes);
         __m512 unit_d = _mm512_setzero_ps(), unit_m = _mm512_setzero_ps(); /* K types */
         if (qtype == Q4_K || qtype == Q6_K) unit_d = halves16(rec + at.d);
         if (qtype == Q4_K) unit_m = _mm512_sub_ps(_mm512_setzero_ps(), halves16(rec + at.m));
@@ -517,6 +529,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
     for (int h = 0; h < 2; h++) acc[i][h] = offsets[i][h] = _mm256_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
+        prefetch_ahead(rec, at.bytes);
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
             UNROLL
