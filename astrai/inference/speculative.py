@@ -31,7 +31,10 @@ from astrai.inference.task import Task
 
 def ngram_draft(ids: Sequence[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens, for the largest n in [min_ngram, max_ngram] that occurs; [] if none does."""
+    last n tokens, for the largest n in [min_ngram, max_ngram] that occurs; [] if none does.
+    The latest occurrence with num_tokens after it wins over a later one cut short by the end
+    of the sequence (in a repeating run the latest is a few tokens back, and offered only
+    those)."""
     tokens = np.asarray(ids, dtype=np.int64)
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -41,7 +44,8 @@ def ngram_draft(ids: Sequence[int], num_tokens: int, max_ngram: int, min_ngram: 
         for offset in range(1, n):
             starts = starts[tokens[starts + offset] == suffix[offset]]
         if starts.size:
-            follow = starts[-1] + n
+            whole = starts[starts + n + num_tokens <= length]
+            follow = (whole[-1] if whole.size else starts[-1]) + n
             return tokens[follow : follow + num_tokens].tolist()
     return []
 
@@ -130,8 +134,9 @@ class StepTimes:
         self.seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def estimate(self, rows: int) -> float | None:
-        """Interpolated between the row counts measured; flat beyond them (an optimistic guess
-        that the next steps correct), None before any step ran."""
+        """Interpolated between the row counts measured; past the largest, extended along the
+        line through the two largest (flat while one is known: an optimistic guess that the
+        next steps correct); flat below the smallest; None before any step ran."""
         if rows in self.seconds:
             return self.seconds[rows]
         known = sorted(self.seconds)
@@ -139,11 +144,16 @@ class StepTimes:
             return None
         below = [r for r in known if r < rows]
         above = [r for r in known if r > rows]
-        if not below or not above:
-            return self.seconds[below[-1] if below else above[0]]
-        low, high = below[-1], above[0]
-        share = (rows - low) / (high - low)
-        return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
+        if not below:
+            return self.seconds[above[0]]
+        if above:
+            low, high = below[-1], above[0]
+        elif len(below) > 1:
+            low, high = below[-2], below[-1]
+        else:
+            return self.seconds[below[-1]]
+        slope = (self.seconds[high] - self.seconds[low]) / (high - low)
+        return self.seconds[low] + (rows - low) * (slope if above else max(slope, 0.0))
 
 
 @dataclass
@@ -172,17 +182,20 @@ RETRY_DRIFT = 1 / 32
 class Speculator:
     """Turns a step's decode chunks into speculative ones where that is expected to pay.
 
-    Per task it keeps the rate at which its guesses were kept; per step it adds guesses while
-    the tokens expected per second rise, with step times measured on this machine. Guessing
-    therefore stops for a task whose guesses miss and for a batch large enough that more rows
-    cost more time (compute-bound), and resumes when the measurements say it pays again.
+    Per task it keeps the rate at which its guesses were kept (guess j is then kept with
+    probability rate**j); per step it takes the guesses that give the most tokens expected per
+    second, with step times measured on this machine. Guessing therefore stops for a task whose
+    guesses miss and for a batch large enough that more rows cost more time (compute-bound),
+    and resumes when the measurements say it pays again.
     """
 
     def __init__(self, proposer, num_tokens: int) -> None:
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.times = StepTimes()
-        self.rates: dict[int, float] = {}
+        self.rates: dict[int, float] = {}  # task id -> kept / judged of its averages below
+        # task id -> [guesses kept, guesses judged] a check, averaged over its recent checks
+        self.counts: dict[int, list[float]] = {}
         self.stats = SpeculationStats()
 
     def extend(self, chunks: list[ScheduledChunk], budget: int, cache: PagedCache) -> None:
@@ -197,8 +210,7 @@ class Speculator:
         for chunk, length, draft in zip(decodes, lengths, drafts, strict=True):
             task = chunk.task
             if not length:
-                rate = self.rates.get(task.id, PRIOR_RATE)
-                self.rates[task.id] = rate + RETRY_DRIFT * (PRIOR_RATE - rate)
+                self._average(task.id, PRIOR_RATE, 1.0, RETRY_DRIFT)
                 continue
             draft, states = _grammar_prefix(task, draft[:budget])
             if not draft or not cache.allocate(task.id, task.num_tokens + len(draft)):
@@ -216,8 +228,10 @@ class Speculator:
 
     def _choose(self, decodes: list[ScheduledChunk], lengths: list[int], rows: int) -> list[int]:
         """How many guesses each decode chunk gets (0: none). Guess j of a task is kept with
-        probability rate**j, so guesses are taken most likely first, one row at a time, while
-        each raises the step's expected tokens per second at the measured step times."""
+        probability rate**j, so guesses are taken most likely first, as many as give the step
+        the most expected tokens per second at the step times measured. (Stopping at the first
+        guess that did not raise it stopped at one guess of four that all paid: measured times
+        of neighbouring row counts are not always in order.)"""
         rates = [self.rates.get(c.task.id, PRIOR_RATE) for c in decodes]
         increments = sorted(
             ((rates[i] ** j, i) for i, n in enumerate(lengths) for j in range(1, n + 1)),
@@ -225,16 +239,19 @@ class Speculator:
             reverse=True,
         )
         base = self.times.estimate(rows)
+        taken = len(increments)  # all, until steps were timed
+        if base is not None:
+            tokens = float(len(decodes))
+            best = tokens / base
+            taken = 0
+            for extra, (gain, _) in enumerate(increments, start=1):
+                tokens += gain
+                speed = tokens / self.times.estimate(rows + extra)
+                if speed > best:
+                    best, taken = speed, extra
         chosen = [0] * len(decodes)
-        tokens = float(len(decodes))
-        for extra, (gain, i) in enumerate(increments):  # extra: the guesses taken so far
-            if base is not None:
-                now = tokens / (self.times.estimate(rows + extra) or base)
-                then = (tokens + gain) / (self.times.estimate(rows + extra + 1) or base)
-                if then <= now:
-                    break
+        for _, i in increments[:taken]:
             chosen[i] += 1
-            tokens += gain
         return chosen
 
     def timed(self, chunks: Sequence[ScheduledChunk], started: float) -> None:
@@ -244,18 +261,29 @@ class Speculator:
             self.times.record(sum(c.length for c in chunks), time.perf_counter() - started)
 
     def verified(self, chunk: ScheduledChunk) -> None:
-        """Count a speculative chunk's outcome and update its task's rate."""
+        """Count a speculative chunk's outcome and update its task's rate: guesses kept over
+        guesses judged, each averaged over recent checks. A guess after a check's first miss
+        is never judged, and kept / proposed would count it a miss: on a workload that copies
+        runs of tokens (a check keeps all its guesses or none) that halved the rate, and the
+        policy took two guesses where four paid."""
         proposed = len(chunk.draft)
         self.stats.steps += 1
         self.stats.proposed += proposed
         self.stats.accepted += chunk.accepted
-        if chunk.task.is_finished:
-            return
-        rate = self.rates.get(chunk.task.id, PRIOR_RATE)
-        self.rates[chunk.task.id] = rate + RATE_SMOOTHING * (chunk.accepted / proposed - rate)
+        if not chunk.task.is_finished:
+            judged = chunk.accepted + (chunk.accepted < proposed)
+            self._average(chunk.task.id, chunk.accepted, judged, RATE_SMOOTHING)
+
+    def _average(self, task_id: int, kept: float, judged: float, weight: float) -> None:
+        """Move the task's averages towards (kept, judged) by weight, and its rate with them."""
+        counts = self.counts.setdefault(task_id, [PRIOR_RATE, 1.0])
+        counts[0] += weight * (kept - counts[0])
+        counts[1] += weight * (judged - counts[1])
+        self.rates[task_id] = counts[0] / counts[1]
 
     def forget(self, task: Task) -> None:
         self.rates.pop(task.id, None)
+        self.counts.pop(task.id, None)
         self.proposer.forget(task)
 
 

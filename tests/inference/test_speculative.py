@@ -210,6 +210,8 @@ def test_ngram_draft_follows_the_latest_longest_match():
     assert ngram_draft(ids + [4], 2, max_ngram=3, min_ngram=1) == []
     assert ngram_draft([5, 6, 5, 6], 3, max_ngram=2, min_ngram=1) == [5, 6]
     assert ngram_draft([1], 3, max_ngram=2, min_ngram=1) == []
+    # a repeating run: the latest "1 2" has two tokens after it, the one before it four
+    assert ngram_draft([1, 2, 1, 2, 1, 2], 4, max_ngram=2, min_ngram=1) == [1, 2, 1, 2]
 
 
 def test_policy_takes_the_guesses_that_pay_at_the_measured_step_times():
@@ -217,7 +219,7 @@ def test_policy_takes_the_guesses_that_pay_at_the_measured_step_times():
     for rows, seconds in ((1, 0.5), (1, 0.010), (9, 0.5), (9, 0.030)):  # the first: recording
         times.record(rows, seconds)
     assert times.estimate(5) == pytest.approx(0.020)
-    assert times.estimate(20) == pytest.approx(0.030)
+    assert times.estimate(20) == pytest.approx(0.030 + 11 * 0.0025)  # along the last line
     speculator = Speculator(proposer=None, num_tokens=8)
     speculator.times = times
     tasks = [type("Task", (), {"id": i})() for i in range(2)]
@@ -232,6 +234,27 @@ def test_policy_takes_the_guesses_that_pay_at_the_measured_step_times():
     speculator.rates[0], speculator.rates[1] = 0.9, 0.6
     assert speculator._choose(chunks, [8, 8], rows=2) == [5, 1]
     assert Speculator(proposer=None, num_tokens=8)._choose(chunks, [3, 2], rows=2) == [3, 2]
+    # Measured times out of order (3 rows dearer than 4 and 5): sure guesses take all four,
+    # though the second alone would not have raised the tokens per second.
+    uneven = StepTimes()
+    for rows, seconds in ((1, 6.1), (2, 7.8), (3, 11.7), (4, 12.8), (5, 11.4)):
+        uneven.record(rows, 1.0)  # the recording step, left out
+        uneven.record(rows, seconds / 1000)
+    speculator.times, speculator.rates[0] = uneven, 1.0
+    assert speculator._choose(chunks[:1], [4], rows=1) == [4]
+
+
+def test_a_tasks_rate_counts_only_the_guesses_its_checks_judged():
+    """Guesses after a check's first miss are never judged: a task whose checks keep all
+    four guesses or miss the first has kept 4 of every 5 judged, not the half that
+    kept / proposed would say, and the policy takes guesses on that rate."""
+    speculator = Speculator(proposer=None, num_tokens=4)
+    task = type("Task", (), {"id": 0, "is_finished": False})()
+    for accepted in [4, 0] * 40:
+        chunk = type("Chunk", (), {"task": task, "draft": [1] * 4, "accepted": accepted})()
+        speculator.verified(chunk)
+    assert speculator.rates[0] == pytest.approx(0.8, abs=0.1)
+    assert speculator.stats.acceptance_rate == pytest.approx(0.5)  # what /metrics reports
 
 
 def test_speculative_settings_are_checked():
