@@ -66,9 +66,6 @@ class CacheView:
         self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
 
         decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-        # A task with several decode rows (a speculative check, each row seeing one key more)
-        # needs all their K/V stored before any row attends, not as the kernel attends each.
-        self.store_first = len({seqs[i][0] for i in decodes}) < len(decodes)
         self.paged_decode: PagedDecode | None = None
         self.decode_groups: list[DecodeGroup] = []
         if decodes and PagedDecode.supports(cache.k_cache):
@@ -114,9 +111,9 @@ class CacheView:
         out: torch.Tensor,
     ) -> Callable[[], object]:
         """The layer's attention as a call that writes into out [num_tokens, heads, hd]; for
-        decodes alone on the C kernel, the kernel call itself (it stores their K/V as it attends),
-        which a replayed step binds once per layer."""
-        if self.paged_decode is not None and not self.chunks and not self.store_first:
+        decodes alone on the C kernel, the kernel call itself (it stores all their K/V, then
+        attends), which a replayed step binds once per layer."""
+        if self.paged_decode is not None and not self.chunks:
             return self._kernel_call(layer, q, out, k, v)
         return partial(self._attend, layer, q, k, v, out)
 

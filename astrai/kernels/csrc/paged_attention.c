@@ -32,8 +32,8 @@
 typedef struct {
     void *out;     /* [num_tokens, n_heads, head_dim], contiguous */
     const void *q; /* rows of q_row_stride values; heads contiguous within a row */
-    /* The decodes' own new K and V, rows of new_k/v_row_stride values, which attend() stores in
-     * the cache before reading it; NULL when the caller has stored them already. */
+    /* The decodes' own new K and V, rows of new_k/v_row_stride values, which attend_all()
+     * stores in the cache before any decode reads it; NULL when the caller has stored them. */
     const void *new_k, *new_v;
     void *k_cache; /* [n_pages, page_size, kv_heads, head_dim], one layer */
     void *v_cache;
@@ -44,21 +44,20 @@ typedef struct {
     int64_t q_row_stride, new_k_row_stride, new_v_row_stride;
     int64_t window; /* a decode sees its last window keys only; 0: all */
     float scale;
-    float softcap; /* 0: none */
+    float softcap;   /* 0: none */
     int io_dtype;    /* of q, out, new_k and new_v: a DTYPE_ code */
     int cache_dtype; /* of k_cache and v_cache */
 } DecodeBatch;
 
 /* The address of value i of an array of dtype. */
 static inline __attribute__((always_inline)) const void *at(const void *p, int64_t i,
-                                                             const int dtype) {
+                                                            const int dtype) {
     return (const char *)p + i * dtype_size(dtype);
 }
 
 /* n values (a multiple of LANES) copied from src to dst, converted between their dtypes. */
-static inline __attribute__((always_inline)) void convert(void *dst, const int dst_dtype,
-                                                           const void *src, const int src_dtype,
-                                                           int64_t n) {
+static inline __attribute__((always_inline)) void
+convert(void *dst, const int dst_dtype, const void *src, const int src_dtype, int64_t n) {
     if (dst_dtype == src_dtype) {
         memcpy(dst, src, n * dtype_size(dst_dtype));
         return;
@@ -90,9 +89,10 @@ static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int
  * the n_heads <= HEAD_BLOCK heads whose scores rows start at s; out's heads are hd values
  * apart. Inlined with the counts and dtypes constant, so the 2 * n_heads accumulators live in
  * vector registers and each token's value vectors are loaded once for all the heads. */
-static inline __attribute__((always_inline)) void weigh_values(
-    void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx, int64_t hd,
-    int64_t d0, const int n_heads, const int n_vec, const int io, const int cache) {
+static inline __attribute__((always_inline)) void
+weigh_values(void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx,
+             int64_t hd, int64_t d0, const int n_heads, const int n_vec, const int io,
+             const int cache) {
     vec8 acc[HEAD_BLOCK][2] = {{{0.0f}}};
     for (int64_t t = 0; t < ctx; t++)
         for (int v = 0; v < n_vec; v++) {
@@ -104,9 +104,10 @@ static inline __attribute__((always_inline)) void weigh_values(
 }
 
 /* weigh_values for a run-time head count, over a 16-value slice (n_vec 2) or 8 (n_vec 1). */
-static inline __attribute__((always_inline)) void weigh_values_of(
-    void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx, int64_t hd,
-    int64_t d0, int64_t n_heads, const int n_vec, const int io, const int cache) {
+static inline __attribute__((always_inline)) void
+weigh_values_of(void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx,
+                int64_t hd, int64_t d0, int64_t n_heads, const int n_vec, const int io,
+                const int cache) {
     switch (n_heads) {
     case 1: weigh_values(out, s, stride, values, ctx, hd, d0, 1, n_vec, io, cache); break;
     case 2: weigh_values(out, s, stride, values, ctx, hd, d0, 2, n_vec, io, cache); break;
@@ -120,9 +121,9 @@ static inline __attribute__((always_inline)) void weigh_values_of(
  * Every value is read as fp32, computed in fp32 and rounded once, at the output; io and cache
  * are the dtypes of q/out and of the cache, constants after inlining. */
 static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, int64_t i,
-                                                          int64_t kv_begin, int64_t kv_end,
-                                                          float *scratch, const int io,
-                                                          const int cache) {
+                                                         int64_t kv_begin, int64_t kv_end,
+                                                         float *scratch, const int io,
+                                                         const int cache) {
     const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
     const int64_t n_heads = (kv_end - kv_begin) * group;
     /* the keys seen are first .. first + ctx - 1; the new one, at context_lens[i] - 1, last */
@@ -143,22 +144,13 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     const int key_dtype = cache == DTYPE_FP16 ? DTYPE_FP32 : cache; /* as the loop reads keys */
     const void **values = (const void **)(widened + KEY_BLOCK * widened_row); /* [ctx] V rows */
 
-    if (b->new_k != NULL) { /* this decode's own token comes last */
-        const int64_t slot = page_token(b, pages, end - 1) + kv_begin * hd;
-        const int64_t n_values = (kv_end - kv_begin) * hd;
-        convert((void *)at(b->k_cache, slot, cache), cache,
-                at(b->new_k, b->rows[i] * b->new_k_row_stride + kv_begin * hd, io), io, n_values);
-        convert((void *)at(b->v_cache, slot, cache), cache,
-                at(b->new_v, b->rows[i] * b->new_v_row_stride + kv_begin * hd, io), io, n_values);
-    }
-
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
         const void *keys[KEY_BLOCK];
         for (int64_t j = 0; j < KEY_BLOCK; j++)
-            keys[j] = at(b->k_cache,
-                         page_token(b, pages, first + t0 + (j < n_keys ? j : 0)) + kv_begin * hd,
-                         cache);
+            keys[j] =
+                at(b->k_cache,
+                   page_token(b, pages, first + t0 + (j < n_keys ? j : 0)) + kv_begin * hd, cache);
         if (cache == DTYPE_FP16)
             for (int j = 0; j < KEY_BLOCK; j++) {
                 float *row = widened + j * widened_row;
@@ -221,11 +213,10 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
 }
 
 /* attend_<io>_<kv>: attend compiled for one pair of dtypes (and each as VECTOR_CLONES). */
-#define ATTEND_FOR(io, kv)                                                                     \
-    VECTOR_CLONES static void attend_##io##_##kv(const DecodeBatch *b, int64_t i,             \
-                                                 int64_t kv_begin, int64_t kv_end,            \
-                                                 float *scratch) {                            \
-        attend(b, i, kv_begin, kv_end, scratch, DTYPE_##io, DTYPE_##kv);                       \
+#define ATTEND_FOR(io, kv)                                                                         \
+    VECTOR_CLONES static void attend_##io##_##kv(                                                  \
+        const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end, float *scratch) {       \
+        attend(b, i, kv_begin, kv_end, scratch, DTYPE_##io, DTYPE_##kv);                           \
     }
 #define ATTEND_FOR_CACHES(io) ATTEND_FOR(io, FP32) ATTEND_FOR(io, BF16) ATTEND_FOR(io, FP16)
 ATTEND_FOR_CACHES(FP32)
@@ -246,12 +237,43 @@ static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ct
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES;
     const int64_t pointer_floats =
         (ctx * (int64_t)sizeof(void *) + sizeof(float) - 1) / sizeof(float);
-    return kv_per_item * (b->n_heads / b->kv_heads) * stride + KEY_BLOCK * kv_per_item * b->head_dim +
-           pointer_floats;
+    return kv_per_item * (b->n_heads / b->kv_heads) * stride +
+           KEY_BLOCK * kv_per_item * b->head_dim + pointer_floats;
 }
 
-/* One work item per decode when there are enough to keep every thread busy, else one per
- * (decode, kv head). Returns 0, or -1 when scratch memory could not be had. */
+/* Decode i's new K and V (of io dtype) stored in its slot, rounded to the cache's dtype. */
+static inline __attribute__((always_inline)) void store_new_kv(const DecodeBatch *b, int64_t i,
+                                                               const int io, const int cache) {
+    const int64_t slot = page_token(b, b->block_tables + i * b->max_pages, b->context_lens[i] - 1);
+    const int64_t n_values = b->kv_heads * b->head_dim;
+    convert((void *)at(b->k_cache, slot, cache), cache,
+            at(b->new_k, b->rows[i] * b->new_k_row_stride, io), io, n_values);
+    convert((void *)at(b->v_cache, slot, cache), cache,
+            at(b->new_v, b->rows[i] * b->new_v_row_stride, io), io, n_values);
+}
+
+#define STORE_FOR(io, kv)                                                                          \
+    VECTOR_CLONES static void store_##io##_##kv(const DecodeBatch *b, int64_t i) {                 \
+        store_new_kv(b, i, DTYPE_##io, DTYPE_##kv);                                                \
+    }
+#define STORE_FOR_CACHES(io) STORE_FOR(io, FP32) STORE_FOR(io, BF16) STORE_FOR(io, FP16)
+STORE_FOR_CACHES(FP32)
+STORE_FOR_CACHES(BF16)
+STORE_FOR_CACHES(FP16)
+
+typedef void (*StoreFn)(const DecodeBatch *, int64_t);
+
+/* [io_dtype][cache_dtype] */
+static const StoreFn store_fns[N_DTYPES][N_DTYPES] = {
+    {store_FP32_FP32, store_FP32_BF16, store_FP32_FP16},
+    {store_BF16_FP32, store_BF16_BF16, store_BF16_FP16},
+    {store_FP16_FP32, store_FP16_BF16, store_FP16_FP16},
+};
+
+/* The decodes' new K/V stored first, all of them (rows of one sequence -- a speculative check
+ * -- see each other's), then one work item per decode when there are enough to keep every
+ * thread busy, else one per (decode, kv head). Returns 0, or -1 when scratch memory could not
+ * be had. */
 static int attend_all(const DecodeBatch *b) {
     const int64_t kv_per_item = b->n >= 4 * omp_get_max_threads() ? b->kv_heads : 1;
     const int64_t items_per_decode = b->kv_heads / kv_per_item;
@@ -263,6 +285,11 @@ static int attend_all(const DecodeBatch *b) {
     int failed = 0;
 #pragma omp parallel
     {
+        if (b->new_k != NULL) {
+            const StoreFn store = store_fns[b->io_dtype][b->cache_dtype];
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < b->n; i++) store(b, i);
+        }
         /* one scratch buffer per thread, for the longest context */
         float *scratch = malloc(sizeof(float) * scratch_len(b, kv_per_item, max_ctx));
         if (scratch == NULL) {
@@ -289,10 +316,9 @@ static PyObject *decode(PyObject *module, PyObject *args) {
     float scale, softcap;
     int io_dtype, cache_dtype;
     if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnfnfii", &out, &q, &q_row_stride, &new_k,
-                          &new_k_row_stride, &new_v, &new_v_row_stride, &k_cache, &v_cache,
-                          &rows, &block_tables, &context_lens, &n, &max_pages, &page_size,
-                          &n_heads, &kv_heads, &head_dim, &scale, &window, &softcap, &io_dtype,
-                          &cache_dtype))
+                          &new_k_row_stride, &new_v, &new_v_row_stride, &k_cache, &v_cache, &rows,
+                          &block_tables, &context_lens, &n, &max_pages, &page_size, &n_heads,
+                          &kv_heads, &head_dim, &scale, &window, &softcap, &io_dtype, &cache_dtype))
         return NULL;
     if (io_dtype < 0 || io_dtype >= N_DTYPES || cache_dtype < 0 || cache_dtype >= N_DTYPES) {
         PyErr_SetString(PyExc_ValueError, "io_dtype and cache_dtype must be 0 (fp32), 1 (bf16) "
