@@ -256,8 +256,9 @@ struct call {
 };
 
 /* x row m's sums over group g's rows (GROUP floats, row r's at r), plus the bias, stored; a
- * padding row of the last group is not. Inlined into each path, whose vectors it then uses (a
- * call per group from the AVX-512 tiles cost as much as a third of their time). */
+ * padding row of the last group is not. Inlined into each path and compiled with its vectors:
+ * as a call per group into baseline (SSE) code it cost the AVX-512 tiles up to half their
+ * time at a few rows. */
 static inline __attribute__((always_inline)) void store_group(const struct call *c, int64_t m,
                                                               int64_t g, const float *sums) {
     const int64_t first = GROUP * g, at = m * c->n_out + first;
