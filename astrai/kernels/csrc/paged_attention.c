@@ -178,7 +178,15 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
         float *s = scores + h * stride, max = -INFINITY;
         if (b->softcap > 0.0f)
             for (int64_t t = 0; t < ctx; t++) s[t] = tanhf(s[t] / b->softcap) * b->softcap;
-        for (int64_t t = 0; t < ctx; t++) max = s[t] > max ? s[t] : max;
+        /* the max a vector at a time (the scalar loop waited on each compare), exact in any
+         * order */
+        for (int64_t t = ctx; t < stride; t++) s[t] = -INFINITY;
+        vec8 maxes = load8(s);
+        for (int64_t t0 = LANES; t0 < stride; t0 += LANES) {
+            const vec8 v = load8(s + t0);
+            maxes = select8(v > maxes, v, maxes);
+        }
+        for (int l = 0; l < LANES; l++) max = maxes[l] > max ? maxes[l] : max;
         for (int64_t t = ctx; t < stride; t++) s[t] = max;
         vec8 sums = {0.0f};
         for (int64_t t0 = 0; t0 < stride; t0 += LANES) {
