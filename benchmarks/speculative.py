@@ -8,11 +8,12 @@ of guesses kept per check, whether the output equals the output without speculat
 must: greedy output does not change), and `llama-lookup` (llama.cpp's prompt-lookup
 decoding, the same prompt text, greedy, --spec-draft-n-max K) beside the batch-1 figure.
 
-Tokens/s counts the tokens generated over the time from submit to the last token, prefill
-included, for astrai; llama-lookup's figure leaves its prefill out (its "decoded" line), so the
-ratio leans its way. The roofline is batch-1
-decode without speculation at the machine's read bandwidth: speculation can pass it, since
-one weight read then yields several tokens.
+Decode tokens/s counts the tokens after each request's first over the time after the last
+request's first token: prefill left out, as llama-lookup's "decoded" line leaves it out. The
+end-to-end ratio beside it counts all tokens from submit to the last one, prefill included
+(the same for both runs, so it dilutes the gain). The roofline is batch-1 decode without
+speculation at the machine's read bandwidth: speculation can pass it, since one weight read
+then yields several tokens.
 
     LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/speculative.py  # ~4 min
 """
@@ -20,6 +21,7 @@ one weight read then yields several tokens.
 from __future__ import annotations
 
 import argparse
+import queue
 import re
 import subprocess
 import time
@@ -29,7 +31,7 @@ import torch
 from machine import read_bandwidth
 from vs_llamacpp import decode_weight_bytes, llama_cpp_bin, smollm2_gguf
 
-from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
+from astrai.inference import STOP, GenerationParams, GenerationRequest, InferenceEngine
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -106,17 +108,36 @@ def prompts_of(workload: str, count: int) -> list[GenerationRequest]:
 
 
 def timed(engine, prompts, max_tokens, repeats):
-    """(best tokens/s of repeats after a warm-up run, outputs) of the prompts submitted at once."""
+    """(decode tokens/s, end-to-end tokens/s, outputs): the best of repeats after a warm-up run
+    of the prompts submitted at once. Decode: the tokens after each request's first over the
+    time after the last request's first token (prefill left out, as llama-lookup's figure
+    leaves it out); end to end: all tokens over the time from submit to the last token."""
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
-    engine.generate_results(prompts, params)  # warm-up: records the steps, learns timings
-    best, outputs = 0.0, None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        results = engine.generate_results(prompts, params)
-        seconds = time.perf_counter() - started
-        best = max(best, sum(len(r.token_ids) for r in results) / seconds)
-        outputs = [r.token_ids for r in results]
-    return best, outputs
+    ids = [engine.encode(prompt) for prompt in prompts]
+    run_once(engine, ids, params)  # warm-up: records the steps, learns timings
+    runs = [run_once(engine, ids, params) for _ in range(repeats)]
+    return max(r[0] for r in runs), max(r[1] for r in runs), runs[-1][2]
+
+
+def run_once(engine, ids, params):
+    """timed()'s figures for one run."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    started = time.perf_counter()
+    groups = engine.submit_all(
+        ids, params, lambda task, delta: events.put((task.id, delta, time.perf_counter()))
+    )
+    outputs = {task.id: [] for group in groups for task in group}
+    first, stopped = {}, 0
+    while stopped < len(outputs):
+        task_id, delta, at = events.get()
+        if delta is STOP:
+            stopped, last = stopped + 1, at
+        elif delta.token_ids:
+            first.setdefault(task_id, at)
+            outputs[task_id] += delta.token_ids
+    tokens = sum(len(out) for out in outputs.values())
+    decode = (tokens - len(outputs)) / (last - max(first.values()))
+    return decode, tokens / (last - started), list(outputs.values())
 
 
 def run_lookup(bin_dir: Path, gguf: Path, text: str, max_tokens: int, draft: int, threads: int):
@@ -163,7 +184,7 @@ def main() -> None:
             # One engine at a time: a second engine's idle thread keeps an OpenMP pool of its
             # own, and two pools on the cores make every parallel region sleep at its barrier.
             with InferenceEngine(model, tokenizer, enable_prefix_cache=False) as plain:
-                slow, expected = timed(plain, prompts, args.max_tokens, args.repeats)
+                slow, slow_total, expected = timed(plain, prompts, args.max_tokens, args.repeats)
             with InferenceEngine(
                 model,
                 tokenizer,
@@ -171,7 +192,7 @@ def main() -> None:
                 speculative="ngram",
                 num_speculative_tokens=args.num_tokens,
             ) as guessing:
-                fast, outputs = timed(guessing, prompts, args.max_tokens, args.repeats)
+                fast, fast_total, outputs = timed(guessing, prompts, args.max_tokens, args.repeats)
                 stats = guessing.get_stats()
                 times.update(guessing.scheduler.speculator.times.seconds)
             proposed, accepted = stats.proposed_tokens, stats.accepted_tokens
@@ -187,15 +208,17 @@ def main() -> None:
                     lookup += f", astrai {fast / speed:.2f}x"
             rows.append(
                 f"| {workload} | {batch} | {slow:.1f} | {fast:.1f} | {fast / slow:.2f}x "
+                f"| {fast_total / slow_total:.2f}x "
                 f"| {accepted / max(proposed, 1):.0%} | {accepted / max(checks, 1):.2f} "
                 f"| {outputs == expected} | {fast / roofline:.0%} | {lookup} |"
             )
             print(rows[-1], flush=True)
     print(
-        "\n| workload | batch | astrai tok/s | with n-gram speculation | speed-up | guesses "
-        "kept | kept per check | same output | of roofline | llama-lookup tok/s |"
+        "\n| workload | batch | astrai decode tok/s | with n-gram speculation | speed-up | "
+        "end to end (prefill in) | guesses kept | kept per check | same output | of roofline "
+        "| llama-lookup decode tok/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     print("\n".join(rows))
     print("\nforward-pass time by rows, as the engines measured it (what the policy weighs):")
     print("  ".join(f"{rows}: {seconds * 1e3:.1f} ms" for rows, seconds in sorted(times.items())))
