@@ -193,7 +193,6 @@ class Speculator:
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.times = StepTimes()
-        self.rates: dict[int, float] = {}  # task id -> kept / judged of its averages below
         # task id -> [guesses kept, guesses judged] a check, averaged over its recent checks
         self.counts: dict[int, list[float]] = {}
         self.stats = SpeculationStats()
@@ -232,7 +231,7 @@ class Speculator:
         the most expected tokens per second at the step times measured. (Stopping at the first
         guess that did not raise it stopped at one guess of four that all paid: measured times
         of neighbouring row counts are not always in order.)"""
-        rates = [self.rates.get(c.task.id, PRIOR_RATE) for c in decodes]
+        rates = [self.rate(c.task.id) for c in decodes]
         increments = sorted(
             ((rates[i] ** j, i) for i, n in enumerate(lengths) for j in range(1, n + 1)),
             key=lambda item: item[0],
@@ -274,15 +273,18 @@ class Speculator:
             judged = chunk.accepted + (chunk.accepted < proposed)
             self._average(chunk.task.id, chunk.accepted, judged, RATE_SMOOTHING)
 
+    def rate(self, task_id: int) -> float:
+        """The task's guesses kept over guesses judged; PRIOR_RATE before its first check."""
+        kept, judged = self.counts.get(task_id, (PRIOR_RATE, 1.0))
+        return kept / judged
+
     def _average(self, task_id: int, kept: float, judged: float, weight: float) -> None:
-        """Move the task's averages towards (kept, judged) by weight, and its rate with them."""
+        """Move the task's averages towards (kept, judged) by weight."""
         counts = self.counts.setdefault(task_id, [PRIOR_RATE, 1.0])
         counts[0] += weight * (kept - counts[0])
         counts[1] += weight * (judged - counts[1])
-        self.rates[task_id] = counts[0] / counts[1]
 
     def forget(self, task: Task) -> None:
-        self.rates.pop(task.id, None)
         self.counts.pop(task.id, None)
         self.proposer.forget(task)
 

@@ -226,12 +226,12 @@ def test_policy_takes_the_guesses_that_pay_at_the_measured_step_times():
     chunks = [type("Chunk", (), {"task": task})() for task in tasks]
     # Each row costs 2.5 ms on 10: guess j is worth its row while 0.9**j beats the tokens per
     # second so far, which the 6th guess (0.53 of a token) still does and the 7th does not.
-    speculator.rates[0] = 0.9
+    speculator.counts[0] = [0.9, 1.0]
     assert speculator._choose(chunks[:1], [8], rows=1) == [6]
-    speculator.rates[0] = 0.1  # a guess worth 0.1 tokens for a quarter more time: none
+    speculator.counts[0] = [0.1, 1.0]  # a guess worth 0.1 tokens for a quarter more time: none
     assert speculator._choose(chunks[:1], [8], rows=1) == [0]
     # With two decodes the likely guesses of one come before the unlikely of the other.
-    speculator.rates[0], speculator.rates[1] = 0.9, 0.6
+    speculator.counts[0], speculator.counts[1] = [0.9, 1.0], [0.6, 1.0]
     assert speculator._choose(chunks, [8, 8], rows=2) == [5, 1]
     assert Speculator(proposer=None, num_tokens=8)._choose(chunks, [3, 2], rows=2) == [3, 2]
     # Measured times out of order (3 rows dearer than 4 and 5): sure guesses take all four,
@@ -240,7 +240,7 @@ def test_policy_takes_the_guesses_that_pay_at_the_measured_step_times():
     for rows, seconds in ((1, 6.1), (2, 7.8), (3, 11.7), (4, 12.8), (5, 11.4)):
         uneven.record(rows, 1.0)  # the recording step, left out
         uneven.record(rows, seconds / 1000)
-    speculator.times, speculator.rates[0] = uneven, 1.0
+    speculator.times, speculator.counts[0] = uneven, [1.0, 1.0]
     assert speculator._choose(chunks[:1], [4], rows=1) == [4]
 
 
@@ -253,7 +253,7 @@ def test_a_tasks_rate_counts_only_the_guesses_its_checks_judged():
     for accepted in [4, 0] * 40:
         chunk = type("Chunk", (), {"task": task, "draft": [1] * 4, "accepted": accepted})()
         speculator.verified(chunk)
-    assert speculator.rates[0] == pytest.approx(0.8, abs=0.1)
+    assert speculator.rate(0) == pytest.approx(0.8, abs=0.1)
     assert speculator.stats.acceptance_rate == pytest.approx(0.5)  # what /metrics reports
 
 
