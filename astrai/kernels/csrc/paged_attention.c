@@ -249,34 +249,16 @@ static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ct
            KEY_BLOCK * kv_per_item * b->head_dim + pointer_floats;
 }
 
-/* Decode i's new K and V (of io dtype) stored in its slot, rounded to the cache's dtype. */
-static inline __attribute__((always_inline)) void store_new_kv(const DecodeBatch *b, int64_t i,
-                                                               const int io, const int cache) {
+/* Decode i's new K and V (of io dtype) stored in its slot, rounded to the cache's dtype; the
+ * dtypes are read at run time (a row of kv_heads * head_dim values a decode). */
+static void store_new_kv(const DecodeBatch *b, int64_t i) {
     const int64_t slot = page_token(b, b->block_tables + i * b->max_pages, b->context_lens[i] - 1);
     const int64_t n_values = b->kv_heads * b->head_dim;
-    convert((void *)at(b->k_cache, slot, cache), cache,
-            at(b->new_k, b->rows[i] * b->new_k_row_stride, io), io, n_values);
-    convert((void *)at(b->v_cache, slot, cache), cache,
-            at(b->new_v, b->rows[i] * b->new_v_row_stride, io), io, n_values);
+    convert((void *)at(b->k_cache, slot, b->cache_dtype), b->cache_dtype,
+            at(b->new_k, b->rows[i] * b->new_k_row_stride, b->io_dtype), b->io_dtype, n_values);
+    convert((void *)at(b->v_cache, slot, b->cache_dtype), b->cache_dtype,
+            at(b->new_v, b->rows[i] * b->new_v_row_stride, b->io_dtype), b->io_dtype, n_values);
 }
-
-#define STORE_FOR(io, kv)                                                                          \
-    VECTOR_CLONES static void store_##io##_##kv(const DecodeBatch *b, int64_t i) {                 \
-        store_new_kv(b, i, DTYPE_##io, DTYPE_##kv);                                                \
-    }
-#define STORE_FOR_CACHES(io) STORE_FOR(io, FP32) STORE_FOR(io, BF16) STORE_FOR(io, FP16)
-STORE_FOR_CACHES(FP32)
-STORE_FOR_CACHES(BF16)
-STORE_FOR_CACHES(FP16)
-
-typedef void (*StoreFn)(const DecodeBatch *, int64_t);
-
-/* [io_dtype][cache_dtype] */
-static const StoreFn store_fns[N_DTYPES][N_DTYPES] = {
-    {store_FP32_FP32, store_FP32_BF16, store_FP32_FP16},
-    {store_BF16_FP32, store_BF16_BF16, store_BF16_FP16},
-    {store_FP16_FP32, store_FP16_BF16, store_FP16_FP16},
-};
 
 /* The decodes' new K/V stored first, all of them (rows of one sequence -- a speculative check
  * -- see each other's), then one work item per decode when there are enough to keep every
@@ -294,9 +276,8 @@ static int attend_all(const DecodeBatch *b) {
 #pragma omp parallel
     {
         if (b->new_k != NULL) {
-            const StoreFn store = store_fns[b->io_dtype][b->cache_dtype];
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < b->n; i++) store(b, i);
+            for (int64_t i = 0; i < b->n; i++) store_new_kv(b, i);
         }
         /* one scratch buffer per thread, for the longest context */
         float *scratch = malloc(sizeof(float) * scratch_len(b, kv_per_item, max_ctx));
