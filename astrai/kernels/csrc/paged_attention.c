@@ -82,6 +82,17 @@ static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int
  * one's lanes at once. */
 #define KEY_BLOCK LANES
 
+/* Keys ahead of the block being scored whose K and V rows are fetched now. An item reads a
+ * few hundred bytes a key, in rows a token apart; the step's linears have streamed the cache
+ * out of the caches, and a core left to miss on each row in turn reads far below the memory's
+ * rate. V, needed after the softmax, is then found in the caches too. */
+#define PREFETCH_KEYS (2 * KEY_BLOCK)
+
+static inline __attribute__((always_inline)) void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64)
+        __builtin_prefetch((const char *)row + line, 0, 3);
+}
+
 /* Query heads of one kv head whose value sums run together, in registers. */
 #define HEAD_BLOCK 4
 
@@ -144,8 +155,14 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     const int key_dtype = cache == DTYPE_FP16 ? DTYPE_FP32 : cache; /* as the loop reads keys */
     const void **values = (const void **)(widened + KEY_BLOCK * widened_row); /* [ctx] V rows */
 
+    const int64_t row_bytes = widened_row * dtype_size(cache); /* of this item's K or V */
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
+        for (int64_t t = t0 + PREFETCH_KEYS; t < t0 + PREFETCH_KEYS + KEY_BLOCK && t < ctx; t++) {
+            const int64_t token = page_token(b, pages, first + t) + kv_begin * hd;
+            prefetch_row(at(b->k_cache, token, cache), row_bytes);
+            prefetch_row(at(b->v_cache, token, cache), row_bytes);
+        }
         const void *keys[KEY_BLOCK];
         for (int64_t j = 0; j < KEY_BLOCK; j++)
             keys[j] =
