@@ -49,58 +49,69 @@ class CacheView:
         page_size, device = cache.page_size, cache.k_cache.device
         self.k_cache, self.v_cache = cache.k_cache, cache.v_cache
         tables = page_tables(cache, seqs)
-        offsets, num_tokens = [], 0
-        for _, _, n in seqs:
-            offsets.append(num_tokens)
-            num_tokens += n
+        # Indices are worked out in NumPy: a decode step's few are cheaper there than as a
+        # dozen tensor ops, each paying PyTorch's dispatch.
+        starts = np.array([start for _, start, _ in seqs], dtype=np.int64)
+        lens = np.array([n for _, _, n in seqs], dtype=np.int64)
+        offsets = np.cumsum(lens) - lens  # each sequence's first row
         max_pages = max(len(table) for table in tables)
-        padded = [table + [0] * (max_pages - len(table)) for table in tables]
-        block_table = torch.tensor(padded, device=device)  # [num_seqs, max_pages]
-        starts = torch.tensor([start for _, start, _ in seqs], device=device)
-        lens = torch.tensor([n for _, _, n in seqs], device=device)
-        first_rows = torch.tensor(offsets, device=device)
-        seq_ids = torch.arange(len(seqs), device=device)
-        seq_of_row = torch.repeat_interleave(seq_ids, lens, output_size=num_tokens)
-        pos = torch.arange(num_tokens, device=device) - first_rows[seq_of_row] + starts[seq_of_row]
-        self.positions = pos  # [num_tokens] the model's rope positions, one per flattened token
-        self.slot_mapping = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
+        block_table = np.zeros((len(seqs), max_pages), dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_table[i, : len(table)] = table
+        seq_of_row = np.repeat(np.arange(len(seqs)), lens)
+        pos = np.arange(len(seq_of_row)) - offsets[seq_of_row] + starts[seq_of_row]
+        slots = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
+        # [num_tokens] the model's rope positions, one per flattened token
+        self.positions = torch.from_numpy(pos).to(device)
+        self.slot_mapping = torch.from_numpy(slots).to(device)
 
-        decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
+        decodes = np.flatnonzero(lens == 1)
         self.paged_decode: PagedDecode | None = None
         self.decode_groups: list[DecodeGroup] = []
-        if decodes and PagedDecode.supports(cache.k_cache):
-            index = torch.tensor(decodes, device=device)
+        if len(decodes) and PagedDecode.supports(cache.k_cache):
             self.paged_decode = PagedDecode(
                 cache.k_cache,
                 cache.v_cache,
-                rows=first_rows[index],
-                block_tables=block_table[index],
-                context_lens=starts[index] + 1,
+                rows=torch.from_numpy(offsets[decodes]).to(device),
+                block_tables=torch.from_numpy(block_table[decodes]).to(device),
+                context_lens=torch.from_numpy(starts[decodes] + 1).to(device),
             )
-        elif decodes:
-            for group in group_by_context([len(tables[i]) for i in decodes], decodes):
-                index = torch.tensor(group, device=device)
+        elif len(decodes):
+            for group in group_by_context([len(tables[i]) for i in decodes], decodes.tolist()):
                 n_pages = max(len(tables[i]) for i in group)
                 self.decode_groups.append(
                     DecodeGroup.build(
                         cache,
-                        rows=None if len(group) == num_tokens else first_rows[index],
-                        tables=block_table[index, :n_pages],
-                        positions=starts[index],
+                        rows=None
+                        if len(group) == len(seq_of_row)
+                        else torch.from_numpy(offsets[group]).to(device),
+                        tables=torch.from_numpy(block_table[group, :n_pages]).to(device),
+                        positions=torch.from_numpy(starts[group]).to(device),
                     )
                 )
 
         self.chunks = [
             PromptChunk(
-                rows=slice(offsets[i], offsets[i] + n),
+                rows=slice(int(offsets[i]), int(offsets[i]) + n),
                 start=start,
                 device=device,
                 # a chunk from position 0 sees only its own new K/V, so it needs no pages
-                pages=None if start == 0 else block_table[i, : len(tables[i])],
+                pages=None
+                if start == 0
+                else torch.from_numpy(block_table[i, : len(tables[i])]).to(device),
             )
             for i, (_, start, n) in enumerate(seqs)
             if n > 1
         ]
+
+    @property
+    def kernel_step(self) -> torch.Tensor | None:
+        """For decodes alone on the C kernel, the step's decodes as the kernel reads them
+        (PagedDecode.step): a replayed step copies them into its own, which the calls it bound
+        once read (bind with step); None for any other step, whose calls are bound afresh."""
+        if self.paged_decode is not None and not self.chunks:
+            return self.paged_decode.step
+        return None
 
     def bind(
         self,
@@ -109,18 +120,22 @@ class CacheView:
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
+        step: torch.Tensor | None = None,
     ) -> Callable[[], object]:
         """The layer's attention as a call that writes into out [num_tokens, heads, hd]; for
         decodes alone on the C kernel, the kernel call itself (it stores all their K/V, then
-        attends), which a replayed step binds once per layer."""
-        if self.paged_decode is not None and not self.chunks:
-            return self._kernel_call(layer, q, out, k, v)
+        attends), reading the decodes from step if given (see kernel_step)."""
+        if self.kernel_step is not None:
+            return self._kernel_call(layer, q, out, k, v, step)
         return partial(self._attend, layer, q, k, v, out)
 
-    def _kernel_call(self, layer: LayerAttention, q, out, k=None, v=None) -> Callable[[], None]:
+    def _kernel_call(
+        self, layer: LayerAttention, q, out, k=None, v=None, step=None
+    ) -> Callable[[], None]:
         return self.paged_decode.kernel_call(
-            layer.index, q, out, k, v, scale=layer.scale, window=layer.window, softcap=layer.softcap
-        )
+            layer.index, q, out, k, v, scale=layer.scale, window=layer.window,
+            softcap=layer.softcap, step=step,
+        )  # fmt: skip
 
     def __call__(
         self, layer: LayerAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -127,6 +127,9 @@ class StepGraph:
         # layer is what the model hands its backend (astrai.model's LayerAttention)
         self.slots: list[tuple[object, Tensor, Tensor, Tensor, Tensor]] = []
         self.stray: list[str] = []
+        # the attention calls bound once, reading a kernel_step copied in at each replay
+        self.kernel_step: Tensor | None = None
+        self.attention_calls: list[Callable[[], object]] = []
 
     @property
     def valid(self) -> bool:
@@ -169,10 +172,24 @@ class StepGraph:
 
     def replay(self, backend) -> None:
         """Run the recorded calls, attention bound to backend (which offers bind()) as each
-        slot is reached, so the binding sees this step's q/k/v."""
-        slots = iter(self.slots)
+        slot is reached, so the binding sees this step's q/k/v.
+
+        A backend whose step is one kernel's inputs (a kernel_step tensor: decodes alone)
+        has its attention calls bound once, to a copy of those inputs that each replay
+        refills, instead of once a layer every step.
+        """
+        kernel_step = getattr(backend, "kernel_step", None)
+        if kernel_step is None:
+            slots = iter(self.slots)
+            for call in self.calls:
+                (call or backend.bind(*next(slots)))()
+            return
+        if self.kernel_step is None:
+            self.kernel_step = torch.empty_like(kernel_step)
+            self.attention_calls = [
+                backend.bind(*slot, step=self.kernel_step) for slot in self.slots
+            ]
+        self.kernel_step.copy_(kernel_step)
+        attention_calls = iter(self.attention_calls)
         for call in self.calls:
-            if call is None:
-                backend.bind(*next(slots))()
-            else:
-                call()
+            (call or next(attention_calls))()

@@ -20,8 +20,9 @@ class PagedDecode:
     cache under an fp32 model halves the bytes read; keys and values are widened to fp32 as
     read, and all is computed in fp32 and rounded once, at the output). It needs no gather
     buffers and no grouping by context length, and each decode's result is independent of the
-    batch. The page tables and context lengths are resolved to plain ints
-    once per step, so a layer's call is one C call.
+    batch. The page tables, context lengths and cache are resolved once per step into step,
+    int64s the kernel reads at each call, so a layer's call is one C call, and a call bound to
+    a persistent copy of step serves later steps (of another cache too).
     """
 
     def __init__(
@@ -37,13 +38,12 @@ class PagedDecode:
         # The kernel reads these through raw pointers: keep the tensors alive with the view.
         self.rows, self.block_tables, self.context_lens = rows, block_tables, context_lens
         # k_cache, v_cache: [n_layers, n_pages, page_size, kvh, hd]
-        self.k_cache_ptr, self.v_cache_ptr = k_cache.data_ptr(), v_cache.data_ptr()
-        self.layer_bytes = k_cache.stride(0) * k_cache.element_size()
         self.kv_heads, self.head_dim = k_cache.shape[-2:]
-        self.cache_code = DTYPE_CODES[k_cache.dtype]
-        self.tables_and_sizes = (
-            rows.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), len(rows),
-            block_tables.shape[1], k_cache.shape[2],
+        self.step = torch.tensor(
+            [rows.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), len(rows),
+             block_tables.shape[1], k_cache.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
+             k_cache.stride(0), DTYPE_CODES[k_cache.dtype]],
+            dtype=torch.int64,
         )  # fmt: skip
 
     @staticmethod
@@ -68,6 +68,7 @@ class PagedDecode:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        step: torch.Tensor | None = None,
     ) -> Callable[[], None]:
         """The call that writes the decodes' attention outputs into out [num_tokens, heads, hd]:
         softmax(softcap * tanh(scale * q.k / softcap)) over the keys of the layer's cache at most
@@ -75,30 +76,38 @@ class PagedDecode:
 
         With k and v [num_tokens, kvh, hd] (of q's dtype) the kernel first stores the decodes'
         rows of them in the cache, rounded to its dtype; without, the caller has stored them.
+        The call reads the decodes from step: self.step, or a persistent tensor of its shape
+        that each later step refills (a recorded call).
         """
-        if q.dtype not in DTYPE_CODES or any(t is not None and t.dtype != q.dtype for t in (k, v)):
+        if (
+            q.dtype not in DTYPE_CODES
+            or (k is not None and k.dtype != q.dtype)
+            or (v is not None and v.dtype != q.dtype)
+        ):
             raise ValueError(
                 f"q, k and v must share one of {list(DTYPE_CODES)}, got {q.dtype}, "
                 f"{None if k is None else k.dtype}, {None if v is None else v.dtype}"
             )
-        q, k, v = (heads_contiguous(t, self.head_dim) for t in (q, k, v))
-        layer_offset = layer_idx * self.layer_bytes
+        placed = heads_contiguous(q, k, v, head_dim=self.head_dim)
+        if step is not None and any(a is not b for a, b in zip(placed, (q, k, v), strict=True)):
+            raise ValueError("a call kept for later steps must read q, k and v where they are")
+        q, k, v = placed
         call = partial(
             native.paged_attention.decode,
             out.data_ptr(), q.data_ptr(), q.stride(0),
             0 if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
             0 if v is None else v.data_ptr(), 0 if v is None else v.stride(0),
-            self.k_cache_ptr + layer_offset, self.v_cache_ptr + layer_offset,
-            *self.tables_and_sizes, q.shape[1], self.kv_heads, self.head_dim, scale, window or 0,
-            softcap or 0.0, DTYPE_CODES[q.dtype], self.cache_code,
+            layer_idx, (self.step if step is None else step).data_ptr(), q.shape[1],
+            self.kv_heads, self.head_dim, scale, window or 0, softcap or 0.0, DTYPE_CODES[q.dtype],
         )  # fmt: skip
         call.keep_alive = (q, k, v, out)  # heads_contiguous's copies must outlive the call
         return call
 
 
-def heads_contiguous(t: torch.Tensor | None, head_dim: int) -> torch.Tensor | None:
-    """t [rows, heads, head_dim] with each row's heads in one run of floats, as the kernel
-    walks them; rows may lie any distance apart."""
-    if t is None or (t.stride(2) == 1 and t.stride(1) == head_dim):
-        return t
-    return t.contiguous()
+def heads_contiguous(*tensors: torch.Tensor | None, head_dim: int) -> list[torch.Tensor | None]:
+    """Each t [rows, heads, head_dim] with each row's heads in one run of values, as the kernel
+    walks them (rows may lie any distance apart): t itself where it is, else a copy."""
+    return [
+        t if t is None or (t.stride(2) == 1 and t.stride(1) == head_dim) else t.contiguous()
+        for t in tensors
+    ]

@@ -128,6 +128,31 @@ def test_decode_steps_attend_by_kernel_calls_bound_once_a_step(monkeypatch):
     assert attended == list(range(n_layers)) * 2
 
 
+@needs_kernels
+def test_replays_of_decodes_alone_bind_their_attention_calls_once(monkeypatch):
+    """The first replay binds each layer's kernel call to the graph's copy of the step's
+    decodes; later replays only refill that copy and bind nothing."""
+    binds = []
+    bind = CacheView.bind
+
+    def counted(view, *args, **kwargs):
+        binds.append(len(view.positions))
+        return bind(view, *args, **kwargs)
+
+    monkeypatch.setattr(CacheView, "bind", counted)
+    model = random_model(1)
+    steps = Steps(model, [4, 2], RecordedLayers(model))
+    per_step = []
+    for seqs in prompt_then_decodes([4, 2], 4):
+        binds.clear()
+        steps.logits(seqs)
+        per_step.append(len(binds))
+    n = model.config.n_layers
+    # the prompt step and the first decode step bind as they are recorded, the first replay
+    # binds its calls once, and the replays after it bind nothing
+    assert per_step == [n, n, n, 0, 0]
+
+
 def decodes(prompts: list[int], live_per_step: list[list[int]]) -> list[list[tuple]]:
     """Decode steps of the live tasks, each at the position after its own last token."""
     next_pos = dict(enumerate(prompts))

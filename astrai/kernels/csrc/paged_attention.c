@@ -314,18 +314,34 @@ static int attend_all(const DecodeBatch *b) {
     return failed ? -1 : 0;
 }
 
+/* The step's decodes and cache, read by decode() from memory at each call rather than passed
+ * as its arguments, so that a call recorded once (astrai.kernels.graph) serves every later
+ * step. The int64s at the step argument's address: */
+enum {
+    STEP_ROWS,         /* the addresses of rows, */
+    STEP_BLOCK_TABLES, /* block_tables */
+    STEP_CONTEXT_LENS, /* and context_lens, */
+    STEP_N,
+    STEP_MAX_PAGES,
+    STEP_PAGE_SIZE,
+    STEP_K_CACHE, /* the addresses of all layers' K and V caches, */
+    STEP_V_CACHE,
+    STEP_LAYER_STRIDE, /* values from one layer's cache to the next's, */
+    STEP_CACHE_DTYPE,
+};
+
 static PyObject *decode(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride;
-    Py_ssize_t k_cache, v_cache, rows, block_tables, context_lens;
-    Py_ssize_t n, max_pages, page_size, n_heads, kv_heads, head_dim, window;
+    Py_ssize_t layer, step_address, n_heads, kv_heads, head_dim, window;
     float scale, softcap;
-    int io_dtype, cache_dtype;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnfnfii", &out, &q, &q_row_stride, &new_k,
-                          &new_k_row_stride, &new_v, &new_v_row_stride, &k_cache, &v_cache, &rows,
-                          &block_tables, &context_lens, &n, &max_pages, &page_size, &n_heads,
-                          &kv_heads, &head_dim, &scale, &window, &softcap, &io_dtype, &cache_dtype))
+    int io_dtype;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnfnfi", &out, &q, &q_row_stride, &new_k,
+                          &new_k_row_stride, &new_v, &new_v_row_stride, &layer, &step_address,
+                          &n_heads, &kv_heads, &head_dim, &scale, &window, &softcap, &io_dtype))
         return NULL;
+    const int64_t *step = (const int64_t *)step_address;
+    const int64_t cache_dtype = step[STEP_CACHE_DTYPE];
     if (io_dtype < 0 || io_dtype >= N_DTYPES || cache_dtype < 0 || cache_dtype >= N_DTYPES) {
         PyErr_SetString(PyExc_ValueError, "io_dtype and cache_dtype must be 0 (fp32), 1 (bf16) "
                                           "or 2 (fp16)");
@@ -336,14 +352,16 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         .q = (const void *)q,
         .new_k = (const void *)new_k,
         .new_v = (const void *)new_v,
-        .k_cache = (void *)k_cache,
-        .v_cache = (void *)v_cache,
-        .rows = (const int64_t *)rows,
-        .block_tables = (const int64_t *)block_tables,
-        .context_lens = (const int64_t *)context_lens,
-        .n = n,
-        .max_pages = max_pages,
-        .page_size = page_size,
+        .k_cache = (void *)at((void *)step[STEP_K_CACHE], layer * step[STEP_LAYER_STRIDE],
+                              (int)cache_dtype),
+        .v_cache = (void *)at((void *)step[STEP_V_CACHE], layer * step[STEP_LAYER_STRIDE],
+                              (int)cache_dtype),
+        .rows = (const int64_t *)step[STEP_ROWS],
+        .block_tables = (const int64_t *)step[STEP_BLOCK_TABLES],
+        .context_lens = (const int64_t *)step[STEP_CONTEXT_LENS],
+        .n = step[STEP_N],
+        .max_pages = step[STEP_MAX_PAGES],
+        .page_size = step[STEP_PAGE_SIZE],
         .n_heads = n_heads,
         .kv_heads = kv_heads,
         .head_dim = head_dim,
@@ -354,7 +372,7 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         .scale = scale,
         .softcap = softcap,
         .io_dtype = io_dtype,
-        .cache_dtype = cache_dtype,
+        .cache_dtype = (int)cache_dtype,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS;
@@ -366,11 +384,13 @@ static PyObject *decode(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride, k_cache, "
-     "v_cache, rows, block_tables, context_lens, n, max_pages, page_size, n_heads, kv_heads, "
-     "head_dim, scale, window, softcap, io_dtype, cache_dtype): data pointers and sizes; "
-     "new_k and new_v 0 when already stored; window and softcap 0 when none; io_dtype (of q, "
-     "out, new_k, new_v) and cache_dtype 0 for fp32, 1 for bf16, 2 for fp16."},
+     "decode(out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride, layer, "
+     "step, n_heads, kv_heads, head_dim, scale, window, softcap, io_dtype): data pointers and "
+     "sizes; step the address of ten int64s, read at the call: the addresses of rows, "
+     "block_tables and context_lens, n, max_pages, page_size, the addresses of the K and V "
+     "caches, the values between layers in them, and their dtype; new_k and new_v 0 when "
+     "already stored; window and softcap 0 when none; io_dtype (of q, out, new_k, new_v) and "
+     "the cache's 0 for fp32, 1 for bf16, 2 for fp16."},
     {NULL, NULL, 0, NULL},
 };
 
