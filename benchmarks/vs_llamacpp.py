@@ -15,7 +15,8 @@ astrai dequantizes Q5_0 at load). Four parts, each astrai first, then llama.cpp:
   `astrai serve` process and a `llama-server` with the same number of slots (c);
 - quality: perplexity of `astrai/assets/demo/heldout.txt` as `llama-perplexity` computes it
   (chunks of 512 tokens, the second half of each scored), and greedy output of 16 prompts (48
-  tokens of that text each) for 32 tokens against `llama-server`'s.
+  tokens of that text each) for 32 tokens against `llama-server`'s, each engine's also against
+  transformers' on the file's weights dequantized to fp32 (the reference).
 
 llama.cpp's repacked weights (its AMX path on an AMX CPU) crashed on every batch of more than
 one token here, so everything with a context runs `--repack 0` / `--no-repack`; the repacked
@@ -632,20 +633,54 @@ def measure_quality(report, gguf_type, model, gguf, bin_dir, args, logs: Path) -
     with server_process:
         results, _ = run_clients(server, prompts, 16, stream=False)
     peer = [events[0][1]["tokens"] for _, events in results]
-    equal = sum(a == b for a, b in zip(ours, peer, strict=True))
-    agree = statistics.mean(
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        for a, b in zip(ours, peer, strict=True)
-    )
+    reference = transformers_greedy(gguf, prompts)
     report.row(
         gguf_type,
         "greedy, 16 prompts x 32 tokens: prompts equal to llama.cpp's (mean tokens before "
         "they part)",
-        f"{equal} of 16 ({agree:.1f})",
+        agreement(ours, peer),
         "",
         "",
         "most of 16",
     )
+    report.row(
+        gguf_type,
+        "greedy: prompts equal to transformers' on the dequantized weights (fp32), the reference",
+        agreement(ours, reference),
+        agreement(peer, reference),
+        "",
+        "",
+    )
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """How many outputs are equal, and the mean number of tokens before each pair parts."""
+    equal = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    agree = statistics.mean(
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        for a, b in zip(ours, theirs, strict=True)
+    )
+    return f"{equal} of {len(ours)} ({agree:.1f})"
+
+
+def transformers_greedy(gguf: Path, prompts: list[Request]) -> list[list[int]]:
+    """Each prompt's greedy continuation by transformers on the file's weights dequantized to
+    fp32 (its own GGUF loader): what a quantized engine's output is measured against."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt.prompt_ids])
+        with torch.inference_mode():
+            generated = model.generate(
+                ids, max_new_tokens=prompt.max_tokens, min_new_tokens=prompt.max_tokens,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        outputs.append(generated[0, ids.shape[1] :].tolist())
+    return outputs
 
 
 def main() -> None:
