@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *row, 
 
 /* out[g, d0 : d0 + n_vec * LANES] = sum over t of s[g * stride + t] * values[t][d0 : ...] for
  * the n_heads <= HEAD_BLOCK heads whose scores rows start at s; out's heads are hd values
- * apart. Inlined with the counts and dtypes constant, so the 2 * n_heads accumulators live in
+ * apart. Inlined with the counts and dtypes constant, so the n_vec * n_heads sums live in
  * vector registers and each token's value vectors are loaded once for all the heads. */
 static inline __attribute__((always_inline)) void
 weigh_values(void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx,
@@ -114,7 +114,7 @@ weigh_values(void *out, const float *s, int64_t stride, const void *const *value
         for (int v = 0; v < n_vec; v++) store_as(out, g * hd + d0 + v * LANES, acc[g][v], io);
 }
 
-/* weigh_values for a run-time head count, over a 16-value slice (n_vec 2) or 8 (n_vec 1). */
+/* weigh_values for a run-time head count, over a slice of n_vec * LANES values. */
 static inline __attribute__((always_inline)) void
 weigh_values_of(void *out, const float *s, int64_t stride, const void *const *values, int64_t ctx,
                 int64_t hd, int64_t d0, int64_t n_heads, const int n_vec, const int io,
@@ -153,21 +153,22 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     float *widened = scores + n_heads * stride;
     const int64_t widened_row = (kv_end - kv_begin) * hd;
     const int key_dtype = cache == DTYPE_FP16 ? DTYPE_FP32 : cache; /* as the loop reads keys */
-    const void **values = (const void **)(widened + KEY_BLOCK * widened_row); /* [ctx] V rows */
+    /* [ctx] where each key's row of this item lies in the layer's K and V caches (in values),
+     * looked up once for the prefetch, the scores and the weighted sum; the weighted sum then
+     * turns each into the address of its V row */
+    int64_t *key_rows = (int64_t *)(widened + KEY_BLOCK * widened_row);
+    for (int64_t t = 0; t < ctx; t++) key_rows[t] = page_token(b, pages, first + t) + kv_begin * hd;
 
     const int64_t row_bytes = widened_row * dtype_size(cache); /* of this item's K or V */
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
         for (int64_t t = t0 + PREFETCH_KEYS; t < t0 + PREFETCH_KEYS + KEY_BLOCK && t < ctx; t++) {
-            const int64_t token = page_token(b, pages, first + t) + kv_begin * hd;
-            prefetch_row(at(b->k_cache, token, cache), row_bytes);
-            prefetch_row(at(b->v_cache, token, cache), row_bytes);
+            prefetch_row(at(b->k_cache, key_rows[t], cache), row_bytes);
+            prefetch_row(at(b->v_cache, key_rows[t], cache), row_bytes);
         }
         const void *keys[KEY_BLOCK];
         for (int64_t j = 0; j < KEY_BLOCK; j++)
-            keys[j] =
-                at(b->k_cache,
-                   page_token(b, pages, first + t0 + (j < n_keys ? j : 0)) + kv_begin * hd, cache);
+            keys[j] = at(b->k_cache, key_rows[t0 + (j < n_keys ? j : 0)], cache);
         if (cache == DTYPE_FP16)
             for (int j = 0; j < KEY_BLOCK; j++) {
                 float *row = widened + j * widened_row;
@@ -217,8 +218,8 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
 
     /* out = scores @ V: per kv head, HEAD_BLOCK of its query heads at a time, over 16 values
      * of head_dim at a time (8 for the rest) */
-    for (int64_t t = 0; t < ctx; t++)
-        values[t] = at(b->v_cache, page_token(b, pages, first + t) + kv_begin * hd, cache);
+    const void **values = (const void **)key_rows; /* [ctx] V rows, each in its offset's place */
+    for (int64_t t = 0; t < ctx; t++) values[t] = at(b->v_cache, key_rows[t], cache);
     for (int64_t kv = kv_begin; kv < kv_end; kv++) {
         if (kv > kv_begin)
             for (int64_t t = 0; t < ctx; t++) values[t] = at(values[t], hd, cache);
@@ -260,10 +261,10 @@ static const AttendFn attend_fns[N_DTYPES][N_DTYPES] = {
 /* Floats of scratch attend() needs for kv_per_item kv heads of a decode of ctx keys. */
 static int64_t scratch_len(const DecodeBatch *b, int64_t kv_per_item, int64_t ctx) {
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES;
-    const int64_t pointer_floats =
-        (ctx * (int64_t)sizeof(void *) + sizeof(float) - 1) / sizeof(float);
+    /* ctx int64s, which then hold as many pointers (no wider on any target) */
+    const int64_t row_floats = ctx * (int64_t)(sizeof(int64_t) / sizeof(float));
     return kv_per_item * (b->n_heads / b->kv_heads) * stride +
-           KEY_BLOCK * kv_per_item * b->head_dim + pointer_floats;
+           KEY_BLOCK * kv_per_item * b->head_dim + row_floats;
 }
 
 /* Decode i's new K and V (of io dtype) stored in its slot, rounded to the cache's dtype; the
