@@ -173,6 +173,29 @@ class QuantizedLinear(nn.Module):
         return quant_linear(x, self.weight, self.bias)
 
 
+def _concat_into(out: Tensor, parts: list[Tensor], bias: Tensor | None) -> None:
+    torch.cat(parts, dim=-1, out=out)
+    if bias is not None:
+        out.add_(bias)
+
+
+@torch.library.custom_op("astrai::concat_columns", mutates_args=())
+def _concat_columns_op(parts: list[Tensor], bias: Tensor | None) -> Tensor:
+    out = new_output((*parts[0].shape[:-1], sum(p.shape[-1] for p in parts)), parts[0].dtype)
+    launch(_concat_into, out, parts, bias)
+    return out
+
+
+_concat_columns_op.register_fake(lambda parts, bias: torch.cat(parts, dim=-1))
+
+
+def concat_columns(parts: list[Tensor], bias: Tensor | None = None) -> Tensor:
+    """torch.cat(parts, dim=-1) + bias as one op a recorded step replays: the outputs of a
+    projection split by block type (a Q4_K_M file's Q6_K v beside its Q4_K q and k) are joined
+    without voiding the recording, which any other op would."""
+    return torch.ops.astrai.concat_columns(parts, bias)
+
+
 def _time_path(
     path: LinearPath, weights: Sequence[QuantizedWeight], dtype, rows: int, limit: float
 ) -> float:

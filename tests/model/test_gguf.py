@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import LLAMA3_ROPE, real_gguf, write_gguf, write_hf_model
 
 from astrai.config import ConfigError
-from astrai.kernels import Linear
+from astrai.kernels import Arena, Linear, StepGraph
 from astrai.model import AutoModel, CheckpointError, Transformer
 from astrai.model.weights import gguf as gguf_weights
 
@@ -319,6 +319,18 @@ def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
         monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")
         close = quantized.forward_dense(ids)
     assert (close - expected).abs().max() < 0.05 * expected.abs().max()
+    # The parts' outputs are joined (and biased) by one op a recorded step replays: a decode
+    # step of the mixed model is kernel calls alone, as of any other.
+    wqkv, x = layer.attention.wqkv, torch.randn(1, quantized.config.dim)
+    graph = StepGraph(Arena(max_rows=1))
+    with torch.inference_mode():
+        with graph.record([]):
+            out = wqkv(x)
+        assert graph.valid, graph.stray
+        new = torch.randn_like(x)
+        x.copy_(new)
+        graph.replay(backend=None)
+        assert torch.equal(out, wqkv(new))
 
 
 # llama.cpp's greedy continuations of these prompts from the same file (llama-server built from

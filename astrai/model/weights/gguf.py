@@ -21,7 +21,7 @@ from gguf.quants import dequantize as decode_blocks
 
 from astrai.config import LAYER_TYPES, ConfigError, ModelConfig, MoEConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
-from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
+from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight, concat_columns
 from astrai.model.automodel import (
     CheckpointError,
     WeightShard,
@@ -274,8 +274,7 @@ class ConcatenatedLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.cat([part(x) for part in self.parts], dim=-1)
-        return out if self.bias is None else out + self.bias
+        return concat_columns([part(x) for part in self.parts], self.bias)
 
 
 def open_gguf(path: Path) -> GGUFReader:
