@@ -319,6 +319,14 @@ INLINE void prefetch_ahead(const uint8_t *rec, const int bytes) {
         _mm_prefetch((const char *)rec + PREFETCH_BYTES + line, _MM_HINT_T0);
 }
 
+/* The share of a record's prefetch that goes with its 32-block j of per_unit: a K type's
+ * 2-3 KB record asked for at once stalls on the few misses a core can have in flight, where
+ * a block's share at a time keeps pace with the arithmetic. */
+INLINE void prefetch_block(const uint8_t *rec, const int bytes, const int j, const int per_unit) {
+    const int share = (bytes + per_unit - 1) / per_unit;
+    prefetch_ahead(rec + j * share, share);
+}
+
 /* AVX-512 VNNI. Per x row an accumulator of 16 floats, lane r row r's sum of d dx (u . q - c
  * sum q), and a second of its m sx. n_x rows of x run together (n_x a constant after
  * inlining), each using W's vectors decoded once. */
@@ -346,12 +354,12 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
     for (int i = 0; i < n_x; i++) acc[i] = offsets[i] = _mm512_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
-        prefetch_ahead(rec, at.bytes);
         __m512 unit_d = _mm512_setzero_ps(), unit_m = _mm512_setzero_ps(); /* K types */
         if (qtype == Q4_K || qtype == Q6_K) unit_d = halves16(rec + at.d);
         if (qtype == Q4_K) unit_m = _mm512_sub_ps(_mm512_setzero_ps(), halves16(rec + at.m));
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
+            prefetch_block(rec, at.bytes, j, per_unit);
             __m512i low[4], high[4]; /* elements 4 t.. and 16 + 4 t.. of each row */
             __m512 d_low, d_high, m = _mm512_setzero_ps();
             if (qtype == Q8_0) {
@@ -530,9 +538,9 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
     for (int h = 0; h < 2; h++) acc[i][h] = offsets[i][h] = _mm256_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
-        prefetch_ahead(rec, at.bytes);
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
+            prefetch_block(rec, at.bytes, j, per_unit);
             UNROLL
             for (int h = 0; h < 2; h++) {
                 __m256i low[4], high[4];
