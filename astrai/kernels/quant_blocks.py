@@ -39,6 +39,7 @@ BLOCK_TYPES = {
         BlockType(Q.Q8_0, 1, (("d", np.float16, 1),)),
         BlockType(Q.Q4_0, 1, (("d", np.float16, 1),)),
         BlockType(Q.Q4_1, 1, (("d", np.float16, 1), ("m", np.float16, 1))),
+        BlockType(Q.Q5_0, 1, (("d", np.float16, 1),)),
         BlockType(
             Q.Q4_K,
             8,
@@ -73,6 +74,9 @@ def gguf_fields(blocks: np.ndarray, qtype, shape: tuple[int, int]) -> dict[str, 
         fields = {"u": nibbles(b[:, -16:]), "d": halves(0)}
         if qtype == Q.Q4_1:
             fields["m"] = halves(2)
+    elif qtype == Q.Q5_0:  # element k's high bit is bit k of a little-endian uint32
+        high = b[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32) & 1
+        fields = {"u": nibbles(b[:, 6:]) | high.astype(np.uint8) << 4, "d": halves(0)}
     elif qtype == Q.Q4_K:  # 64 weights per 32 bytes of qs: low nibbles first, then high
         sc, mn = Q4_K.get_scale_min(b[:, 4:16])
         u = nibbles(b[:, 16:].reshape(-1, 4, 32))
@@ -100,8 +104,8 @@ def dense_weight(fields: dict[str, np.ndarray], qtype) -> np.ndarray:
     if qtype == Q.Q8_0:
         return per(fields["d"], 32) * u.view(np.int8).reshape(rows, -1).astype(np.float32)
     codes = u.reshape(rows, -1).astype(np.float32)
-    if qtype == Q.Q4_0:
-        return per(fields["d"], 32) * (codes - 8)
+    if qtype in (Q.Q4_0, Q.Q5_0):
+        return per(fields["d"], 32) * (codes - (8 if qtype == Q.Q4_0 else 16))
     if qtype == Q.Q4_1:
         return per(fields["d"], 32) * codes + per(fields["m"], 32)
     if qtype == Q.Q4_K:
@@ -118,6 +122,12 @@ def _to_records(x: np.ndarray) -> np.ndarray:
     padded[:rows] = x
     padded = padded.reshape(-1, GROUP, *x.shape[1:])
     return np.moveaxis(padded, 1, 2)
+
+
+def _q5_high_bit_shifts() -> np.ndarray:
+    """Q5_0: where element 16 h + 4 t + i's high bit lies in byte i of its chunk, as a shift
+    [h, t, 1]."""
+    return (np.arange(4).reshape(1, 4, 1) + 4 * np.arange(2).reshape(2, 1, 1)).astype(np.uint8)
 
 
 def _high_bit_shifts() -> np.ndarray:
@@ -139,6 +149,10 @@ def pack_blocks(blocks: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray
     else:  # [groups, units, blocks, chunk t, GROUP, 4]: element 4 t + i low, 16 + 4 t + i high
         codes = (u[..., :16] & 15) | (u[..., 16:] & 15) << 4
         parts = [np.moveaxis(_to_records(codes.reshape(rows, units, -1, 4, 4)), 2, 4)]
+    if qtype == Q.Q5_0:  # [groups, units, GROUP, 4]
+        high = (u >> 4).reshape(rows, units, 2, 4, 4)  # [.., h, t, i]
+        bits = np.bitwise_or.reduce(high << _q5_high_bit_shifts(), axis=(2, 3))
+        parts.append(_to_records(bits))
     if qtype == Q.Q6_K:  # [groups, units, blocks, chunk p, GROUP, 4]
         high = (u >> 4).reshape(rows, units, 8, 2, 2, 2, 4)  # [.., h, p, w, i]
         bits = np.bitwise_or.reduce(high << _high_bit_shifts(), axis=(3, 5))
@@ -174,6 +188,9 @@ def packed_fields(packed: np.ndarray, qtype, shape: tuple[int, int]) -> dict[str
         codes = per_row(take(256 * blocks, inner=(blocks, 4, GROUP, 4)), 4)
         codes = codes.reshape(-1, units, blocks, 16)
         u = np.concatenate([codes & 15, codes >> 4], axis=-1)
+        if qtype == Q.Q5_0:
+            bits = per_row(take(64, inner=(GROUP, 4)), 2).reshape(-1, units, 1, 1, 1, 4)
+            u = u | ((bits >> _q5_high_bit_shifts()) & 1).reshape(-1, units, 1, 32) << 4
         if qtype == Q.Q6_K:
             bits = per_row(take(1024, inner=(8, 2, GROUP, 4)), 4)  # [.., blocks, p, i]
             bits = bits.reshape(-1, units, 8, 1, 2, 1, 4)

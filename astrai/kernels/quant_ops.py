@@ -1,4 +1,5 @@
-"""y = x W^T + b for W kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) on the CPU.
+"""y = x W^T + b for W kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) on
+the CPU.
 
 A batch-1 decode step is bound by reading the weights, so a 4-bit W reads a quarter of what a
 bf16 one does. Paths, as for the dense linears (linear_ops.LinearPath):

@@ -158,7 +158,8 @@ class AutoModel:
         mis-shaped tensors are all reported by name in one CheckpointError. A GGUF file's
         quantized linears keep their blocks on the CPU (dtype is then that of the activations)
         unless dequantize. A directory's linears are quantized at load to quantization's
-        blocks ("q8_0", "q4_0" or "q4_1"), for the CPU's quantized kernels, if it is given.
+        blocks ("q8_0", "q4_0", "q4_1" or "q5_0"), for the CPU's quantized kernels, if it is
+        given.
         With shard, only that tensor-parallel rank's share of each tensor is read.
         """
         directory = Path(path)

@@ -38,6 +38,7 @@ HALVES = {
     GGMLQuantizationType.Q8_0: [0],
     GGMLQuantizationType.Q4_0: [0],
     GGMLQuantizationType.Q4_1: [0, 2],
+    GGMLQuantizationType.Q5_0: [0],
     GGMLQuantizationType.Q4_K: [0, 2],
     GGMLQuantizationType.Q6_K: [208],
 }

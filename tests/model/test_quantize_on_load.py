@@ -22,6 +22,7 @@ QUANTIZATIONS = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
 }
 IDS = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64]])
 
@@ -158,7 +159,7 @@ def test_linears_of_partial_blocks_stay_dense_and_say_so(tmp_path, caplog):
     ],
 )
 def test_unknown_quantization_names_the_choices(llama_dir, quantization, message):
-    with pytest.raises(ConfigError, match=message + ".*; choose one of q8_0, q4_0, q4_1$"):
+    with pytest.raises(ConfigError, match=message + ".*; choose one of q8_0, q4_0, q4_1, q5_0$"):
         AutoModel.from_pretrained(llama_dir, quantization=quantization)
 
 

@@ -1,4 +1,5 @@
-/* y = x W^T + b for a few rows of x, W in GGUF's quantized blocks: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K.
+/* y = x W^T + b for a few rows of x, W in GGUF's quantized blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K,
+ * Q6_K.
  *
  * A decode step's linears are bound by reading W, and a 4-bit W is a quarter of the bytes of
  * bf16. Nothing here widens W to floats: each 32-block of a row of x is quantized to int8 with
@@ -10,6 +11,7 @@
  *
  *   Q4_0  u = 4-bit, c = 8                       Q8_0  u = s + 128, c = 128 (s: GGUF's int8)
  *   Q4_1  u = 4-bit, m per block                 Q6_K  u = 6-bit, c = 32, d = d_super * sc16
+ *   Q5_0  u = 5-bit, c = 16
  *   Q4_K  u = 4-bit, d = d_super * sc, m = -dmin_super * mn (6-bit sc, mn per 32-block)
  *
  * Unsigned codes against signed x are what the CPUs' int8 multiply-adds take (AVX512-VNNI
@@ -27,6 +29,8 @@
  * in the high one (GGUF's own order of a 4-bit block). Then per type, scale arrays [...][16 rows]:
  *   Q4_0  codes, fp16 d[16]                                                            288 bytes
  *   Q4_1  codes, fp16 d[16], fp16 m[16]                                                320
+ *   Q5_0  codes (low 4 bits), 1 chunk of high bits (byte 4 r + i: bit t + 4 h the high bit
+ *         of element 16 h + 4 t + i), fp16 d[16]                                        352
  *   Q8_0  8 chunks (row r's int8 bytes 4 t..4 t + 3 of chunk t at 4 r), fp16 d[16]     544
  *   Q4_K  8 x codes, u8 sc[8][16], u8 mn[8][16], fp16 d[16], fp16 dmin[16]            2368
  *   Q6_K  8 x low 4 bits as codes, 8 x 2 chunks of high 2 bits (chunk p's byte 4 r + i: bits
@@ -68,7 +72,7 @@
 #endif
 
 /* GGML's type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 #define QK 32
 #define GROUP 16
 #define CHUNK (4 * GROUP) /* bytes of 4 codes (or code bytes) of each row */
@@ -77,7 +81,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 static int unit_blocks(int qtype) { return qtype == Q4_K || qtype == Q6_K ? 8 : 1; }
 
 /* Where a record's parts start: its scales d (and m: Q4_1's m, Q4_K's dmin; sc: the K types'
- * 8-bit scales, mn: Q4_K's mins; high: Q6_K's high bits), and its size. */
+ * 8-bit scales, mn: Q4_K's mins; high: Q5_0's and Q6_K's high bits), and its size. */
 struct layout {
     int d, m, sc, mn, high, bytes;
 };
@@ -86,6 +90,7 @@ static struct layout layout_of(int qtype) {
     switch (qtype) {
     case Q4_0: return (struct layout){.d = 256, .bytes = 288};
     case Q4_1: return (struct layout){.d = 256, .m = 288, .bytes = 320};
+    case Q5_0: return (struct layout){.high = 256, .d = 320, .bytes = 352};
     case Q8_0: return (struct layout){.d = 512, .bytes = 544};
     case Q4_K: return (struct layout){.sc = 2048, .mn = 2176, .d = 2304, .m = 2336, .bytes = 2368};
     default: return (struct layout){.high = 2048, .sc = 3072, .d = 3328, .bytes = 3360};
@@ -94,8 +99,12 @@ static struct layout layout_of(int qtype) {
 
 /* the integer offset c (see the top) */
 static int code_offset(int qtype) {
-    return qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32 : 0;
+    return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32 : 0;
 }
+
+/* Whether x's blocks carry a seed per 16-weight half: Q6_K has a scale per half, and Q5_0's
+ * 5-bit products overflow AVX2's int16 sums of a whole block, so it sums each half apart. */
+static int seeds_per_half(int qtype) { return qtype == Q6_K || qtype == Q5_0; }
 
 enum isa { SCALAR, AVX2, AVX512VNNI };
 static const char *const isa_names[] = {"scalar", "avx2", "avx512vnni"};
@@ -138,6 +147,8 @@ static inline __attribute__((always_inline)) int code(const uint8_t *rec, int qt
     if (qtype == Q8_0) return (uint8_t)(rec[CHUNK * (k / 4) + in_chunk] ^ 0x80);
     const uint8_t byte = rec[4 * CHUNK * j + CHUNK * (k % 16 / 4) + in_chunk];
     const int low = k < 16 ? byte & 15 : byte >> 4;
+    if (qtype == Q5_0)
+        return low | (rec[layout_of(Q5_0).high + in_chunk] >> (k % 16 / 4 + 4 * (k / 16)) & 1) << 4;
     if (qtype != Q6_K) return low;
     const int t = k % 16 / 4, shift = 2 * (2 * (t % 2) + k / 16);
     const uint8_t bits = rec[layout_of(Q6_K).high + 2 * CHUNK * j + CHUNK * (t / 2) + in_chunk];
@@ -171,7 +182,7 @@ struct xblock {
         int32_t q4[QK / 4]; /* runs of 4, which the kernels broadcast from memory */
     };
     float dx, sx;    /* x ~= dx q; sx = dx sum q */
-    int32_t seed[2]; /* -c sum q, or, for Q6_K (a scale per half), -c times each half's sum */
+    int32_t seed[2]; /* -c sum q, or (seeds_per_half) -c times each half's sum */
 };
 
 /* A 32-block's seeds and sx from the sums of its halves' q. */
@@ -377,6 +388,17 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
                     high[t] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
                 }
             }
+            if (qtype == Q5_0) { /* bit t + 4 h of the chunk's bytes moved to bit 4 */
+                const __m512i bits = _mm512_loadu_si512(rec + at.high),
+                              bit4 = _mm512_set1_epi8(0x10);
+                UNROLL
+                for (int t = 0; t < 4; t++) {
+                    low[t] = _mm512_or_si512(
+                        low[t], _mm512_and_si512(_mm512_slli_epi16(bits, 4 - t), bit4));
+                    high[t] = _mm512_or_si512(high[t],
+                                              _mm512_and_si512(_mm512_srli_epi16(bits, t), bit4));
+                }
+            }
             if (qtype == Q6_K) { /* bits 2 (2 w + h) of chunk p's bytes moved to bits 4, 5 */
                 UNROLL
                 for (int p = 0; p < 2; p++) {
@@ -493,6 +515,7 @@ TARGET_VNNI static void quantize_vnni(struct xblock *out, const void *x, int64_t
 TARGET_VNNI static void group_vnni(const struct call *c, int64_t g) {
     switch (c->qtype) {
     case Q4_0: vnni_group(c, g, Q4_0); break;
+    case Q5_0: vnni_group(c, g, Q5_0); break;
     case Q4_1: vnni_group(c, g, Q4_1); break;
     case Q8_0: vnni_group(c, g, Q8_0); break;
     case Q4_K: vnni_group(c, g, Q4_K); break;
@@ -558,6 +581,18 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                         high[t] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
                     }
                 }
+                if (qtype == Q5_0) { /* as in the AVX-512 tile */
+                    const __m256i bits =
+                        _mm256_loadu_si256((const __m256i *)(rec + at.high + 32 * h));
+                    const __m256i bit4 = _mm256_set1_epi8(0x10);
+                    UNROLL
+                    for (int t = 0; t < 4; t++) {
+                        low[t] = _mm256_or_si256(
+                            low[t], _mm256_and_si256(_mm256_slli_epi16(bits, 4 - t), bit4));
+                        high[t] = _mm256_or_si256(
+                            high[t], _mm256_and_si256(_mm256_srli_epi16(bits, t), bit4));
+                    }
+                }
                 if (qtype == Q6_K) {
                     UNROLL
                     for (int p = 0; p < 2; p++) {
@@ -602,7 +637,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                         }
                         *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low, dx),
                                                *sum);
-                    } else if (qtype == Q6_K) {
+                    } else if (seeds_per_half(qtype)) {
                         __m256i dot[2];
                         UNROLL
                         for (int half = 0; half < 2; half++) {
@@ -698,6 +733,7 @@ TARGET_AVX2 static void quantize_avx2(struct xblock *out, const void *x, int64_t
 TARGET_AVX2 static void group_avx2(const struct call *c, int64_t g) {
     switch (c->qtype) {
     case Q4_0: avx2_group(c, g, Q4_0); break;
+    case Q5_0: avx2_group(c, g, Q5_0); break;
     case Q4_1: avx2_group(c, g, Q4_1); break;
     case Q8_0: avx2_group(c, g, Q8_0); break;
     case Q4_K: avx2_group(c, g, Q4_K); break;
@@ -708,10 +744,11 @@ TARGET_AVX2 static void group_avx2(const struct call *c, int64_t g) {
 
 /* Whether the kernels take qtype and in_features; sets a ValueError if not. */
 static int check_shape(int qtype, int64_t in_features) {
-    if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0 && qtype != Q4_K && qtype != Q6_K) {
-        PyErr_Format(PyExc_ValueError,
-                     "quant_linear: GGML type %d has no kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)",
-                     qtype);
+    if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q5_0 && qtype != Q8_0 && qtype != Q4_K &&
+        qtype != Q6_K) {
+        PyErr_Format(
+            PyExc_ValueError,
+            "quant_linear: GGML type %d has no kernel (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)", qtype);
         return 0;
     }
     if (in_features % (QK * unit_blocks(qtype)) != 0) {
@@ -755,11 +792,11 @@ static PyObject *linear(PyObject *module, PyObject *args) {
 #pragma omp parallel for schedule(static)
         for (int64_t m = 0; m < rows; m++)
             quantize_row(xq + m * blocks, (const char *)x + m * x_row_bytes, in_features,
-                         code_offset(qtype), qtype == Q6_K, is_bf16);
+                         code_offset(qtype), seeds_per_half(qtype), is_bf16);
     } else {
         for (int64_t m = 0; m < rows; m++)
             quantize_row(xq + m * blocks, (const char *)x + m * x_row_bytes, in_features,
-                         code_offset(qtype), qtype == Q6_K, is_bf16);
+                         code_offset(qtype), seeds_per_half(qtype), is_bf16);
     }
 #pragma omp parallel
     {
@@ -795,6 +832,12 @@ static inline __attribute__((always_inline)) void dequantize_row(void *out, cons
                 u[k] = bytes[k] & 15;
                 u[16 + k] = bytes[k] >> 4;
             }
+        if (qtype == Q5_0) {
+            memcpy(high, rec + layout_of(Q5_0).high + 4 * r, 4);
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 16; k++) /* k = 4 t + i */
+                    u[16 * h + k] |= (high[k % 4] >> (k / 4 + 4 * h) & 1) << 4;
+        }
         if (qtype == Q6_K) {
             for (int p = 0; p < 2; p++)
                 memcpy(high + 4 * p, rec + layout_of(Q6_K).high + 2 * CHUNK * j + CHUNK * p + 4 * r,

@@ -105,7 +105,7 @@ def load_gguf(
     shard: WeightShard | None = None,
 ) -> Transformer:
     """The Transformer of a GGUF file. On the CPU a linear whose blocks have a kernel (Q8_0,
-    Q4_0, Q4_1, Q4_K, Q6_K) keeps them, unless dequantize; every other tensor is dequantized
+    Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) keeps them, unless dequantize; every other tensor is dequantized
     to dtype on device. With shard, the rank's share of each tensor is read: rows of blocks,
     or columns cut at block boundaries (shard_problems says where they cannot be)."""
     reader = open_gguf(path)

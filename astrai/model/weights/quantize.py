@@ -2,8 +2,8 @@
 
 The blocks come from the gguf package's reference quantizer (llama.cpp's rounding, in NumPy),
 so a linear holds what llama.cpp's converter would write for that type, and runs on astrai's
-quantized kernels. Of the types astrai has kernels for, that quantizer implements Q8_0, Q4_0
-and Q4_1; the K types (Q4_K, Q6_K) it does not, so those come only from a GGUF file.
+quantized kernels. Of the types astrai has kernels for, that quantizer implements Q8_0, Q4_0,
+Q4_1 and Q5_0; the K types (Q4_K, Q6_K) it does not, so those come only from a GGUF file.
 
 The loaders swap Linear modules for quantized layers with replace_linear, here for both.
 """
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 # --quantization name -> the block type it quantizes to
-QUANTIZATIONS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
+QUANTIZATIONS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0}
 
 
 def quantization_type(name: str) -> GGMLQuantizationType:
