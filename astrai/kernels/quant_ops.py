@@ -85,6 +85,10 @@ class QuantizedWeight:
 # Rows of x the kernel's CPU paths are timed at: a decode step's one, and a speculative check's
 # few, where the paths part (at one row they all wait on memory, and AVX2 can win by noise).
 ISA_TIMED_ROWS = (1, 4)
+# How far ahead (bytes of W's stream) the kernel's prefetch is timed at, with the chosen CPU
+# path at one row: the best distance depends on the machine's memory and prefetchers.
+PREFETCH_DISTANCES = (1024, 2048, 4096)
+DEFAULT_PREFETCH = 2048
 # x dtype -> the path of each row bucket, set by tune_quant_linears()
 _paths: dict[torch.dtype, list[LinearPath]] = {}
 _timed: dict[tuple, list[LinearPath]] = {}
@@ -220,14 +224,15 @@ def tune_quant_linears(
 ) -> dict[int, LinearPath]:
     """Time the paths for x of dtype on these weights (one model's quantized linears, in
     order; once per machine, as tuning_cache keeps the answer) -- first the kernel's CPU paths
-    at ISA_TIMED_ROWS, keeping the fastest -- use the fastest path per row bucket from now on, and
-    return them {bucket: path}."""
+    at ISA_TIMED_ROWS, keeping the fastest, then its prefetch distance -- use the fastest path per
+    row bucket from now on, and return them {bucket: path}."""
     key = (dtype, tuple((w.qtype, w.shape) for w in weights))
     if native.quant_linear is not None and key not in _timed and forced_path() is None:
-        isa, *paths = tuning_cache.remembered(
+        isa, distance, *paths = tuning_cache.remembered(
             "quant_linear", dtype, key[1], lambda: _fastest_isa_and_paths(weights, dtype)
         )
         native.quant_linear.set_isa(isa)
+        native.quant_linear.set_prefetch(int(distance))
         _timed[key] = [LinearPath(path) for path in paths]
     if key in _timed:
         _paths[dtype] = _timed[key]
@@ -235,7 +240,8 @@ def tune_quant_linears(
 
 
 def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtype) -> list:
-    """[the kernel's fastest CPU path (over a pass of each of ISA_TIMED_ROWS), then the
+    """[the kernel's fastest CPU path (over a pass of each of ISA_TIMED_ROWS, prefetching
+    DEFAULT_PREFETCH ahead), its fastest prefetch distance (a pass at one row), then the
     fastest path of each row bucket], timed.
 
     The kernel quantizes x and a GEMM does not, so their results differ by more than rounding:
@@ -251,8 +257,17 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
             seconds += _time_path(LinearPath.KERNEL, streamed, dtype, rows, limit - seconds)
         return seconds
 
+    native.quant_linear.set_prefetch(DEFAULT_PREFETCH)
     isa = fastest({i: partial(kernel_on, i) for i in isas}, isas[0])
     native.quant_linear.set_isa(isa)
+
+    def kernel_prefetching(distance: int, limit: float) -> float:
+        native.quant_linear.set_prefetch(distance)
+        return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
+
+    timings = {d: partial(kernel_prefetching, d) for d in PREFETCH_DISTANCES}
+    distance = fastest(timings, DEFAULT_PREFETCH)
+    native.quant_linear.set_prefetch(distance)
     paths = []
     for bucket in ROW_BUCKETS:
         # few rows stream the weights; many are bound by arithmetic: a layer's weights
@@ -264,4 +279,4 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
             candidates.append(LinearPath.UPCAST)
         timings = {p: partial(_time_path, p, timed, dtype, bucket) for p in candidates}
         paths.append(fastest(timings, LinearPath.KERNEL))
-    return [isa, *paths]
+    return [isa, distance, *paths]

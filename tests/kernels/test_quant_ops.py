@@ -214,6 +214,27 @@ def test_set_isa_refuses_unknown_paths():
             native.quant_linear.set_isa(missing[0])
 
 
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES, ids=[t.name for t in QTYPES])
+def test_the_prefetch_distance_changes_no_result(monkeypatch, isa, qtype):
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")
+    shape = shape_of(qtype, (37, 3))
+    weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, 5), qtype, shape)
+    x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(5))
+    before = native.quant_linear.prefetch()
+    try:
+        outs = []
+        for distance in (0, 64, 2048, 16384):
+            native.quant_linear.set_prefetch(distance)
+            outs.append(quant_linear(x, weight))
+    finally:
+        native.quant_linear.set_prefetch(before)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    for bad in (-64, 100, 16384 + 64):
+        with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
+            native.quant_linear.set_prefetch(bad)
+
+
 @pytest.fixture(params=list(LinearPath))
 def forced_path(request, monkeypatch) -> LinearPath:
     """Run a test on each path of the op, forced as a user forces it."""
@@ -275,6 +296,8 @@ ISA_SECONDS = {
     1: {"scalar": 3.0, "avx2": 1.0, "avx512vnni": 1.5},
     4: {"scalar": 9.0, "avx2": 3.0, "avx512vnni": 1.5},
 }
+# then of the chosen path at one row, prefetching each distance (twice each): 4 KB wins
+PREFETCH_SECONDS = {1024: 1.2, 2048: 1.0, 4096: 0.8}
 SECONDS = {
     1: {KERNEL: 1.05, GEMM: 1.0},  # the GEMM 5 % faster: not enough to leave the kernel
     4: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast: from here on, GEMMs only
@@ -297,28 +320,35 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
         timed.append((path, rows, isa))
         if len(timed) <= isa_timings:
             return ISA_SECONDS[rows][isa]
+        if len(timed) <= isa_timings + prefetch_timings:
+            return PREFETCH_SECONDS[native.quant_linear.prefetch()]
         return SECONDS.get(rows, {}).get(path, 1.0)
 
     isa_timings = 2 * len(quant_module.ISA_TIMED_ROWS) * len(native.quant_linear.isas())
+    prefetch_timings = 2 * len(quant_module.PREFETCH_DISTANCES)
     monkeypatch.setattr(quant_module, "_time_path", fake_time)
     weights = []
     for qtype in QTYPES:
         shape = shape_of(qtype, (8, 1))
         weights.append(QuantizedWeight.from_gguf(random_blocks(qtype, shape, 7), qtype, shape))
-    before = native.quant_linear.isa()
+    before, prefetch_before = native.quant_linear.isa(), native.quant_linear.prefetch()
     try:
         chosen = tune_quant_linears(weights, dtype)
         fastest = min(
             native.quant_linear.isas(), key=lambda i: sum(ISA_SECONDS[r][i] for r in (1, 4))
         )
         assert native.quant_linear.isa() == fastest
+        assert native.quant_linear.prefetch() == 4096
         assert {isa for _, _, isa in timed} == set(native.quant_linear.isas())
     finally:
         native.quant_linear.set_isa(before)
+        native.quant_linear.set_prefetch(prefetch_before)
     want = {1: KERNEL, 2: KERNEL, 256: UPCAST if dtype == torch.bfloat16 else GEMM}
     assert chosen == {rows: want.get(rows, GEMM) for rows in quant_module.ROW_BUCKETS}
     assert {rows for _, rows, _ in timed[:isa_timings]} == set(quant_module.ISA_TIMED_ROWS)
-    path_timings = timed[isa_timings:]
+    prefetch_timed = timed[isa_timings : isa_timings + prefetch_timings]
+    assert prefetch_timed == [(KERNEL, 1, fastest)] * prefetch_timings
+    path_timings = timed[isa_timings + prefetch_timings :]
     assert {rows for path, rows, _ in path_timings if path is KERNEL} == {1, 2, 4}
     assert quant_module.choose_path(torch.empty(2, 32, dtype=dtype)) is KERNEL
     assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype)) is GEMM
@@ -332,10 +362,13 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     quant_module._paths.clear()
     try:
         native.quant_linear.set_isa("scalar")
+        native.quant_linear.set_prefetch(1024)
         assert tune_quant_linears(weights, dtype) == chosen
         assert native.quant_linear.isa() == fastest
+        assert native.quant_linear.prefetch() == 4096
     finally:
         native.quant_linear.set_isa(before)
+        native.quant_linear.set_prefetch(prefetch_before)
     assert timed == []
 
 

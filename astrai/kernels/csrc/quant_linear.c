@@ -319,23 +319,21 @@ static void group_scalar(const struct call *c, int64_t g) {
 }
 
 #if X86
-/* W's stream is read PREFETCH_BYTES ahead of the record being decoded: the hardware prefetcher
+/* W's stream is read prefetch_bytes ahead of the record being decoded: the hardware prefetcher
  * alone left a one-row pass waiting on memory for a third of its time (it starts over at each
- * 4 KB page), and the kernel's arithmetic did not overlap the misses. 2 KB ahead measured best
- * of 1-8 KB (benchmarks/README.md, "Prefetching W"). */
-#define PREFETCH_BYTES 2048
-
-INLINE void prefetch_ahead(const uint8_t *rec, const int bytes) {
-    for (int line = 0; line < bytes; line += 64)
-        _mm_prefetch((const char *)rec + PREFETCH_BYTES + line, _MM_HINT_T0);
-}
+ * 4 KB page), and the kernel's arithmetic did not overlap the misses. The distance that does
+ * best depends on the machine: quant_ops times a few at start (set_prefetch) with the path;
+ * 2 KB measured best of 1-8 KB on an AVX-512 Xeon (benchmarks/README.md, "Prefetching W"). */
+static int prefetch_bytes = 2048;
 
 /* The share of a record's prefetch that goes with its 32-block j of per_unit: a K type's
  * 2-3 KB record asked for at once stalls on the few misses a core can have in flight, where
  * a block's share at a time keeps pace with the arithmetic. */
 INLINE void prefetch_block(const uint8_t *rec, const int bytes, const int j, const int per_unit) {
     const int share = (bytes + per_unit - 1) / per_unit;
-    prefetch_ahead(rec + j * share, share);
+    const uint8_t *ahead = rec + prefetch_bytes + j * share;
+    for (int line = 0; line < share; line += 64)
+        _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
 }
 
 /* AVX-512 VNNI. Per x row an accumulator of 16 floats, lane r row r's sum of d dx (u . q - c
@@ -900,6 +898,34 @@ static PyObject *set_isa(PyObject *module, PyObject *arg) {
                         name);
 }
 
+/* Bytes of W's stream the x86 paths prefetch ahead: a multiple of 64 up to 16 KB (0: none). */
+#define MAX_PREFETCH_BYTES 16384
+
+static PyObject *set_prefetch(PyObject *module, PyObject *arg) {
+    (void)module;
+    const long bytes = PyLong_AsLong(arg);
+    if (bytes == -1 && PyErr_Occurred()) return NULL;
+    if (bytes < 0 || bytes > MAX_PREFETCH_BYTES || bytes % 64 != 0)
+        return PyErr_Format(PyExc_ValueError,
+                            "quant_linear: prefetch distance %ld is not a multiple of 64 bytes in "
+                            "0..%d",
+                            bytes, MAX_PREFETCH_BYTES);
+#if X86
+    prefetch_bytes = (int)bytes;
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_prefetch(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+#if X86
+    return PyLong_FromLong(prefetch_bytes);
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
 static PyObject *get_isa(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
@@ -929,6 +955,10 @@ static PyMethodDef methods[] = {
      "[out_features, in_features] from the packed w."},
     {"set_isa", set_isa, METH_O, "set_isa(name): the CPU path linear() takes from now on."},
     {"isa", get_isa, METH_NOARGS, "isa(): the CPU path linear() takes."},
+    {"set_prefetch", set_prefetch, METH_O,
+     "set_prefetch(bytes): how far ahead of the record it decodes an x86 path prefetches W (a "
+     "multiple of 64, at most 16384)."},
+    {"prefetch", get_prefetch, METH_NOARGS, "prefetch(): set_prefetch's distance in bytes."},
     {"isas", isas, METH_NOARGS, "isas(): the CPU paths this machine runs, slowest first."},
     {NULL, NULL, 0, NULL},
 };
