@@ -17,6 +17,7 @@ never to the prefix cache.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,6 +125,7 @@ class StepTimes:
     def __init__(self, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
         self.seconds: dict[int, float] = {}
+        self.known: list[int] = []  # the keys of seconds, sorted: estimate() bisects them
         self.seen: set[int] = set()
 
     def record(self, rows: int, seconds: float) -> None:
@@ -131,6 +133,8 @@ class StepTimes:
             self.seen.add(rows)
             return
         old = self.seconds.get(rows)
+        if old is None:
+            bisect.insort(self.known, rows)
         self.seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def estimate(self, rows: int) -> float | None:
@@ -139,19 +143,19 @@ class StepTimes:
         next steps correct); flat below the smallest; None before any step ran."""
         if rows in self.seconds:
             return self.seconds[rows]
-        known = sorted(self.seconds)
+        known = self.known
         if not known:
             return None
-        below = [r for r in known if r < rows]
-        above = [r for r in known if r > rows]
-        if not below:
-            return self.seconds[above[0]]
+        at = bisect.bisect(known, rows)  # known[:at] lie below rows, known[at:] above
+        if at == 0:
+            return self.seconds[known[0]]
+        above = at < len(known)
         if above:
-            low, high = below[-1], above[0]
-        elif len(below) > 1:
-            low, high = below[-2], below[-1]
+            low, high = known[at - 1], known[at]
+        elif at > 1:
+            low, high = known[at - 2], known[at - 1]
         else:
-            return self.seconds[below[-1]]
+            return self.seconds[known[0]]
         slope = (self.seconds[high] - self.seconds[low]) / (high - low)
         return self.seconds[low] + (rows - low) * (slope if above else max(slope, 0.0))
 

@@ -220,6 +220,8 @@ def test_policy_takes_the_guesses_that_pay_at_the_measured_step_times():
         times.record(rows, seconds)
     assert times.estimate(5) == pytest.approx(0.020)
     assert times.estimate(20) == pytest.approx(0.030 + 11 * 0.0025)  # along the last line
+    assert times.estimate(0) == pytest.approx(0.010)  # flat below the smallest
+    assert StepTimes().estimate(3) is None
     speculator = Speculator(proposer=None, num_tokens=8)
     speculator.times = times
     tasks = [type("Task", (), {"id": i})() for i in range(2)]
