@@ -318,13 +318,14 @@ static void group_scalar(const struct call *c, int64_t g) {
     }
 }
 
-#if X86
-/* W's stream is read prefetch_bytes ahead of the record being decoded: the hardware prefetcher
- * alone left a one-row pass waiting on memory for a third of its time (it starts over at each
- * 4 KB page), and the kernel's arithmetic did not overlap the misses. The distance that does
- * best depends on the machine: quant_ops times a few at start (set_prefetch) with the path;
+/* The x86 paths read W's stream prefetch_bytes ahead of the record being decoded: the hardware
+ * prefetcher alone left a one-row pass waiting on memory for a third of its time (it starts over
+ * at each 4 KB page), and the kernel's arithmetic did not overlap the misses. The distance that
+ * does best depends on the machine: quant_ops times a few at start (set_prefetch) with the path;
  * 2 KB measured best of 1-8 KB on an AVX-512 Xeon (benchmarks/README.md, "Prefetching W"). */
 static int prefetch_bytes = 2048;
+
+#if X86
 
 /* The share of a record's prefetch that goes with its 32-block j of per_unit: a K type's
  * 2-3 KB record asked for at once stalls on the few misses a core can have in flight, where
@@ -910,20 +911,14 @@ static PyObject *set_prefetch(PyObject *module, PyObject *arg) {
                             "quant_linear: prefetch distance %ld is not a multiple of 64 bytes in "
                             "0..%d",
                             bytes, MAX_PREFETCH_BYTES);
-#if X86
     prefetch_bytes = (int)bytes;
-#endif
     Py_RETURN_NONE;
 }
 
 static PyObject *get_prefetch(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
-#if X86
     return PyLong_FromLong(prefetch_bytes);
-#else
-    return PyLong_FromLong(0);
-#endif
 }
 
 static PyObject *get_isa(PyObject *module, PyObject *unused) {
