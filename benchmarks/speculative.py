@@ -8,8 +8,8 @@ of guesses kept per check, whether the output equals the output without speculat
 must: greedy output does not change), and `llama-lookup` (llama.cpp's prompt-lookup
 decoding, the same prompt text, greedy, --spec-draft-n-max K) beside the batch-1 figure.
 
-Decode tokens/s counts the tokens after each request's first over the time after the last
-request's first token: prefill left out, as llama-lookup's "decoded" line leaves it out. The
+Decode tokens/s counts the tokens that arrive after the last request's first token over the
+time since: prefill left out, as llama-lookup's "decoded" line leaves it out. The
 end-to-end ratio beside it counts all tokens from submit to the last one, prefill included
 (the same for both runs, so it dilutes the gain). The roofline is batch-1 decode without
 speculation at the machine's read bandwidth: speculation can pass it, since one weight read
@@ -109,9 +109,9 @@ def prompts_of(workload: str, count: int) -> list[GenerationRequest]:
 
 def timed(engine, prompts, max_tokens, repeats):
     """(decode tokens/s, end-to-end tokens/s, outputs): the best of repeats after a warm-up run
-    of the prompts submitted at once. Decode: the tokens after each request's first over the
-    time after the last request's first token (prefill left out, as llama-lookup's figure
-    leaves it out); end to end: all tokens over the time from submit to the last token."""
+    of the prompts submitted at once. Decode: the tokens that arrived after the last request's
+    first token over the time since (prefill left out, as llama-lookup's figure leaves it out);
+    end to end: all tokens over the time from submit to the last token."""
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
     ids = [engine.encode(prompt) for prompt in prompts]
     run_once(engine, ids, params)  # warm-up: records the steps, learns timings
@@ -127,7 +127,7 @@ def run_once(engine, ids, params):
         ids, params, lambda task, delta: events.put((task.id, delta, time.perf_counter()))
     )
     outputs = {task.id: [] for group in groups for task in group}
-    first, stopped = {}, 0
+    first, arrivals, stopped = {}, [], 0  # arrivals: (time, tokens) of each delta
     while stopped < len(outputs):
         task_id, delta, at = events.get()
         if delta is STOP:
@@ -135,8 +135,10 @@ def run_once(engine, ids, params):
         elif delta.token_ids:
             first.setdefault(task_id, at)
             outputs[task_id] += delta.token_ids
+            arrivals.append((at, len(delta.token_ids)))
+    decoding = max(first.values())  # from here on every request decodes
+    decode = sum(n for at, n in arrivals if at > decoding) / (last - decoding)
     tokens = sum(len(out) for out in outputs.values())
-    decode = (tokens - len(outputs)) / (last - max(first.values()))
     return decode, tokens / (last - started), list(outputs.values())
 
 

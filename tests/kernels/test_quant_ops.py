@@ -319,6 +319,7 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
         isa = native.quant_linear.isa()
         timed.append((path, rows, isa))
         if len(timed) <= isa_timings:
+            isa_distances.add(native.quant_linear.prefetch())
             return ISA_SECONDS[rows][isa]
         if len(timed) <= isa_timings + prefetch_timings:
             return PREFETCH_SECONDS[native.quant_linear.prefetch()]
@@ -326,6 +327,7 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
 
     isa_timings = 2 * len(quant_module.ISA_TIMED_ROWS) * len(native.quant_linear.isas())
     prefetch_timings = 2 * len(quant_module.PREFETCH_DISTANCES)
+    isa_distances = set()  # the CPU paths are compared at the default distance, not another
     monkeypatch.setattr(quant_module, "_time_path", fake_time)
     weights = []
     for qtype in QTYPES:
@@ -339,6 +341,7 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
         )
         assert native.quant_linear.isa() == fastest
         assert native.quant_linear.prefetch() == 4096
+        assert isa_distances == {quant_module.DEFAULT_PREFETCH}
         assert {isa for _, _, isa in timed} == set(native.quant_linear.isas())
     finally:
         native.quant_linear.set_isa(before)
