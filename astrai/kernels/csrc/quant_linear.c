@@ -318,11 +318,14 @@ static void group_scalar(const struct call *c, int64_t g) {
     }
 }
 
-/* The x86 paths read W's stream prefetch_bytes ahead of the record being decoded: the hardware
- * prefetcher alone left a one-row pass waiting on memory for a third of its time (it starts over
- * at each 4 KB page), and the kernel's arithmetic did not overlap the misses. The distance that
- * does best depends on the machine: quant_ops times a few at start (set_prefetch) with the path;
- * 2 KB measured best of 1-8 KB on an AVX-512 Xeon (benchmarks/README.md, "Prefetching W"). */
+/* The x86 paths prefetch W's stream prefetch_bytes beyond the end of the record being decoded:
+ * the hardware prefetcher alone left a one-row pass waiting on memory for a third of its time
+ * (it starts over at each 4 KB page), and the kernel's arithmetic did not overlap the misses.
+ * Counted from the record's end, not its start, because a record is not read in address order: a
+ * K type reads its high bits and scales, at the record's tail, from its first block on, and a
+ * distance shorter than the record (Q6_K's is 3.3 KB) reached them too late. The distance that
+ * does best depends on the machine: quant_ops times a few at start (set_prefetch) with the path
+ * (benchmarks/README.md, "Prefetching W"). */
 static int prefetch_bytes = 2048;
 
 #if X86
@@ -332,7 +335,7 @@ static int prefetch_bytes = 2048;
  * a block's share at a time keeps pace with the arithmetic. */
 INLINE void prefetch_block(const uint8_t *rec, const int bytes, const int j, const int per_unit) {
     const int share = (bytes + per_unit - 1) / per_unit;
-    const uint8_t *ahead = rec + prefetch_bytes + j * share;
+    const uint8_t *ahead = rec + bytes + prefetch_bytes + j * share;
     for (int line = 0; line < share; line += 64)
         _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
 }
@@ -951,8 +954,8 @@ static PyMethodDef methods[] = {
     {"set_isa", set_isa, METH_O, "set_isa(name): the CPU path linear() takes from now on."},
     {"isa", get_isa, METH_NOARGS, "isa(): the CPU path linear() takes."},
     {"set_prefetch", set_prefetch, METH_O,
-     "set_prefetch(bytes): how far ahead of the record it decodes an x86 path prefetches W (a "
-     "multiple of 64, at most 16384)."},
+     "set_prefetch(bytes): how far beyond the end of the record it decodes an x86 path prefetches "
+     "W (a multiple of 64, at most 16384)."},
     {"prefetch", get_prefetch, METH_NOARGS, "prefetch(): set_prefetch's distance in bytes."},
     {"isas", isas, METH_NOARGS, "isas(): the CPU paths this machine runs, slowest first."},
     {NULL, NULL, 0, NULL},
