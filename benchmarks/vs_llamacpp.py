@@ -68,6 +68,10 @@ from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
+# the binaries the parts run (llama-lookup: speculative.py's peer)
+LLAMA_TOOLS = (
+    "llama-bench", "llama-server", "llama-quantize", "llama-perplexity", "llama-lookup"
+)  # fmt: skip
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built without LLAMA_CPP_BIN
 BUILD_DIR = Path.home() / ".cache" / "astrai-bench" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
 GGUF_TYPES = {"q4_1": None, "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}  # None: as is
@@ -90,15 +94,20 @@ def cpu_name() -> str:
     return f"{name[1] if name else 'CPU'} ({amx})"
 
 
+def missing_tools(bin_dir: Path) -> list[str]:
+    return [tool for tool in LLAMA_TOOLS if not (bin_dir / tool).is_file()]
+
+
 def llama_cpp_bin() -> Path:
-    """The directory of llama.cpp's binaries: LLAMA_CPP_BIN, else a build from the sdist."""
+    """The directory of llama.cpp's binaries: LLAMA_CPP_BIN, else a build from the sdist (made
+    again where an earlier build lacks one of LLAMA_TOOLS)."""
     if given := os.environ.get("LLAMA_CPP_BIN"):
         bin_dir = Path(given)
-        if not (bin_dir / "llama-server").is_file():
-            sys.exit(f"LLAMA_CPP_BIN={given} holds no llama-server; point it at llama.cpp's bin/")
+        if missing := missing_tools(bin_dir):
+            sys.exit(f"LLAMA_CPP_BIN={given} lacks {', '.join(missing)}: build llama.cpp's tools")
         return bin_dir
     bin_dir = BUILD_DIR / "build" / "bin"
-    if not (bin_dir / "llama-server").is_file():
+    if missing_tools(bin_dir):
         build_llama_cpp(BUILD_DIR)
     return bin_dir
 
@@ -122,7 +131,7 @@ def build_llama_cpp(root: Path) -> None:
     )
     subprocess.run(
         ["cmake", "--build", str(root / "build"), "--config", "Release", "-j"]
-        + ["--target", "llama-bench", "llama-server", "llama-quantize", "llama-lookup"],
+        + ["--target", *LLAMA_TOOLS],
         check=True,
     )
 
