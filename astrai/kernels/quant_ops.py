@@ -85,8 +85,9 @@ class QuantizedWeight:
 # Rows of x the kernel's CPU paths are timed at: a decode step's one, and a speculative check's
 # few, where the paths part (at one row they all wait on memory, and AVX2 can win by noise).
 ISA_TIMED_ROWS = (1, 4)
-# How far ahead (bytes of W's stream) the kernel's prefetch is timed at, with the chosen CPU
-# path at one row: the best distance depends on the machine's memory and prefetchers.
+# How far beyond the end of the record it decodes (bytes of W's stream) the kernel's prefetch is
+# timed at, with the chosen CPU path at one row: the best distance depends on the machine's
+# memory and prefetchers.
 PREFETCH_DISTANCES = (1024, 2048, 4096)
 DEFAULT_PREFETCH = 2048
 # x dtype -> the path of each row bucket, set by tune_quant_linears()

@@ -902,7 +902,8 @@ static PyObject *set_isa(PyObject *module, PyObject *arg) {
                         name);
 }
 
-/* Bytes of W's stream the x86 paths prefetch ahead: a multiple of 64 up to 16 KB (0: none). */
+/* Bytes of W's stream the x86 paths prefetch beyond the record they decode: a multiple of 64 up
+ * to 16 KB (0: the next record's own bytes only). */
 #define MAX_PREFETCH_BYTES 16384
 
 static PyObject *set_prefetch(PyObject *module, PyObject *arg) {
