@@ -527,10 +527,16 @@ TARGET_VNNI static void group_vnni(const struct call *c, int64_t g) {
 
 /* AVX2: as the VNNI path with 256-bit vectors, half h (h = 0, 1) of a group's rows, 8 h..8 h +
  * 7, in the 32 bytes at 32 h of each chunk. vpmaddubsw multiplies unsigned codes by the signed x
- * in pairs into int16 lanes and vpmaddwd sums those pairs into the int32 lanes vpdpbusd fills;
- * a 4-bit code's pairs (at most 2 * 15 * 127) are summed as int16 over the whole 32-block first,
- * a 6-bit one's (2 * 63 * 127) two at a time. Q8_0's codes as unsigned would overflow those
- * pairs (255 * 127 * 2), so they stay signed: |s| times x with s's sign, and c = 0. */
+ * in pairs into int16 lanes and vpmaddwd sums those pairs into the int32 lanes vpdpbusd fills.
+ * Pairs are summed as int16 as long as they cannot overflow: a 4-bit code's (at most 2 * 15 *
+ * 127) over the whole 32-block, a 5-bit one's over each 16-weight half, a 6-bit one's (2 * 63 *
+ * 127) two at a time. Q8_0's codes as unsigned would overflow a pair (255 * 127 * 2), so they
+ * stay signed: |s| times x with s's sign, and c = 0.
+ *
+ * Counted in instructions, as the path is bound by them where a core splits each 256-bit
+ * operation in two (AMD Zen 1): x's 4-byte runs are broadcast once for both halves of the rows,
+ * two chunks at a time; Q4_1's and Q4_K's c = 0 adds no seed; a K type sums its 32-blocks over
+ * the super-block with their 6- or 8-bit scales and applies its fp16 d (and Q4_K's dmin) once. */
 #define AVX2_X 2
 
 /* 8 fp16 values as floats */
@@ -545,133 +551,172 @@ TARGET_AVX2 INLINE __m256 bytes8(const uint8_t *p, const int is_signed) {
                                         : _mm256_cvtepu8_epi32(bytes));
 }
 
-TARGET_AVX2 INLINE __m256i pairs(__m256i w, int32_t q4, const int is_signed) {
-    const __m256i q = _mm256_set1_epi32(q4);
+TARGET_AVX2 INLINE __m256i pairs(__m256i w, __m256i q, const int is_signed) {
     return is_signed ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w))
                      : _mm256_maddubs_epi16(w, q);
 }
 
+TARGET_AVX2 INLINE __m256i load32(const uint8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* Rows 8 h.. of chunk t of 32-block j: codes of elements 4 t.. (low) and 16 + 4 t.. (high). */
+TARGET_AVX2 INLINE void avx2_codes(const uint8_t *rec, const int j, const int t, const int h,
+                                   __m256i *low, __m256i *high, const int qtype) {
+    const struct layout at = layout_of(qtype);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
+    if (qtype == Q8_0) {
+        *low = load32(rec + CHUNK * t + 32 * h);
+        *high = load32(rec + CHUNK * (4 + t) + 32 * h);
+        return;
+    }
+    const __m256i codes = load32(rec + 4 * CHUNK * j + CHUNK * t + 32 * h);
+    *low = _mm256_and_si256(codes, low4);
+    *high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+    if (qtype == Q5_0) { /* as in the AVX-512 tile */
+        const __m256i bits = load32(rec + at.high + 32 * h), bit4 = _mm256_set1_epi8(0x10);
+        *low = _mm256_or_si256(*low, _mm256_and_si256(_mm256_slli_epi16(bits, 4 - t), bit4));
+        *high = _mm256_or_si256(*high, _mm256_and_si256(_mm256_srli_epi16(bits, t), bit4));
+    }
+    if (qtype == Q6_K) { /* bits 2 (2 w + h) of chunk p's bytes, t = 2 p + w, to bits 4, 5 */
+        const __m256i bits = load32(rec + at.high + 2 * CHUNK * j + CHUNK * (t / 2) + 32 * h);
+        const __m256i for_low = t % 2 ? bits : _mm256_slli_epi16(bits, 4);
+        const __m256i for_high = _mm256_srli_epi16(bits, t % 2 ? 2 : 0);
+        *low = _mm256_or_si256(*low, _mm256_and_si256(for_low, high2));
+        *high = _mm256_or_si256(*high,
+                                _mm256_and_si256(t % 2 ? for_high : _mm256_slli_epi16(bits, 2),
+                                                 high2));
+    }
+}
+
 TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
                                   const int n_x, const int qtype) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
     const __m256i ones = _mm256_set1_epi16(1);
-    const int per_unit = unit_blocks(qtype);
+    const int per_unit = unit_blocks(qtype), k_type = qtype == Q4_K || qtype == Q6_K;
+    const int is_signed = qtype == Q8_0;
     const struct layout at = layout_of(qtype);
-    __m256 acc[AVX2_X][2], offsets[AVX2_X][2];
+    __m256 acc[AVX2_X][2];
     UNROLL
     for (int i = 0; i < n_x; i++) UNROLL
-    for (int h = 0; h < 2; h++) acc[i][h] = offsets[i][h] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; h++) acc[i][h] = _mm256_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
+        /* a K type's sums over its super-block before its d scales them, and Q4_K's of its
+         * mins before its dmin does */
+        __m256 unit_sum[AVX2_X][2], unit_min[AVX2_X][2];
+        UNROLL
+        for (int i = 0; i < n_x; i++) UNROLL
+        for (int h = 0; h < 2; h++) unit_sum[i][h] = unit_min[i][h] = _mm256_setzero_ps();
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
+            const struct xblock *xb[AVX2_X];
+            UNROLL
+            for (int i = 0; i < n_x; i++) xb[i] = c->x + (m0 + i) * c->blocks + b;
             prefetch_block(rec, at.bytes, j, per_unit);
+            /* int16 sums of pairs: a 4-bit type's over the block, Q5_0's per half (index 1
+             * the high half); int32 dots per half (Q6_K, Q8_0) */
+            __m256i sums16[AVX2_X][2][2], dots[AVX2_X][2][2];
+            UNROLL
+            for (int i = 0; i < n_x; i++) UNROLL
+            for (int h = 0; h < 2; h++) UNROLL
+            for (int half = 0; half < 2; half++)
+                sums16[i][h][half] = dots[i][h][half] = _mm256_setzero_si256();
+            UNROLL
+            for (int t = 0; t < 4; t += 2) {
+                __m256i q[AVX2_X][4]; /* x's runs for elements 4 t.., 4 t + 4.., 16 + ... */
+                UNROLL
+                for (int i = 0; i < n_x; i++) UNROLL
+                for (int k = 0; k < 4; k++)
+                    q[i][k] = _mm256_set1_epi32(xb[i]->q4[t + k % 2 + 4 * (k / 2)]);
+                UNROLL
+                for (int h = 0; h < 2; h++) {
+                    __m256i w[4]; /* low of t, t + 1, high of t, t + 1 */
+                    avx2_codes(rec, j, t, h, &w[0], &w[2], qtype);
+                    avx2_codes(rec, j, t + 1, h, &w[1], &w[3], qtype);
+                    UNROLL
+                    for (int i = 0; i < n_x; i++) {
+                        __m256i p[4];
+                        UNROLL
+                        for (int k = 0; k < 4; k++) p[k] = pairs(w[k], q[i][k], is_signed);
+                        if (qtype == Q8_0) {
+                            UNROLL
+                            for (int k = 0; k < 4; k++)
+                                dots[i][h][0] =
+                                    _mm256_add_epi32(dots[i][h][0], _mm256_madd_epi16(p[k], ones));
+                        } else if (qtype == Q6_K) {
+                            UNROLL
+                            for (int half = 0; half < 2; half++)
+                                dots[i][h][half] = _mm256_add_epi32(
+                                    dots[i][h][half],
+                                    _mm256_madd_epi16(
+                                        _mm256_add_epi16(p[2 * half], p[2 * half + 1]), ones));
+                        } else if (qtype == Q5_0) {
+                            UNROLL
+                            for (int half = 0; half < 2; half++)
+                                sums16[i][h][half] = _mm256_add_epi16(
+                                    sums16[i][h][half],
+                                    _mm256_add_epi16(p[2 * half], p[2 * half + 1]));
+                        } else {
+                            sums16[i][h][0] = _mm256_add_epi16(
+                                sums16[i][h][0], _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]),
+                                                                  _mm256_add_epi16(p[2], p[3])));
+                        }
+                    }
+                }
+            }
             UNROLL
             for (int h = 0; h < 2; h++) {
-                __m256i low[4], high[4];
-                __m256 d_low, d_high, m = _mm256_setzero_ps();
-                UNROLL
-                for (int t = 0; t < 4; t++) {
-                    if (qtype == Q8_0) {
-                        low[t] = _mm256_loadu_si256((const __m256i *)(rec + CHUNK * t + 32 * h));
-                        high[t] =
-                            _mm256_loadu_si256((const __m256i *)(rec + CHUNK * (4 + t) + 32 * h));
-                    } else {
-                        const __m256i codes = _mm256_loadu_si256(
-                            (const __m256i *)(rec + 4 * CHUNK * j + CHUNK * t + 32 * h));
-                        low[t] = _mm256_and_si256(codes, low4);
-                        high[t] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
-                    }
-                }
-                if (qtype == Q5_0) { /* as in the AVX-512 tile */
-                    const __m256i bits =
-                        _mm256_loadu_si256((const __m256i *)(rec + at.high + 32 * h));
-                    const __m256i bit4 = _mm256_set1_epi8(0x10);
-                    UNROLL
-                    for (int t = 0; t < 4; t++) {
-                        low[t] = _mm256_or_si256(
-                            low[t], _mm256_and_si256(_mm256_slli_epi16(bits, 4 - t), bit4));
-                        high[t] = _mm256_or_si256(
-                            high[t], _mm256_and_si256(_mm256_srli_epi16(bits, t), bit4));
-                    }
-                }
+                __m256 scale[2], min = _mm256_setzero_ps(); /* per half: d, or a K type's sc */
                 if (qtype == Q6_K) {
                     UNROLL
-                    for (int p = 0; p < 2; p++) {
-                        const __m256i bits = _mm256_loadu_si256(
-                            (const __m256i *)(rec + at.high + 2 * CHUNK * j + CHUNK * p + 32 * h));
-                        low[2 * p] = _mm256_or_si256(
-                            low[2 * p], _mm256_and_si256(_mm256_slli_epi16(bits, 4), high2));
-                        high[2 * p] = _mm256_or_si256(
-                            high[2 * p], _mm256_and_si256(_mm256_slli_epi16(bits, 2), high2));
-                        low[2 * p + 1] =
-                            _mm256_or_si256(low[2 * p + 1], _mm256_and_si256(bits, high2));
-                        high[2 * p + 1] = _mm256_or_si256(
-                            high[2 * p + 1], _mm256_and_si256(_mm256_srli_epi16(bits, 2), high2));
-                    }
-                    const __m256 d = halves8(rec + at.d + 16 * h);
-                    d_low = _mm256_mul_ps(d, bytes8(rec + at.sc + GROUP * 2 * j + 8 * h, 1));
-                    d_high = _mm256_mul_ps(d, bytes8(rec + at.sc + GROUP * (2 * j + 1) + 8 * h, 1));
+                    for (int half = 0; half < 2; half++)
+                        scale[half] = bytes8(rec + at.sc + GROUP * (2 * j + half) + 8 * h, 1);
                 } else if (qtype == Q4_K) {
-                    d_low = d_high = _mm256_mul_ps(halves8(rec + at.d + 16 * h),
-                                                   bytes8(rec + at.sc + GROUP * j + 8 * h, 0));
-                    m = _mm256_mul_ps(halves8(rec + at.m + 16 * h),
-                                      bytes8(rec + at.mn + GROUP * j + 8 * h, 0));
-                    m = _mm256_sub_ps(_mm256_setzero_ps(), m);
+                    scale[0] = bytes8(rec + at.sc + GROUP * j + 8 * h, 0);
+                    min = bytes8(rec + at.mn + GROUP * j + 8 * h, 0);
                 } else {
-                    d_low = d_high = halves8(rec + at.d + 16 * h);
-                    if (qtype == Q4_1) m = halves8(rec + at.m + 16 * h);
+                    scale[0] = halves8(rec + at.d + 16 * h);
+                    if (qtype == Q4_1) min = halves8(rec + at.m + 16 * h);
                 }
                 UNROLL
                 for (int i = 0; i < n_x; i++) {
-                    const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
-                    const int32_t *q4 = xb->q4;
-                    const __m256 dx = _mm256_set1_ps(xb->dx);
-                    __m256 *const sum = &acc[i][h];
-                    if (qtype == Q8_0) {
-                        __m256i dot = _mm256_setzero_si256();
-                        UNROLL
-                        for (int t = 0; t < 4; t++) {
-                            dot = _mm256_add_epi32(
-                                dot, _mm256_madd_epi16(pairs(low[t], q4[t], 1), ones));
-                            dot = _mm256_add_epi32(
-                                dot, _mm256_madd_epi16(pairs(high[t], q4[4 + t], 1), ones));
-                        }
-                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low, dx),
-                                               *sum);
-                    } else if (seeds_per_half(qtype)) {
-                        __m256i dot[2];
+                    const __m256 dx = _mm256_set1_ps(xb[i]->dx), sx = _mm256_set1_ps(xb[i]->sx);
+                    __m256 *const sum = k_type ? &unit_sum[i][h] : &acc[i][h];
+                    if (qtype == Q6_K) {
                         UNROLL
                         for (int half = 0; half < 2; half++) {
-                            const __m256i *w = half ? high : low;
-                            const int32_t *q = q4 + 4 * half;
-                            const __m256i first =
-                                _mm256_add_epi16(pairs(w[0], q[0], 0), pairs(w[1], q[1], 0));
-                            const __m256i second =
-                                _mm256_add_epi16(pairs(w[2], q[2], 0), pairs(w[3], q[3], 0));
-                            dot[half] =
-                                _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(first, ones),
-                                                                  _mm256_madd_epi16(second, ones)),
-                                                 _mm256_set1_epi32(xb->seed[half]));
+                            const __m256i dot = _mm256_add_epi32(
+                                dots[i][h][half], _mm256_set1_epi32(xb[i]->seed[half]));
+                            *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                                   _mm256_mul_ps(scale[half], dx), *sum);
                         }
-                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0]), _mm256_mul_ps(d_low, dx),
-                                               *sum);
-                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1]),
-                                               _mm256_mul_ps(d_high, dx), *sum);
-                    } else {
-                        __m256i sixteen = _mm256_setzero_si256();
-                        UNROLL
-                        for (int t = 0; t < 4; t++) {
-                            sixteen = _mm256_add_epi16(sixteen, pairs(low[t], q4[t], 0));
-                            sixteen = _mm256_add_epi16(sixteen, pairs(high[t], q4[4 + t], 0));
-                        }
-                        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sixteen, ones),
-                                                             _mm256_set1_epi32(xb->seed[0]));
-                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_low, dx),
-                                               *sum);
+                        continue;
                     }
-                    if (qtype == Q4_1 || qtype == Q4_K)
-                        offsets[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->sx), offsets[i][h]);
+                    __m256i dot = dots[i][h][0];
+                    if (qtype != Q8_0) dot = _mm256_madd_epi16(sums16[i][h][0], ones);
+                    if (qtype == Q5_0)
+                        dot = _mm256_add_epi32(
+                            dot, _mm256_add_epi32(_mm256_madd_epi16(sums16[i][h][1], ones),
+                                                  _mm256_set1_epi32(xb[i]->seed[1])));
+                    if (qtype == Q4_0 || qtype == Q5_0) /* c = 0 for Q4_1, signed Q8_0 */
+                        dot = _mm256_add_epi32(dot, _mm256_set1_epi32(xb[i]->seed[0]));
+                    *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale[0], dx),
+                                           *sum);
+                    if (qtype == Q4_1) *sum = _mm256_fmadd_ps(min, sx, *sum);
+                    if (qtype == Q4_K) unit_min[i][h] = _mm256_fmadd_ps(min, sx, unit_min[i][h]);
+                }
+            }
+        }
+        if (k_type) {
+            UNROLL
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = halves8(rec + at.d + 16 * h);
+                const __m256 dmin = qtype == Q4_K ? halves8(rec + at.m + 16 * h) : d;
+                UNROLL
+                for (int i = 0; i < n_x; i++) {
+                    acc[i][h] = _mm256_fmadd_ps(unit_sum[i][h], d, acc[i][h]);
+                    if (qtype == Q4_K)
+                        acc[i][h] = _mm256_fnmadd_ps(unit_min[i][h], dmin, acc[i][h]);
                 }
             }
         }
@@ -680,8 +725,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
     for (int i = 0; i < n_x; i++) {
         float sums[GROUP];
         UNROLL
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_ps(sums + 8 * h, _mm256_add_ps(acc[i][h], offsets[i][h]));
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + 8 * h, acc[i][h]);
         store_group(c, m0 + i, g, sums);
     }
 }
