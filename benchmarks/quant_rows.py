@@ -29,7 +29,7 @@ from astrai.kernels import native
 from astrai.kernels.quant_ops import QuantizedWeight
 
 # where each type's fp16 scales lie in its GGUF block
-SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
 
 
 def random_weight(qtype: GGMLQuantizationType, shape: tuple[int, int], rng) -> QuantizedWeight:

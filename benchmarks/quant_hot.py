@@ -1,0 +1,78 @@
+"""The quant_linear kernel's arithmetic rate: one thread, W hot in the L2 cache.
+
+Where a CPU path is bound by its instructions rather than by memory (AVX2 without vpdpbusd,
+on a core that splits 256-bit operations in two), decode speed follows this rate, not the
+read bandwidth: two cores streaming a 1B model cannot beat twice this figure. It is also how
+to judge a change to the kernel on a noisy machine: --builds loads several builds of the
+extension into one process and times them in alternation, so that they share the noise.
+
+    OMP_NUM_THREADS=1 python benchmarks/quant_hot.py                    # the built kernel
+    OMP_NUM_THREADS=1 python benchmarks/quant_hot.py --builds old.so,new.so --rows 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import os
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from quant_rows import random_weight
+
+from astrai.kernels import native
+
+
+def load_build(path: str):
+    """A build of the _quant_linear extension from its file, beside any other loaded."""
+    loader = importlib.machinery.ExtensionFileLoader("_quant_linear", path)
+    spec = importlib.util.spec_from_file_location("_quant_linear", path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="q4_0,q4_1,q8_0,q4_k,q6_k,q5_0")
+    parser.add_argument("--rows", default="1,2")
+    parser.add_argument("--isa", default="avx2", help="the kernel's CPU path")
+    parser.add_argument("--builds", help="comma-separated .so files (default: the built one)")
+    parser.add_argument("--out-features", type=int, default=256, help="W's rows (fits L2)")
+    parser.add_argument("--in-features", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=40, help="alternations, the best kept")
+    args = parser.parse_args()
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        print("note: one thread is the point; run with OMP_NUM_THREADS=1")
+    builds = [load_build(p) for p in args.builds.split(",")] if args.builds else []
+    builds = builds or [native.quant_linear]
+    for build in builds:
+        build.set_isa(args.isa)
+    names = args.builds.split(",") if args.builds else ["built"]
+    print(f"path {args.isa}, W {args.out_features} x {args.in_features}, GB/s of W a core\n")
+    print("| type | rows | " + " | ".join(names) + " |")
+    print("|---|---:|" + "---:|" * len(builds))
+    rng = np.random.default_rng(0)
+    shape = (args.out_features, args.in_features)
+    for name in args.types.upper().split(","):
+        qtype = GGMLQuantizationType[name]
+        weight = random_weight(qtype, shape, rng)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x, out = torch.randn(rows, shape[1]), torch.empty(rows, shape[0])
+            call = (out.data_ptr(), x.data_ptr(), weight.packed.data_ptr(), 0, rows, *shape[::-1])
+            best = [float("inf")] * len(builds)
+            for _ in range(args.rounds):
+                for k, build in enumerate(builds):
+                    started = time.perf_counter()
+                    for _ in range(20):
+                        build.linear(*call, int(qtype), False)
+                    best[k] = min(best[k], (time.perf_counter() - started) / 20)
+            rates = " | ".join(f"{weight.nbytes() / b / 1e9:.2f}" for b in best)
+            print(f"| {name} | {rows} | {rates} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
