@@ -595,10 +595,11 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
     const int per_unit = unit_blocks(qtype), k_type = qtype == Q4_K || qtype == Q6_K;
     const int is_signed = qtype == Q8_0;
     const struct layout at = layout_of(qtype);
-    __m256 acc[AVX2_X][2];
+    /* Q4_1's m sx apart from the rest until the end, as the VNNI tile sums them */
+    __m256 acc[AVX2_X][2], offsets[AVX2_X][2];
     UNROLL
     for (int i = 0; i < n_x; i++) UNROLL
-    for (int h = 0; h < 2; h++) acc[i][h] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; h++) acc[i][h] = offsets[i][h] = _mm256_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
         /* a K type's sums over its super-block before its d scales them, and Q4_K's of its
@@ -702,7 +703,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                         dot = _mm256_add_epi32(dot, _mm256_set1_epi32(xb[i]->seed[0]));
                     *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale[0], dx),
                                            *sum);
-                    if (qtype == Q4_1) *sum = _mm256_fmadd_ps(min, sx, *sum);
+                    if (qtype == Q4_1) offsets[i][h] = _mm256_fmadd_ps(min, sx, offsets[i][h]);
                     if (qtype == Q4_K) unit_min[i][h] = _mm256_fmadd_ps(min, sx, unit_min[i][h]);
                 }
             }
@@ -725,7 +726,9 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
     for (int i = 0; i < n_x; i++) {
         float sums[GROUP];
         UNROLL
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + 8 * h, acc[i][h]);
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(sums + 8 * h, qtype == Q4_1 ? _mm256_add_ps(acc[i][h], offsets[i][h])
+                                                         : acc[i][h]);
         store_group(c, m0 + i, g, sums);
     }
 }
