@@ -578,14 +578,14 @@ TARGET_AVX2 INLINE void avx2_codes(const uint8_t *rec, const int j, const int t,
         *low = _mm256_or_si256(*low, _mm256_and_si256(_mm256_slli_epi16(bits, 4 - t), bit4));
         *high = _mm256_or_si256(*high, _mm256_and_si256(_mm256_srli_epi16(bits, t), bit4));
     }
-    if (qtype == Q6_K) { /* bits 2 (2 w + h) of chunk p's bytes, t = 2 p + w, to bits 4, 5 */
+    /* Q6_K: low's and high's top 2 bits, bits 4 w and 4 w + 2 (w = t % 2) of chunk t / 2's
+     * bytes, moved to bits 4, 5 */
+    if (qtype == Q6_K) {
         const __m256i bits = load32(rec + at.high + 2 * CHUNK * j + CHUNK * (t / 2) + 32 * h);
-        const __m256i for_low = t % 2 ? bits : _mm256_slli_epi16(bits, 4);
-        const __m256i for_high = _mm256_srli_epi16(bits, t % 2 ? 2 : 0);
-        *low = _mm256_or_si256(*low, _mm256_and_si256(for_low, high2));
-        *high = _mm256_or_si256(*high,
-                                _mm256_and_si256(t % 2 ? for_high : _mm256_slli_epi16(bits, 2),
-                                                 high2));
+        const __m256i to_low = t % 2 ? bits : _mm256_slli_epi16(bits, 4);
+        const __m256i to_high = t % 2 ? _mm256_srli_epi16(bits, 2) : _mm256_slli_epi16(bits, 2);
+        *low = _mm256_or_si256(*low, _mm256_and_si256(to_low, high2));
+        *high = _mm256_or_si256(*high, _mm256_and_si256(to_high, high2));
     }
 }
 
