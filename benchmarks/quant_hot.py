@@ -6,8 +6,8 @@ read bandwidth: two cores streaming a 1B model cannot beat twice this figure. It
 to judge a change to the kernel on a noisy machine: --builds loads several builds of the
 extension into one process and times them in alternation, so that they share the noise.
 
-    OMP_NUM_THREADS=1 python benchmarks/quant_hot.py                    # the built kernel
-    OMP_NUM_THREADS=1 python benchmarks/quant_hot.py --builds old.so,new.so --rows 1,2
+    python benchmarks/quant_hot.py                    # the built kernel
+    python benchmarks/quant_hot.py --builds old.so,new.so --rows 1,2
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
-import os
 import time
 
 import numpy as np
@@ -44,15 +43,16 @@ def main() -> None:
     parser.add_argument("--out-features", type=int, default=256, help="W's rows (fits L2)")
     parser.add_argument("--in-features", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=40, help="alternations, the best kept")
+    parser.add_argument("--threads", type=int, default=1, help="the kernel's OpenMP threads")
     args = parser.parse_args()
-    if os.environ.get("OMP_NUM_THREADS") != "1":
-        print("note: one thread is the point; run with OMP_NUM_THREADS=1")
+    torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime
     builds = [load_build(p) for p in args.builds.split(",")] if args.builds else []
     builds = builds or [native.quant_linear]
     for build in builds:
         build.set_isa(args.isa)
     names = args.builds.split(",") if args.builds else ["built"]
-    print(f"path {args.isa}, W {args.out_features} x {args.in_features}, GB/s of W a core\n")
+    shape_text = f"W {args.out_features} x {args.in_features}"
+    print(f"path {args.isa}, {shape_text}, GB/s of W on {args.threads} thread(s)\n")
     print("| type | rows | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(builds))
     rng = np.random.default_rng(0)
