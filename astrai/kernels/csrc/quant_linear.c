@@ -556,6 +556,20 @@ TARGET_AVX2 INLINE __m256i pairs(__m256i w, __m256i q, const int is_signed) {
                      : _mm256_maddubs_epi16(w, q);
 }
 
+/* s + v, each kept in a register: left to itself GCC reassociates a block's sums into a tree
+ * wider than the 16 vector registers and spills its parts to the stack */
+TARGET_AVX2 INLINE __m256i add16(__m256i s, const __m256i v) {
+    s = _mm256_add_epi16(s, v);
+    __asm__("" : "+x"(s));
+    return s;
+}
+
+TARGET_AVX2 INLINE __m256i add32(__m256i s, const __m256i v) {
+    s = _mm256_add_epi32(s, v);
+    __asm__("" : "+x"(s));
+    return s;
+}
+
 TARGET_AVX2 INLINE __m256i load32(const uint8_t *p) {
     return _mm256_loadu_si256((const __m256i *)p);
 }
@@ -642,25 +656,19 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                         if (qtype == Q8_0) {
                             UNROLL
                             for (int k = 0; k < 4; k++)
-                                dots[i][h][0] =
-                                    _mm256_add_epi32(dots[i][h][0], _mm256_madd_epi16(p[k], ones));
+                                dots[i][h][0] = add32(dots[i][h][0], _mm256_madd_epi16(p[k], ones));
                         } else if (qtype == Q6_K) {
                             UNROLL
                             for (int half = 0; half < 2; half++)
-                                dots[i][h][half] = _mm256_add_epi32(
+                                dots[i][h][half] = add32(
                                     dots[i][h][half],
                                     _mm256_madd_epi16(
                                         _mm256_add_epi16(p[2 * half], p[2 * half + 1]), ones));
-                        } else if (qtype == Q5_0) {
-                            UNROLL
-                            for (int half = 0; half < 2; half++)
-                                sums16[i][h][half] = _mm256_add_epi16(
-                                    sums16[i][h][half],
-                                    _mm256_add_epi16(p[2 * half], p[2 * half + 1]));
                         } else {
-                            sums16[i][h][0] = _mm256_add_epi16(
-                                sums16[i][h][0], _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]),
-                                                                  _mm256_add_epi16(p[2], p[3])));
+                            UNROLL
+                            for (int k = 0; k < 4; k++) /* Q5_0 sums each half apart */
+                                sums16[i][h][qtype == Q5_0 ? k / 2 : 0] =
+                                    add16(sums16[i][h][qtype == Q5_0 ? k / 2 : 0], p[k]);
                         }
                     }
                 }
