@@ -6,11 +6,13 @@
 - gemm: PyTorch's GEMM in the tensors' own dtype (oneDNN/MKL).
 - upcast: for bf16, an fp32 GEMM on fp32 copies, which computes what a bf16 GEMM does (exact
   products, fp32 sums, one rounding) at fp32's rate where bf16 GEMMs are emulated.
+- downcast: for fp32 x on quantized weights only (quant_ops), a bf16 GEMM on bf16 copies. A
+  dense fp32 W takes the GEMM instead: its products stay exact.
 
 Which wins depends on the machine, the dtype and the rows -- an AMX Xeon's bf16 GEMM is fast for
 a prefill and slow for a one-row decode, an AVX2 EPYC has no fast bf16 GEMM at all -- so
 tune_linears() times the model's own weights once per process and dtype, and a lookup by rows
-follows. ASTRAI_LINEAR_PATH=kernel|gemm|upcast forces one path wherever it can run.
+follows. ASTRAI_LINEAR_PATH=kernel|gemm|upcast|downcast forces one path wherever it can run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class LinearPath(StrEnum):
     KERNEL = "kernel"
     GEMM = "gemm"
     UPCAST = "upcast"
+    DOWNCAST = "downcast"
 
 
 def _untuned(dtype: torch.dtype) -> list[LinearPath]:
@@ -85,7 +88,7 @@ def choose_path(x: Tensor, weight: Tensor, bias: Tensor | None) -> LinearPath:
         path = next((p for b, p in zip(ROW_BUCKETS, paths, strict=True) if rows <= b), paths[-1])
     if path is LinearPath.KERNEL and not kernel_takes(x, weight, bias):
         path = LinearPath.GEMM
-    if path is LinearPath.UPCAST and x.dtype != torch.bfloat16:
+    if path is LinearPath.DOWNCAST or (path is LinearPath.UPCAST and x.dtype != torch.bfloat16):
         path = LinearPath.GEMM
     return path
 

@@ -8,7 +8,10 @@ bf16 one does. Paths, as for the dense linears (linear_ops.LinearPath):
   int8, integer multiply-adds (AVX512-VNNI, AVX2 or portable scalar code, by CPU);
 - gemm: W dequantized to x's dtype, then PyTorch's GEMM: for prefill-sized products, which are
   bound by arithmetic, not bytes;
-- upcast: W dequantized to fp32 for an fp32 GEMM, for bf16 x where bf16 GEMMs are emulated.
+- upcast: W dequantized to fp32 for an fp32 GEMM, for bf16 x where bf16 GEMMs are emulated;
+- downcast: for fp32 x, W dequantized to bf16 and x rounded to it for a bf16 GEMM (fp32 sums),
+  where a matrix unit (AMX) runs those several times as fast as fp32 ones. It rounds x to 8
+  significant bits, as the kernel's int8 blocks do (coarser, there), and W's decoded values.
 
 tune_quant_linears() times them on the model's own weights once per process (and the kernel's
 CPU paths, among those the CPU runs); ASTRAI_LINEAR_PATH forces one, as for dense linears.
@@ -109,6 +112,8 @@ def choose_path(x: Tensor) -> LinearPath:
         path = next((p for b, p in zip(ROW_BUCKETS, paths, strict=True) if rows <= b), paths[-1])
     if path is LinearPath.UPCAST and x.dtype != torch.bfloat16:
         path = LinearPath.GEMM
+    if path is LinearPath.DOWNCAST and x.dtype != torch.float32:
+        path = LinearPath.GEMM
     return path
 
 
@@ -124,9 +129,13 @@ def _dequantize(packed: Tensor, qtype: int, shape: tuple[int, int], dtype) -> Te
 def _dense_linear(
     out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None, dtype: torch.dtype
 ) -> None:
-    """out = x W^T + b by PyTorch's GEMM in dtype on W dequantized to it, rounded into out."""
-    weight = _dequantize(packed, qtype, (out.shape[1], x.shape[1]), dtype)
-    out.copy_(F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype)))
+    """out = x W^T + b by PyTorch's GEMM in dtype on W dequantized to it; b is added in the
+    wider of dtype and out's, then rounded into out once."""
+    product = F.linear(x.to(dtype), _dequantize(packed, qtype, (out.shape[1], x.shape[1]), dtype))
+    if bias is None:
+        out.copy_(product)
+    else:
+        torch.add(product, bias.to(torch.promote_types(dtype, out.dtype)), out=out)
 
 
 def _run(path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None) -> None:
@@ -138,7 +147,8 @@ def _run(path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor 
             x.shape[0], x.shape[1], out.shape[1], qtype, x.dtype == torch.bfloat16,
         )  # fmt: skip
     else:
-        dtype = torch.float32 if path is LinearPath.UPCAST else x.dtype
+        dtypes = {LinearPath.UPCAST: torch.float32, LinearPath.DOWNCAST: torch.bfloat16}
+        dtype = dtypes.get(path, x.dtype)
         launch(_dense_linear, out, x, packed, qtype, bias, dtype)
 
 
@@ -276,8 +286,7 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
         # the kernel first, so that a slower GEMM's pass is cut short at the kernel's time
         candidates = [LinearPath.KERNEL] if all(p is LinearPath.KERNEL for p in paths) else []
         candidates.append(LinearPath.GEMM)
-        if dtype == torch.bfloat16:
-            candidates.append(LinearPath.UPCAST)
+        candidates.append(LinearPath.UPCAST if dtype == torch.bfloat16 else LinearPath.DOWNCAST)
         timings = {p: partial(_time_path, p, timed, dtype, bucket) for p in candidates}
         paths.append(fastest(timings, LinearPath.KERNEL))
     return [isa, distance, *paths]

@@ -235,6 +235,11 @@ def test_the_prefetch_distance_changes_no_result(monkeypatch, isa, qtype):
             native.quant_linear.set_prefetch(bad)
 
 
+KERNEL, GEMM, UPCAST, DOWNCAST = (
+    LinearPath.KERNEL, LinearPath.GEMM, LinearPath.UPCAST, LinearPath.DOWNCAST
+)  # fmt: skip
+
+
 @pytest.fixture(params=list(LinearPath))
 def forced_path(request, monkeypatch) -> LinearPath:
     """Run a test on each path of the op, forced as a user forces it."""
@@ -249,7 +254,8 @@ def forced_path(request, monkeypatch) -> LinearPath:
 @pytest.mark.parametrize("rows", [1, 70])
 def test_op_on_every_path(forced_path, qtype, dtype, rows):
     """The op (leading dimensions, strided x, bias) on each path: the kernel's quantized
-    product, or a GEMM on W dequantized to x's dtype (gemm) or to fp32 (upcast)."""
+    product, or a GEMM on W dequantized to x's dtype (gemm), to fp32 (upcast) or to bf16
+    (downcast), the bias added after the product."""
     shape = shape_of(qtype, (21, 1))
     blocks = random_blocks(qtype, shape, seed=5)
     layer = QuantizedLinear(QuantizedWeight.from_gguf(blocks, qtype, shape), torch.randn(21))
@@ -261,10 +267,10 @@ def test_op_on_every_path(forced_path, qtype, dtype, rows):
     if forced_path is LinearPath.KERNEL:
         check_product(y.reshape(-1, 21), x.reshape(-1, shape[1]), weight.numpy(), layer.bias)
     else:
-        if forced_path is LinearPath.GEMM:
-            weight = weight.to(dtype)
-        expected = F.linear(x.to(weight.dtype), weight, layer.bias.to(weight.dtype)).to(dtype)
-        if dtype == torch.bfloat16:  # the bias may be added before or after the rounding
+        compute = {GEMM: dtype, UPCAST: torch.float32, DOWNCAST: torch.bfloat16}[forced_path]
+        product = F.linear(x.to(compute), weight.to(compute))
+        expected = (product + layer.bias.to(torch.promote_types(compute, dtype))).to(dtype)
+        if torch.bfloat16 in (dtype, compute):  # sums in another order may round otherwise
             torch.testing.assert_close(y, expected, atol=0.05, rtol=0.02)
         else:  # the GEMM may sum in another order on x made contiguous than on x strided
             magnitude = F.linear(x.abs(), weight.float().abs(), layer.bias.abs())
@@ -290,7 +296,6 @@ def test_types_and_shapes_without_a_kernel_are_refused():
         QuantizedWeight.from_gguf(np.zeros(324, np.uint8), GGMLQuantizationType.Q4_K, (1, 576))
 
 
-KERNEL, GEMM, UPCAST = LinearPath.KERNEL, LinearPath.GEMM, LinearPath.UPCAST
 # for a fake clock: seconds of a pass of the kernel on each CPU path at 1 and 4 rows (timed
 # first, twice each: AVX2 wins at one row, VNNI over both), then of each path per rows (1.0
 # where not given)
@@ -304,7 +309,7 @@ SECONDS = {
     1: {KERNEL: 1.05, GEMM: 1.0},  # the GEMM 5 % faster: not enough to leave the kernel
     4: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast: from here on, GEMMs only
     8: {KERNEL: 0.1},  # (not timed)
-    256: {GEMM: 1.0, UPCAST: 0.5},
+    256: {GEMM: 1.0, UPCAST: 0.5, DOWNCAST: 0.25},
 }
 
 
@@ -348,7 +353,7 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     finally:
         native.quant_linear.set_isa(before)
         native.quant_linear.set_prefetch(prefetch_before)
-    want = {1: KERNEL, 2: KERNEL, 256: UPCAST if dtype == torch.bfloat16 else GEMM}
+    want = {1: KERNEL, 2: KERNEL, 256: UPCAST if dtype == torch.bfloat16 else DOWNCAST}
     assert chosen == {rows: want.get(rows, GEMM) for rows in quant_module.ROW_BUCKETS}
     assert {rows for _, rows, _ in timed[:isa_timings]} == set(quant_module.ISA_TIMED_ROWS)
     prefetch_timed = timed[isa_timings : isa_timings + prefetch_timings]
