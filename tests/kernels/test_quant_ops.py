@@ -157,6 +157,25 @@ def test_dequantize_is_gguf_exactly(monkeypatch, qtype, with_kernel):
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_avx512_writes_w_transposed_exactly(isa, qtype, shape):
+    """The GEMM paths' W^T, a column's 16 rows at a time (a group cut short where out_features
+    ends), equals gguf's W; other CPU paths refuse to write it."""
+    shape = shape_of(qtype, shape)
+    blocks = random_blocks(qtype, shape, seed=3)
+    packed = QuantizedWeight.from_gguf(blocks, qtype, shape).packed
+    expected = torch.from_numpy(dense_weight(blocks, qtype, shape)).t()
+    for dtype in DTYPES.values():
+        if isa != "avx512vnni":
+            with pytest.raises(ValueError, match="W\\^T is written on the avx512vnni path only"):
+                quant_module._dequantize(packed, qtype, shape, dtype, transposed=True)
+            continue
+        out = torch.full(shape[::-1], float("nan"), dtype=dtype)
+        quant_module._dequantize(packed, qtype, shape, dtype, out, transposed=True)
+        assert torch.equal(out, expected.to(dtype))
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_kernel_matches_the_gguf_reference(isa, qtype, shape, rows, dtype):
@@ -252,10 +271,10 @@ def forced_path(request, monkeypatch) -> LinearPath:
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("rows", [1, 70])
-def test_op_on_every_path(forced_path, qtype, dtype, rows):
-    """The op (leading dimensions, strided x, bias) on each path: the kernel's quantized
-    product, or a GEMM on W dequantized to x's dtype (gemm), to fp32 (upcast) or to bf16
-    (downcast), the bias added after the product."""
+def test_op_on_every_path(forced_path, isa, qtype, dtype, rows):
+    """The op (leading dimensions, strided x, bias) on each path and CPU path: the kernel's
+    quantized product, or a GEMM on W dequantized to x's dtype (gemm), to fp32 (upcast) or to
+    bf16 (downcast), the bias added after the product."""
     shape = shape_of(qtype, (21, 1))
     blocks = random_blocks(qtype, shape, seed=5)
     layer = QuantizedLinear(QuantizedWeight.from_gguf(blocks, qtype, shape), torch.randn(21))

@@ -357,9 +357,78 @@ TARGET_VNNI INLINE __m512 bytes16(const uint8_t *p, const int is_signed) {
                                         : _mm512_cvtepu8_epi32(bytes));
 }
 
+/* Block j of a record as its 16 rows' codes u: low[t] holds elements 4 t..4 t + 3 of each
+ * row (row r in bytes 4 r..4 r + 3), high[t] elements 16 + 4 t..16 + 4 t + 3. */
+TARGET_VNNI INLINE void vnni_codes(const uint8_t *rec, const struct layout at, const int j,
+                                   const int qtype, __m512i low[4], __m512i high[4]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+    if (qtype == Q8_0) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        UNROLL
+        for (int t = 0; t < 4; t++) {
+            low[t] = _mm512_xor_si512(_mm512_loadu_si512(rec + CHUNK * t), flip);
+            high[t] = _mm512_xor_si512(_mm512_loadu_si512(rec + CHUNK * (4 + t)), flip);
+        }
+    } else {
+        UNROLL
+        for (int t = 0; t < 4; t++) {
+            const __m512i codes = _mm512_loadu_si512(rec + 4 * CHUNK * j + CHUNK * t);
+            low[t] = _mm512_and_si512(codes, low4);
+            high[t] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+        }
+    }
+    if (qtype == Q5_0) { /* bit t + 4 h of the chunk's bytes moved to bit 4 */
+        const __m512i bits = _mm512_loadu_si512(rec + at.high), bit4 = _mm512_set1_epi8(0x10);
+        UNROLL
+        for (int t = 0; t < 4; t++) {
+            low[t] =
+                _mm512_or_si512(low[t], _mm512_and_si512(_mm512_slli_epi16(bits, 4 - t), bit4));
+            high[t] = _mm512_or_si512(high[t], _mm512_and_si512(_mm512_srli_epi16(bits, t), bit4));
+        }
+    }
+    if (qtype == Q6_K) { /* bits 2 (2 w + h) of chunk p's bytes moved to bits 4, 5 */
+        UNROLL
+        for (int p = 0; p < 2; p++) {
+            const __m512i bits = _mm512_loadu_si512(rec + at.high + 2 * CHUNK * j + CHUNK * p);
+            low[2 * p] =
+                _mm512_or_si512(low[2 * p], _mm512_and_si512(_mm512_slli_epi16(bits, 4), high2));
+            high[2 * p] =
+                _mm512_or_si512(high[2 * p], _mm512_and_si512(_mm512_slli_epi16(bits, 2), high2));
+            low[2 * p + 1] = _mm512_or_si512(low[2 * p + 1], _mm512_and_si512(bits, high2));
+            high[2 * p + 1] = _mm512_or_si512(high[2 * p + 1],
+                                              _mm512_and_si512(_mm512_srli_epi16(bits, 2), high2));
+        }
+    }
+}
+
+/* Block j's scales per row (lane r): d of its two halves and m, from the unit's d and -dmin
+ * (the K types'; exact products, as block_scales computes them). */
+TARGET_VNNI INLINE void vnni_scales(const uint8_t *rec, const struct layout at, const int j,
+                                    const int qtype, const __m512 unit_d, const __m512 unit_m,
+                                    __m512 *d_low, __m512 *d_high, __m512 *m) {
+    *m = _mm512_setzero_ps();
+    if (qtype == Q6_K) {
+        *d_low = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * 2 * j, 1));
+        *d_high = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * (2 * j + 1), 1));
+    } else if (qtype == Q4_K) {
+        *d_low = *d_high = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * j, 0));
+        *m = _mm512_mul_ps(unit_m, bytes16(rec + at.mn + GROUP * j, 0));
+    } else {
+        *d_low = *d_high = halves16(rec + at.d);
+        if (qtype == Q4_1) *m = halves16(rec + at.m);
+    }
+}
+
+/* A unit's d and -dmin per row (the K types'; zero for the others). */
+TARGET_VNNI INLINE void vnni_unit_scales(const uint8_t *rec, const struct layout at,
+                                         const int qtype, __m512 *unit_d, __m512 *unit_m) {
+    *unit_d = *unit_m = _mm512_setzero_ps();
+    if (qtype == Q4_K || qtype == Q6_K) *unit_d = halves16(rec + at.d);
+    if (qtype == Q4_K) *unit_m = _mm512_sub_ps(_mm512_setzero_ps(), halves16(rec + at.m));
+}
+
 TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
                                   const int n_x, const int qtype) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
     const int per_unit = unit_blocks(qtype);
     const struct layout at = layout_of(qtype);
     __m512 acc[VNNI_X], offsets[VNNI_X];
@@ -367,62 +436,15 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
     for (int i = 0; i < n_x; i++) acc[i] = offsets[i] = _mm512_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
-        __m512 unit_d = _mm512_setzero_ps(), unit_m = _mm512_setzero_ps(); /* K types */
-        if (qtype == Q4_K || qtype == Q6_K) unit_d = halves16(rec + at.d);
-        if (qtype == Q4_K) unit_m = _mm512_sub_ps(_mm512_setzero_ps(), halves16(rec + at.m));
+        __m512 unit_d, unit_m;
+        vnni_unit_scales(rec, at, qtype, &unit_d, &unit_m);
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
             prefetch_block(rec, at.bytes, j, per_unit);
             __m512i low[4], high[4]; /* elements 4 t.. and 16 + 4 t.. of each row */
-            __m512 d_low, d_high, m = _mm512_setzero_ps();
-            if (qtype == Q8_0) {
-                const __m512i flip = _mm512_set1_epi8((char)0x80);
-                UNROLL
-                for (int t = 0; t < 4; t++) {
-                    low[t] = _mm512_xor_si512(_mm512_loadu_si512(rec + CHUNK * t), flip);
-                    high[t] = _mm512_xor_si512(_mm512_loadu_si512(rec + CHUNK * (4 + t)), flip);
-                }
-            } else {
-                UNROLL
-                for (int t = 0; t < 4; t++) {
-                    const __m512i codes = _mm512_loadu_si512(rec + 4 * CHUNK * j + CHUNK * t);
-                    low[t] = _mm512_and_si512(codes, low4);
-                    high[t] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
-                }
-            }
-            if (qtype == Q5_0) { /* bit t + 4 h of the chunk's bytes moved to bit 4 */
-                const __m512i bits = _mm512_loadu_si512(rec + at.high),
-                              bit4 = _mm512_set1_epi8(0x10);
-                UNROLL
-                for (int t = 0; t < 4; t++) {
-                    low[t] = _mm512_or_si512(
-                        low[t], _mm512_and_si512(_mm512_slli_epi16(bits, 4 - t), bit4));
-                    high[t] = _mm512_or_si512(high[t],
-                                              _mm512_and_si512(_mm512_srli_epi16(bits, t), bit4));
-                }
-            }
-            if (qtype == Q6_K) { /* bits 2 (2 w + h) of chunk p's bytes moved to bits 4, 5 */
-                UNROLL
-                for (int p = 0; p < 2; p++) {
-                    const __m512i bits =
-                        _mm512_loadu_si512(rec + at.high + 2 * CHUNK * j + CHUNK * p);
-                    low[2 * p] = _mm512_or_si512(
-                        low[2 * p], _mm512_and_si512(_mm512_slli_epi16(bits, 4), high2));
-                    high[2 * p] = _mm512_or_si512(
-                        high[2 * p], _mm512_and_si512(_mm512_slli_epi16(bits, 2), high2));
-                    low[2 * p + 1] = _mm512_or_si512(low[2 * p + 1], _mm512_and_si512(bits, high2));
-                    high[2 * p + 1] = _mm512_or_si512(
-                        high[2 * p + 1], _mm512_and_si512(_mm512_srli_epi16(bits, 2), high2));
-                }
-                d_low = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * 2 * j, 1));
-                d_high = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * (2 * j + 1), 1));
-            } else if (qtype == Q4_K) {
-                d_low = d_high = _mm512_mul_ps(unit_d, bytes16(rec + at.sc + GROUP * j, 0));
-                m = _mm512_mul_ps(unit_m, bytes16(rec + at.mn + GROUP * j, 0));
-            } else {
-                d_low = d_high = halves16(rec + at.d);
-                if (qtype == Q4_1) m = halves16(rec + at.m);
-            }
+            vnni_codes(rec, at, j, qtype, low, high);
+            __m512 d_low, d_high, m;
+            vnni_scales(rec, at, j, qtype, unit_d, unit_m, &d_low, &d_high, &m);
             UNROLL
             for (int i = 0; i < n_x; i++) {
                 const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
@@ -523,6 +545,79 @@ TARGET_VNNI static void group_vnni(const struct call *c, int64_t g) {
     case Q4_K: vnni_group(c, g, Q4_K); break;
     default: vnni_group(c, g, Q6_K);
     }
+}
+
+/* 16 values, lane r at column r of a row of W^T from at on, fp32 or bf16 (rounded as
+ * float_to_bf16 rounds a finite value); mask: the group's rows that exist. */
+TARGET_VNNI INLINE void store_column(void *out, const int64_t at, const __m512 v,
+                                     const __mmask16 mask, const int is_bf16) {
+    if (is_bf16) {
+        const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+        const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+        _mm512_mask_cvtepi32_storeu_epi16((bf16 *)out + at, mask, _mm512_srli_epi32(up, 16));
+    } else {
+        _mm512_mask_storeu_ps((float *)out + at, mask, v);
+    }
+}
+
+/* Group g's 16 rows of W as columns 16 g.. of W^T [in, n_out]: each element of a block is one
+ * vector of the rows' values, d u + (m - c d), which is d (u - c) + m exactly as
+ * dequantize_row computes it (d (u - c) and c d are exact, so one rounding either way). */
+TARGET_VNNI INLINE void vnni_dequantize_group(void *out, const uint8_t *recs, int64_t blocks,
+                                              int64_t n_out, int64_t g, const int qtype,
+                                              const int is_bf16) {
+    const int per_unit = unit_blocks(qtype);
+    const struct layout at = layout_of(qtype);
+    const int64_t rows = n_out - GROUP * g < GROUP ? n_out - GROUP * g : GROUP;
+    const __mmask16 mask = (__mmask16)((1u << rows) - 1);
+    const __m512 c = _mm512_set1_ps((float)code_offset(qtype));
+    const __m512i byte = _mm512_set1_epi32(0xff);
+    for (int64_t unit = 0; unit < blocks / per_unit; unit++) {
+        const uint8_t *rec = recs + unit * at.bytes;
+        __m512 unit_d, unit_m;
+        vnni_unit_scales(rec, at, qtype, &unit_d, &unit_m);
+        for (int j = 0; j < per_unit; j++) {
+            __m512i low[4], high[4];
+            vnni_codes(rec, at, j, qtype, low, high);
+            __m512 d_low, d_high, m;
+            vnni_scales(rec, at, j, qtype, unit_d, unit_m, &d_low, &d_high, &m);
+            const __m512 base_low = _mm512_fnmadd_ps(c, d_low, m);
+            const __m512 base_high = _mm512_fnmadd_ps(c, d_high, m);
+            const int64_t k0 = (unit * per_unit + j) * QK;
+            UNROLL
+            for (int t = 0; t < 4; t++) {
+                UNROLL
+                for (int i = 0; i < 4; i++) {
+                    const __m512 u_low = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srli_epi32(low[t], 8 * i), byte));
+                    const __m512 u_high = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srli_epi32(high[t], 8 * i), byte));
+                    const int64_t k = k0 + 4 * t + i;
+                    store_column(out, k * n_out + GROUP * g,
+                                 _mm512_fmadd_ps(d_low, u_low, base_low), mask, is_bf16);
+                    store_column(out, (k + 16) * n_out + GROUP * g,
+                                 _mm512_fmadd_ps(d_high, u_high, base_high), mask, is_bf16);
+                }
+            }
+        }
+    }
+}
+
+TARGET_VNNI static void dequantize_group_vnni(void *out, const uint8_t *recs, int64_t blocks,
+                                              int64_t n_out, int64_t g, int qtype, int is_bf16) {
+#define DEQUANTIZE_AS(type)                                                                       \
+    is_bf16 ? vnni_dequantize_group(out, recs, blocks, n_out, g, type, 1)                         \
+            : vnni_dequantize_group(out, recs, blocks, n_out, g, type, 0)
+    switch (qtype) {
+    case Q4_0: DEQUANTIZE_AS(Q4_0); break;
+    case Q5_0: DEQUANTIZE_AS(Q5_0); break;
+    case Q4_1: DEQUANTIZE_AS(Q4_1); break;
+    case Q8_0: DEQUANTIZE_AS(Q8_0); break;
+    case Q4_K: DEQUANTIZE_AS(Q4_K); break;
+    default: DEQUANTIZE_AS(Q6_K);
+    }
+#undef DEQUANTIZE_AS
 }
 
 /* AVX2: as the VNNI path with 256-bit vectors, half h (h = 0, 1) of a group's rows, 8 h..8 h +
@@ -921,23 +1016,40 @@ VECTOR_CLONES static void dequantize_row_bf16(void *out, const uint8_t *recs, in
     dequantize_row(out, recs, blocks, qtype, r, 1);
 }
 
-/* W as fp32 or bf16 [n_out, in] from its packed records: the many-row products take a GEMM. */
+/* W as fp32 or bf16 [n_out, in] from its packed records, or (transposed, on the AVX-512 path
+ * only, which writes a column's 16 rows at once) W^T [in, n_out]: the many-row products take a
+ * GEMM. */
 static PyObject *dequantize(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, w, n_out, in_features;
-    int qtype, is_bf16;
-    if (!PyArg_ParseTuple(args, "nnnnip", &out, &w, &n_out, &in_features, &qtype, &is_bf16) ||
+    int qtype, is_bf16, transposed;
+    if (!PyArg_ParseTuple(args, "nnnnipp", &out, &w, &n_out, &in_features, &qtype, &is_bf16,
+                          &transposed) ||
         !check_shape(qtype, in_features))
         return NULL;
+    if (transposed && current_isa != AVX512VNNI) {
+        PyErr_SetString(PyExc_ValueError, "quant_linear: W^T is written on the avx512vnni path "
+                                          "only (set_isa('avx512vnni') where the CPU has it)");
+        return NULL;
+    }
     const int64_t blocks = in_features / QK;
     const int64_t group_bytes = blocks / unit_blocks(qtype) * layout_of(qtype).bytes;
     const size_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
+    if (transposed) {
+#if X86
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < n_out; n++)
-        (is_bf16 ? dequantize_row_bf16 : dequantize_row_fp32)(
-            (char *)out + n * row_bytes, (const uint8_t *)w + n / GROUP * group_bytes, blocks,
-            qtype, n % GROUP);
+        for (int64_t g = 0; g < (n_out + GROUP - 1) / GROUP; g++)
+            dequantize_group_vnni((void *)out, (const uint8_t *)w + g * group_bytes, blocks, n_out,
+                                  g, qtype, is_bf16);
+#endif
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < n_out; n++)
+            (is_bf16 ? dequantize_row_bf16 : dequantize_row_fp32)(
+                (char *)out + n * row_bytes, (const uint8_t *)w + n / GROUP * group_bytes, blocks,
+                qtype, n % GROUP);
+    }
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -1005,8 +1117,9 @@ static PyMethodDef methods[] = {
      "(bias 0 for none; x, bias, out fp32 or bf16, w packed) then sizes and the GGML type; "
      "writes out [rows, out_features]."},
     {"dequantize", dequantize, METH_VARARGS,
-     "dequantize(out, w, out_features, in_features, qtype, is_bf16): writes out "
-     "[out_features, in_features] from the packed w."},
+     "dequantize(out, w, out_features, in_features, qtype, is_bf16, transposed): writes out "
+     "[out_features, in_features] (or, transposed, [in_features, out_features]) from the "
+     "packed w."},
     {"set_isa", set_isa, METH_O, "set_isa(name): the CPU path linear() takes from now on."},
     {"isa", get_isa, METH_NOARGS, "isa(): the CPU path linear() takes."},
     {"set_prefetch", set_prefetch, METH_O,
