@@ -32,8 +32,10 @@ from astrai.kernels.graph import launch, new_output
 
 SKINNY_MAX_ROWS = 64
 # Rows at which paths are timed; a product of r rows takes the path timed at the first bucket
-# >= r, one beyond the kernel's limit standing for prefill-sized products.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, SKINNY_MAX_ROWS, 256)
+# >= r. Two beyond the kernel's limit stand for prefill-sized products, a short prompt's and a
+# long one's chunk (up to max_num_batched_tokens), as a path's cost per call (a quantized W's
+# decoding for a GEMM) weighs differently at each.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, SKINNY_MAX_ROWS, 256, 1024)
 
 
 class LinearPath(StrEnum):
@@ -213,7 +215,10 @@ def streamed_weights(weights: Sequence, nbytes) -> list:
 
 def fastest(timings: dict, preferred: object, runs: int = 2) -> object:
     """The key of the fastest of timings' callables (each limit -> seconds), run alternately
-    so that one slow moment does not decide; preferred wins ties within KERNEL_PREFERENCE."""
+    so that one slow moment does not decide; preferred wins ties within KERNEL_PREFERENCE. A
+    lone candidate is not timed."""
+    if len(timings) == 1:
+        return next(iter(timings))
     best = dict.fromkeys(timings, float("inf"))
     for _ in range(runs):
         for key, timing in timings.items():

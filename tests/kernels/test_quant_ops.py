@@ -329,6 +329,7 @@ SECONDS = {
     4: {KERNEL: 1.0, GEMM: 0.5},  # the GEMM twice as fast: from here on, GEMMs only
     8: {KERNEL: 0.1},  # (not timed)
     256: {GEMM: 1.0, UPCAST: 0.5, DOWNCAST: 0.25},
+    1024: {GEMM: 1.0, UPCAST: 0.5, DOWNCAST: 0.25},
 }
 
 
@@ -372,7 +373,8 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     finally:
         native.quant_linear.set_isa(before)
         native.quant_linear.set_prefetch(prefetch_before)
-    want = {1: KERNEL, 2: KERNEL, 256: UPCAST if dtype == torch.bfloat16 else DOWNCAST}
+    large = UPCAST if dtype == torch.bfloat16 else DOWNCAST
+    want = {1: KERNEL, 2: KERNEL, 256: large, 1024: large}
     assert chosen == {rows: want.get(rows, GEMM) for rows in quant_module.ROW_BUCKETS}
     assert {rows for _, rows, _ in timed[:isa_timings]} == set(quant_module.ISA_TIMED_ROWS)
     prefetch_timed = timed[isa_timings : isa_timings + prefetch_timings]
