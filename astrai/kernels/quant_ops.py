@@ -157,17 +157,18 @@ def _dense_linear(
     wider of dtype and out's, then rounded into out once. The AVX-512 path writes W^T, a
     column's 16 rows with one store, several times as fast as W's rows one at a time."""
     shape = (out.shape[1], x.shape[1])
-    if native.quant_linear.isa() == "avx512vnni":
-        weight_t = _dequantize(packed, qtype, shape, dtype, _scratch(shape[::-1], dtype), True)
-        product = torch.mm(x.to(dtype), weight_t)
-    else:
-        product = F.linear(
-            x.to(dtype), _dequantize(packed, qtype, shape, dtype, _scratch(shape, dtype))
-        )
+    transposed = native.quant_linear.isa() == "avx512vnni"
+    scratch = _scratch(shape[::-1] if transposed else shape, dtype)
+    weight = _dequantize(packed, qtype, shape, dtype, scratch, transposed)
+    product = torch.mm(x.to(dtype), weight if transposed else weight.t())
     if bias is None:
         out.copy_(product)
     else:
         torch.add(product, bias.to(torch.promote_types(dtype, out.dtype)), out=out)
+
+
+# the GEMM paths that compute in a dtype other than x's
+_GEMM_DTYPES = {LinearPath.UPCAST: torch.float32, LinearPath.DOWNCAST: torch.bfloat16}
 
 
 def _run(path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None) -> None:
@@ -179,8 +180,7 @@ def _run(path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor 
             x.shape[0], x.shape[1], out.shape[1], qtype, x.dtype == torch.bfloat16,
         )  # fmt: skip
     else:
-        dtypes = {LinearPath.UPCAST: torch.float32, LinearPath.DOWNCAST: torch.bfloat16}
-        dtype = dtypes.get(path, x.dtype)
+        dtype = _GEMM_DTYPES.get(path, x.dtype)
         launch(_dense_linear, out, x, packed, qtype, bias, dtype)
 
 

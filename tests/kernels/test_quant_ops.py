@@ -291,6 +291,9 @@ def test_op_on_every_path(forced_path, isa, qtype, dtype, rows):
         expected = (product + layer.bias.to(torch.promote_types(compute, dtype))).to(dtype)
         if torch.bfloat16 in (dtype, compute):  # sums in another order may round otherwise
             torch.testing.assert_close(y, expected, atol=0.05, rtol=0.02)
+            if dtype == torch.float32:  # downcast: the product a bf16 GEMM's, in bf16
+                product_out = y - layer.bias
+                assert torch.allclose(product_out, product_out.bfloat16().float(), atol=1e-5)
         else:  # the GEMM may sum in another order on x made contiguous than on x strided
             magnitude = F.linear(x.abs(), weight.float().abs(), layer.bias.abs())
             assert ((y - expected).abs() <= 2e-6 * magnitude).all()
