@@ -692,6 +692,13 @@ class EngineConfig:
         "same tokenizer (directory, .gguf file or Hugging Face id)",
         metavar="DIR|FILE|ID",
     )
+    batch_invariant: bool = setting(
+        True,
+        "a request's greedy output does not depend on what shares its batch: quantized "
+        "linears run their int8 kernel at every batch size; --no-batch-invariant lets a "
+        "prefill-sized product take a GEMM path where the start's timing finds one faster (a "
+        "bf16 GEMM on an AMX CPU), whose roundings differ from the kernel's",
+    )
     cuda_graphs: bool = setting(
         True,
         "on CUDA, replay each decode step from a CUDA graph captured per batch size (one "

@@ -275,6 +275,7 @@ class InferenceEngine:
                 max_batch_size=rows,
                 cuda_graphs=self.config.cuda_graphs,
                 max_seq_len=self.max_seq_len,
+                batch_invariant=self.config.batch_invariant,
             )
         else:
             executor = self._group.executor(model, self.cache, max_batch_size=rows)
@@ -324,7 +325,14 @@ class InferenceEngine:
             draft.weight_bytes() / 1e6,
             2 * cache.k_cache.nbytes / 1e6,
         )
-        proposer = DraftModelProposer(ModelExecutor(draft, cache, cuda_graphs=config.cuda_graphs))
+        proposer = DraftModelProposer(
+            ModelExecutor(
+                draft,
+                cache,
+                cuda_graphs=config.cuda_graphs,
+                batch_invariant=config.batch_invariant,
+            )
+        )
         return Speculator(proposer, config.num_speculative_tokens)
 
     def __enter__(self) -> InferenceEngine:

@@ -302,9 +302,11 @@ class ModelExecutor:
         max_batch_size: int = 256,
         cuda_graphs: bool = False,
         max_seq_len: int | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         """On CUDA, cuda_graphs replays decode steps from CUDA graphs (CudaSteps), whose page
-        tables have room for max_seq_len tokens (default: the model's context)."""
+        tables have room for max_seq_len tokens (default: the model's context). On the CPU,
+        batch_invariant keeps quantized linears on their kernel at every batch size."""
         self.model = model
         self.cache = cache
         self.pipeline = pipeline or SamplingPipeline()
@@ -322,7 +324,7 @@ class ModelExecutor:
                 tune_linears(dense)
             quantized = [m.weight for m in model.modules() if isinstance(m, QuantizedLinear)]
             if quantized:
-                tune_quant_linears(quantized, model.tok_embeddings.weight.dtype)
+                tune_quant_linears(quantized, model.tok_embeddings.weight.dtype, batch_invariant)
             self.recorded = RecordedLayers(model)
             release_openmp_workers()  # after the timing, which ran on this thread's pool
 

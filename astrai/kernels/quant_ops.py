@@ -14,7 +14,9 @@ bf16 one does. Paths, as for the dense linears (linear_ops.LinearPath):
   significant bits, as the kernel's int8 blocks do (coarser, there), and W's decoded values.
 
 tune_quant_linears() times them on the model's own weights once per process (and the kernel's
-CPU paths, among those the CPU runs); ASTRAI_LINEAR_PATH forces one, as for dense linears.
+CPU paths, among those the CPU runs); ASTRAI_LINEAR_PATH forces one, as for dense linears. The
+kernel's result for a row of x does not depend on the batch, a GEMM path's roundings differ
+from it, so an engine takes the GEMM paths only when built with batch_invariant=False.
 Without the C extension, W is dequantized once (NumPy, as the gguf package does) for F.linear.
 
 A model holds a QuantizedWeight per quantized linear (QuantizedWeight.from_gguf on the GGUF
@@ -263,12 +265,17 @@ def _time_path(
 
 @torch.inference_mode()
 def tune_quant_linears(
-    weights: Sequence[QuantizedWeight], dtype: torch.dtype
+    weights: Sequence[QuantizedWeight], dtype: torch.dtype, batch_invariant: bool = True
 ) -> dict[int, LinearPath]:
     """Time the paths for x of dtype on these weights (one model's quantized linears, in
     order; once per machine, as tuning_cache keeps the answer) -- first the kernel's CPU paths
     at ISA_TIMED_ROWS, keeping the fastest, then its prefetch distance -- use the fastest path per
-    row bucket from now on, and return them {bucket: path}."""
+    row bucket from now on, and return them {bucket: path}.
+
+    batch_invariant keeps the kernel at every bucket: its result for a row of x does not
+    depend on the other rows, while a GEMM path's roundings differ from it (x in bf16 or
+    fp32, not int8 blocks), so a prompt prefilled in a batch past the kernel's buckets would
+    continue otherwise than the same prompt alone."""
     key = (dtype, tuple((w.qtype, w.shape) for w in weights))
     if native.quant_linear is not None and key not in _timed and forced_path() is None:
         isa, distance, *paths = tuning_cache.remembered(
@@ -278,7 +285,7 @@ def tune_quant_linears(
         native.quant_linear.set_prefetch(int(distance))
         _timed[key] = [LinearPath(path) for path in paths]
     if key in _timed:
-        _paths[dtype] = _timed[key]
+        _paths[dtype] = [LinearPath.KERNEL] * len(ROW_BUCKETS) if batch_invariant else _timed[key]
     return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))
 
 

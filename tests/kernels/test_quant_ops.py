@@ -365,7 +365,7 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
         weights.append(QuantizedWeight.from_gguf(random_blocks(qtype, shape, 7), qtype, shape))
     before, prefetch_before = native.quant_linear.isa(), native.quant_linear.prefetch()
     try:
-        chosen = tune_quant_linears(weights, dtype)
+        chosen = tune_quant_linears(weights, dtype, batch_invariant=False)
         fastest = min(
             native.quant_linear.isas(), key=lambda i: sum(ISA_SECONDS[r][i] for r in (1, 4))
         )
@@ -389,7 +389,11 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     # timed once per process: a second model of the same shapes takes the same paths
     timed.clear()
     quant_module._paths.clear()
-    assert tune_quant_linears(weights, dtype) == chosen
+    assert tune_quant_linears(weights, dtype, batch_invariant=False) == chosen
+    assert timed == []
+    # unless its engine keeps the batch invariance (the default): then the kernel everywhere
+    assert tune_quant_linears(weights, dtype) == dict.fromkeys(quant_module.ROW_BUCKETS, KERNEL)
+    assert quant_module.choose_path(torch.empty(2048, 32, dtype=dtype)) is KERNEL
     assert timed == []
     # and once per machine: a new process reads the paths and the CPU path from the cache
     quant_module._timed.clear()
@@ -397,7 +401,7 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     try:
         native.quant_linear.set_isa("scalar")
         native.quant_linear.set_prefetch(1024)
-        assert tune_quant_linears(weights, dtype) == chosen
+        assert tune_quant_linears(weights, dtype, batch_invariant=False) == chosen
         assert native.quant_linear.isa() == fastest
         assert native.quant_linear.prefetch() == 4096
     finally:
