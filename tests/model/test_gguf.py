@@ -335,8 +335,9 @@ def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
 
 # llama.cpp's greedy continuations of these prompts from the same file (llama-server built from
 # the llama-cpp-python 0.3.36 sdist, --no-repack, temperature 0): astrai's quantized kernels
-# give the same tokens. (On other prompts the two part after a few tokens: llama.cpp rounds
-# the int8 activations and keeps its KV cache in fp16 differently.)
+# give the same tokens. (On other prompts the two part after a few tokens: llama.cpp keeps the
+# int8 activations' block scales, its KV cache and its attention's operands in fp16, and its
+# batched output is not even the same from run to run: benchmarks/README.md.)
 LLAMA_CPP_GREEDY = {
     "def fibonacci(n):": "\n    if n == 0:\n        return 1\n    return n * fib",
     "The three primary colors are": (
