@@ -694,10 +694,12 @@ class EngineConfig:
     )
     batch_invariant: bool = setting(
         True,
-        "a request's greedy output does not depend on what shares its batch: quantized "
-        "linears run their int8 kernel at every batch size; --no-batch-invariant lets a "
-        "prefill-sized product take a GEMM path where the start's timing finds one faster (a "
-        "bf16 GEMM on an AMX CPU), whose roundings differ from the kernel's",
+        "on the CPU, quantized linears run their int8 kernel at every batch size, whose result "
+        "for a row does not depend on the other rows, so a request's greedy output does not "
+        "depend on what shares its batch; --no-batch-invariant lets a product of more rows take "
+        "a GEMM path where the start's timing finds one faster (a bf16 GEMM on an AMX CPU), "
+        "whose roundings differ from the kernel's. It applies to the whole process: the last "
+        "engine built sets it",
     )
     cuda_graphs: bool = setting(
         True,

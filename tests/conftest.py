@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 
 from tiny_models import write_hf_model, write_tokenizer  # noqa: E402
 
-from astrai.kernels import linear_ops  # noqa: E402
+from astrai.kernels import linear_ops, quant_ops  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +46,7 @@ def untuned_linears(monkeypatch, tmp_path):
     applies its own (timed once a process), and they end with the test. Timings are kept in
     a cache of the test's own, never the user's, so a faked timing stays in its test."""
     monkeypatch.setattr(linear_ops, "_paths", {})
+    monkeypatch.setattr(quant_ops, "_paths", {})
     monkeypatch.setenv("ASTRAI_CACHE_DIR", str(tmp_path / "astrai-cache"))
 
 

@@ -34,11 +34,14 @@ class TensorParallelExecutor(ModelExecutor):
         model: torch.nn.Module,
         cache: PagedCache,
         max_batch_size: int = 256,
+        batch_invariant: bool = True,
     ) -> None:
-        super().__init__(model, cache, max_batch_size=max_batch_size)
+        super().__init__(
+            model, cache, max_batch_size=max_batch_size, batch_invariant=batch_invariant
+        )
         self.group = group
         dtype = KV_DTYPES.index(cache.k_cache.dtype)
-        group.send([KV_POOL, cache.n_pages, cache.page_size, dtype, 0])
+        group.send([KV_POOL, cache.n_pages, cache.page_size, dtype, int(batch_invariant)])
 
     def forward(
         self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
@@ -127,7 +130,7 @@ def serve_steps(group: TensorParallelGroup, model: torch.nn.Module) -> None:
         if header[0] == STOP_MESSAGE:
             return
         if header[0] == KV_POOL:
-            _, n_pages, page_size, dtype, _ = header
+            _, n_pages, page_size, dtype, batch_invariant = header
             config = model.config
             cache = PagedCache(
                 config.n_layers,
@@ -140,7 +143,7 @@ def serve_steps(group: TensorParallelGroup, model: torch.nn.Module) -> None:
                 enable_prefix_cache=False,
             )
             cache.tasks = PlannedPages()
-            executor = ModelExecutor(model, cache)
+            executor = ModelExecutor(model, cache, batch_invariant=bool(batch_invariant))
             continue
         seqs, token_ids, tables, rows = unpack_step(
             header, group.receive_body(step_body_size(header))

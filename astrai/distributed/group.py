@@ -68,11 +68,11 @@ class TensorParallelGroup:
         if workers:
             threading.Thread(target=self._watch, name="astrai-tp-watch", daemon=True).start()
 
-    def executor(self, model, cache, max_batch_size: int = 256):
+    def executor(self, model, cache, max_batch_size: int = 256, batch_invariant: bool = True):
         """Rank 0's TensorParallelExecutor of the sharded model over the engine's cache."""
         from astrai.distributed.executor import TensorParallelExecutor  # which imports this
 
-        return TensorParallelExecutor(self, model, cache, max_batch_size)
+        return TensorParallelExecutor(self, model, cache, max_batch_size, batch_invariant)
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum x across the ranks, in place; a recorded step graph replays it."""

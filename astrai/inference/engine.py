@@ -278,7 +278,9 @@ class InferenceEngine:
                 batch_invariant=self.config.batch_invariant,
             )
         else:
-            executor = self._group.executor(model, self.cache, max_batch_size=rows)
+            executor = self._group.executor(
+                model, self.cache, max_batch_size=rows, batch_invariant=self.config.batch_invariant
+            )
         self.scheduler = InferenceScheduler(
             executor, self.cache, self.manager, self.config, speculator
         )

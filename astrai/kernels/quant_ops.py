@@ -203,7 +203,7 @@ _quant_linear_op.register_fake(
 
 
 def quant_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, W, bias) for a quantized W, by the measured fastest path on the CPU."""
+    """F.linear(x, W, bias) for a quantized W, on the CPU by the path tuning chose."""
     if native.quant_linear is not None and native.cpu_kernel_may_take(x, bias):
         return torch.ops.astrai.quant_linear(
             x.contiguous(), weight.packed, int(weight.qtype), weight.shape[0], bias
@@ -270,7 +270,8 @@ def tune_quant_linears(
     """Time the paths for x of dtype on these weights (one model's quantized linears, in
     order; once per machine, as tuning_cache keeps the answer) -- first the kernel's CPU paths
     at ISA_TIMED_ROWS, keeping the fastest, then its prefetch distance -- use the fastest path per
-    row bucket from now on, and return them {bucket: path}.
+    row bucket from now on (the kernel at every bucket if batch_invariant), and return them
+    {bucket: path}.
 
     batch_invariant keeps the kernel at every bucket: its result for a row of x does not
     depend on the other rows, while a GEMM path's roundings differ from it (x in bf16 or

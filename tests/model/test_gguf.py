@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import LLAMA3_ROPE, real_gguf, write_gguf, write_hf_model
 
 from astrai.config import ConfigError
-from astrai.kernels import Arena, Linear, StepGraph
+from astrai.kernels import Arena, Linear, StepGraph, native
 from astrai.model import AutoModel, CheckpointError, Transformer
 from astrai.model.weights import gguf as gguf_weights
 
@@ -363,19 +363,18 @@ def test_quantized_greedy_equals_llama_cpp(monkeypatch, prompt):
     assert tokenizer.decode(new) == LLAMA_CPP_GREEDY[prompt]
 
 
-def test_quantized_greedy_is_batch_invariant(tmp_path, monkeypatch):
+@pytest.mark.skipif(native.quant_linear is None, reason="the quantized kernel is not built")
+def test_quantized_greedy_is_batch_invariant(monkeypatch):
     """The prompts batched continue as each does alone, though the start's timing (faked, so
     that every machine sees it) finds a GEMM path faster beyond one row: the kernel's int8
     blocks and a GEMM's fp32 round differently, and the real model's near-ties tip."""
     from astrai.inference import GenerationParams, InferenceEngine
-    from astrai.kernels import native, quant_ops
+    from astrai.kernels import quant_ops
     from astrai.kernels.linear_ops import ROW_BUCKETS, LinearPath
     from astrai.tokenize import AutoTokenizer
 
     gemm_beyond_one_row = [LinearPath.KERNEL] + [LinearPath.GEMM] * (len(ROW_BUCKETS) - 1)
-    monkeypatch.setenv("ASTRAI_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(quant_ops, "_timed", {})
-    monkeypatch.setattr(quant_ops, "_paths", {})
     monkeypatch.setattr(
         quant_ops,
         "_fastest_isa_and_paths",
@@ -383,7 +382,7 @@ def test_quantized_greedy_is_batch_invariant(tmp_path, monkeypatch):
     )
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
-    params = GenerationParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     def greedy(batch: int, batch_invariant: bool) -> list[list[int]]:
         with InferenceEngine(
@@ -392,9 +391,10 @@ def test_quantized_greedy_is_batch_invariant(tmp_path, monkeypatch):
             assert (quant_ops._paths[torch.float32] == gemm_beyond_one_row) != batch_invariant
             return [result.token_ids for result in engine.generate_results(PROMPTS, params)]
 
-    alone = greedy(1, batch_invariant=True)
-    assert greedy(len(PROMPTS), batch_invariant=True) == alone
-    assert greedy(len(PROMPTS), batch_invariant=False) != alone
+    assert greedy(len(PROMPTS), batch_invariant=True) == greedy(1, batch_invariant=True)
+    # without it, a batch's decode steps take the GEMM and one request's the kernel (6 of 8
+    # prompts part)
+    assert greedy(len(PROMPTS), batch_invariant=False) != greedy(1, batch_invariant=False)
 
 
 def test_quantized_model_reports_its_bytes_and_refuses_the_native_format(tmp_path):
