@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI, Anthropic and tokenizer routers, auth, errors, /health, /metrics and
-/version."""
+"""The FastAPI app: OpenAI, Responses, Anthropic and tokenizer routers, auth, errors, /health,
+/metrics and /version."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 
 import astrai
 from astrai.inference import InferenceEngine
-from astrai.server import anthropic_api, defaults, openai_api, tokenizer_api
+from astrai.server import anthropic_api, defaults, openai_api, responses_api, tokenizer_api
 from astrai.server.auth import APIKeyAuth
 from astrai.server.errors import APIError, error_response
 from astrai.server.generation import GenerationService
@@ -57,8 +57,10 @@ def create_app(
     )
     app.state.service = service
     app.state.drain = Drain(service)
+    app.state.responses = responses_api.ResponseStore()
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     app.include_router(tokenizer_api.router)
 
     @app.get("/health")
@@ -104,7 +106,13 @@ def create_app(
     app.add_middleware(DrainGate, drain=app.state.drain)
     if "*" not in allowed_hosts:
         app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
-    routers = (openai_api.router, anthropic_api.router, tokenizer_api.router, app.router)
+    routers = (
+        openai_api.router,
+        anthropic_api.router,
+        responses_api.router,
+        tokenizer_api.router,
+        app.router,
+    )
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
     app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
     return app

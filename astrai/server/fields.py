@@ -23,6 +23,14 @@ from astrai.server.protocol import (
     CountTokensRequest,
     DetokenizeRequest,
     MessagesRequest,
+    ResponsesFunctionCall,
+    ResponsesFunctionCallOutput,
+    ResponsesFunctionTool,
+    ResponsesMessage,
+    ResponsesNamedTool,
+    ResponsesReasoning,
+    ResponsesRequest,
+    ResponsesText,
     StreamOptions,
     TokenizeRequest,
 )
@@ -153,6 +161,73 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "media_io_kwargs": Refused("is not supported: astrai takes text only", noop=({},)),
     },
     DetokenizeRequest: {},
+    ResponsesRequest: {
+        "reasoning": Refused(
+            "is not supported: astrai passes no reasoning effort or summary to the model "
+            "(a reasoning model's thinking comes back as reasoning items without it)",
+            noop=({},),
+        ),
+        "include": Refused(
+            "is not supported: astrai has no encrypted reasoning, logprobs or hosted tools' "
+            "extras to include",
+            noop=([],),
+        ),
+        "top_logprobs": Refused(ENGINE, noop=(0,)),
+        "truncation": Refused(
+            "is not supported: a prompt too long for the context is a 400, never cut",
+            noop=("disabled",),
+        ),
+        "max_tool_calls": NoOp("a limit on the hosted API's built-in tools, which astrai has not"),
+        "stream_options": Refused(
+            "is not supported: astrai does not pad its events",
+            noop=({}, {"include_obfuscation": False}),
+        ),
+        "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
+        "safety_identifier": NoOp("an end-user id for the hosted API's abuse monitoring"),
+        "prompt_cache_key": NoOp("a routing hint; astrai's prefix cache serves every request"),
+        "prompt_cache_retention": Refused(HOSTED, noop=("in_memory",)),
+        "prompt_cache_options": Refused(HOSTED),
+        "service_tier": Refused(HOSTED, noop=("auto", "default")),
+        "background": Refused(HOSTED, noop=(False,)),
+        "background_options": Refused(HOSTED),
+        "conversation": Refused(HOSTED),
+        "context_management": Refused(HOSTED),
+        "prompt": Refused(HOSTED),
+        "moderation": Refused(HOSTED),
+        "image": Refused("is not supported: astrai takes text only"),
+        "access_programs": Refused(HOSTED),
+    },
+    ResponsesMessage: {
+        "id": NoOp("the id the server gave an output item sent back"),
+        "status": NoOp("the status the server gave an output item sent back"),
+        "phase": NoOp("a label of an assistant message that chat templates have no place for"),
+    },
+    ResponsesFunctionCall: {
+        "id": NoOp("the id the server gave an output item sent back"),
+        "status": NoOp("the status the server gave an output item sent back"),
+    },
+    ResponsesFunctionCallOutput: {
+        "id": NoOp("the id the server gave an output item sent back"),
+        "status": NoOp("the status the server gave an output item sent back"),
+    },
+    ResponsesReasoning: {
+        "encrypted_content": Refused("is not supported: astrai encrypts no reasoning"),
+        "id": NoOp("the id the server gave an output item sent back"),
+        "status": NoOp("the status the server gave an output item sent back"),
+    },
+    ResponsesFunctionTool: {
+        "defer_loading": Refused(
+            "is not supported: every tool is shown to the model", noop=(False,)
+        ),
+        "output_schema": Refused("is not supported: chat templates show no output schemas"),
+        "allowed_callers": Refused("is not supported: astrai has no hosted callers"),
+    },
+    ResponsesNamedTool: {},
+    ResponsesText: {
+        "verbosity": Refused(
+            "is not supported: astrai passes no verbosity to the model", ("medium",)
+        ),
+    },
 }
 RULES[CountTokensRequest] = {
     name: rule

@@ -11,9 +11,17 @@ server refuse the same values with the same messages.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 
 def _unicode(text: str) -> str:
@@ -460,3 +468,217 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+# OpenAI Responses
+
+# Keys of a Responses text part: input_text's, and what output_text carries when a client sends
+# an earlier answer back (empty annotations and logprobs ask for nothing).
+_RESPONSES_PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
+
+
+def _responses_text(content: Any, kinds: tuple[str, ...]) -> str:
+    """The text of a Responses content: a string or a list of parts of the given kinds."""
+    if isinstance(content, str):
+        return _unicode(content)
+    if not isinstance(content, list):
+        raise ValueError(f"content must be a string or a list of {' or '.join(kinds)} parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
+            raise ValueError(
+                f"only {' and '.join(kinds)} content parts are supported (astrai takes text "
+                f"only), got {kind!r}"
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"a {kind} part needs a string 'text' field")
+        unknown = sorted(k for k, v in part.items() if k not in _RESPONSES_PART_KEYS and v)
+        if unknown:
+            raise ValueError(f"a {kind} part's {unknown[0]!r} is not supported by astrai")
+        texts.append(part["text"])
+    return _unicode("".join(texts))
+
+
+class ResponsesMessage(_Request):
+    """A message of a Responses input: OpenAI's easy input message, an input message, or an
+    output message sent back."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Any]
+    id: Any = None
+    status: Any = None
+    phase: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _only_text(cls, content: str | list[Any]) -> str:
+        return _responses_text(content, ("input_text", "output_text"))
+
+
+class ResponsesFunctionCall(_Request):
+    """A call the model made in an earlier answer, sent back with its output."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Any = None
+    status: Any = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        if not isinstance(_json_or_none(arguments), dict):
+            raise ValueError("a function_call's arguments must be a JSON object in a string")
+        return arguments
+
+
+class ResponsesFunctionCallOutput(_Request):
+    """What a function call returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[Any]
+    id: Any = None
+    status: Any = None
+
+    @field_validator("output")
+    @classmethod
+    def _only_text(cls, output: str | list[Any]) -> str:
+        return _responses_text(output, ("input_text",))
+
+
+class ResponsesReasoning(_Request):
+    """A reasoning item of an earlier answer, sent back: its text goes to the chat template as
+    the next assistant message's reasoning_content."""
+
+    type: Literal["reasoning"]
+    summary: list[Any]
+    content: list[Any] | None = None
+    encrypted_content: Any = None
+    id: Any = None
+    status: Any = None
+
+    def text(self) -> str:
+        parts = self.content or self.summary
+        kinds = ("reasoning_text",) if self.content else ("summary_text",)
+        return _responses_text(parts, kinds)
+
+    @model_validator(mode="after")
+    def _text_parts(self) -> ResponsesReasoning:
+        self.text()
+        return self
+
+
+def _item_type(item: Any) -> str:
+    """An input item's type; a message may leave it out."""
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", "")
+
+
+# Other items (hosted tools' calls, item references) are refused by the discriminator.
+ResponsesItem = Annotated[
+    Annotated[ResponsesMessage, Tag("message")]
+    | Annotated[ResponsesFunctionCall, Tag("function_call")]
+    | Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")]
+    | Annotated[ResponsesReasoning, Tag("reasoning")],
+    Discriminator(
+        _item_type,
+        custom_error_type="unsupported_item",
+        custom_error_message="astrai takes input items of type message, function_call, "
+        "function_call_output and reasoning only",
+    ),
+]
+
+
+class ResponsesFunctionTool(_Request):
+    """A function tool, in the Responses API's flat shape."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    defer_loading: Any = None
+    output_schema: Any = None
+    allowed_callers: Any = None
+
+
+class ResponsesNamedTool(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesText(_Request):
+    format: dict[str, Any] | None = None
+    verbosity: Any = None
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, format: dict[str, Any] | None) -> dict[str, Any] | None:
+        if format is None:
+            return None
+        keys = {
+            "text": {"type"},
+            "json_object": {"type"},
+            "json_schema": {"type", "name", "schema", "description", "strict"},
+        }.get(format.get("type"))
+        if keys is None:
+            raise ValueError(
+                f"format type {format.get('type')!r} is not supported; use text, json_object "
+                "or json_schema"
+            )
+        unknown = sorted(set(format) - keys)
+        if unknown:
+            raise ValueError(f"format's {unknown[0]!r} is not supported by astrai")
+        if format["type"] == "json_schema" and not isinstance(format.get("schema"), dict):
+            raise ValueError("a json_schema format needs 'schema', the schema the output follows")
+        return format
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: list[ResponsesItem] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+    text: ResponsesText | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: Any = None
+    store: bool | None = None  # None: true, OpenAI's default
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    truncation: Any = None
+    max_tool_calls: Any = None
+    user: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    service_tier: Any = None
+    background: Any = None
+    background_options: Any = None
+    conversation: Any = None
+    context_management: Any = None
+    prompt: Any = None
+    moderation: Any = None
+    image: Any = None
+    access_programs: Any = None
+
+    _text = field_validator("model", "instructions")(_unicode_strings)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_is_a_user_message(cls, input: Any) -> Any:
+        """A string input is one user message, as OpenAI reads it."""
+        return [{"role": "user", "content": input}] if isinstance(input, str) else input

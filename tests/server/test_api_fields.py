@@ -99,7 +99,35 @@ def request_with(server, model: str, name: str, value) -> tuple[str, dict, str]:
     if model == "AnthropicMessage":
         message = {**USER[0], name: value}
         return "/v1/messages", {**chat, "messages": [message]}, f"messages.0.{name}"
+    responses = {**name_of, "input": "Hi", "max_output_tokens": 1}
+    items = {
+        "ResponsesMessage": {"role": "user", "content": "Hi"},
+        "ResponsesFunctionCall": {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "f",
+            "arguments": "{}",
+        },
+        "ResponsesFunctionCallOutput": {
+            "type": "function_call_output",
+            "call_id": "call_1",
+            "output": "1",
+        },
+        "ResponsesReasoning": {"type": "reasoning", "summary": []},
+    }
+    if model in items:
+        # A reasoning item is the thinking of the assistant message after it.
+        after = [{"role": "assistant", "content": "Hi"}] if model == "ResponsesReasoning" else []
+        body = {**responses, "input": [{**items[model], name: value}, *after]}
+        return "/v1/responses", body, f"input.0.{name}"
+    if model == "ResponsesFunctionTool":
+        tool = {"type": "function", "name": "f", name: value}
+        body = {**responses, "tools": [tool], "tool_choice": "none"}
+        return "/v1/responses", body, f"tools.0.{name}"
+    if model == "ResponsesText":
+        return "/v1/responses", {**responses, "text": {name: value}}, f"text.{name}"
     path, body = {
+        "ResponsesRequest": ("/v1/responses", responses),
         "ChatCompletionRequest": ("/v1/chat/completions", chat),
         "CompletionRequest": ("/v1/completions", {**name_of, "prompt": "Hi", "max_tokens": 1}),
         "MessagesRequest": ("/v1/messages", chat),
