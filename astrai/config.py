@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -13,21 +12,8 @@ class ConfigError(ValueError):
     """A configuration value is missing, unsupported or out of range."""
 
 
+# The model_type of astrai's own config.json (a ModelConfig's fields as they are).
 NATIVE_MODEL_TYPE = "astrai"
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# Llama decoders with a few differences each (_hf_variant says which).
-VARIANT_MODEL_TYPES = ("phi3", "olmo2", "granite")
-HF_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3_text",
-    *MOE_MODEL_TYPES,
-    *VARIANT_MODEL_TYPES,
-)
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 ROPE_SCALING_KEYS = {
@@ -58,8 +44,6 @@ ROPE_SCALING_KEYS = {
         "attention_factor",
     ),
 }
-# Spellings of rope types that transformers reads as another type.
-PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 
 
 @dataclass(frozen=True)
@@ -244,32 +228,9 @@ class ModelConfig:
         return self.rope_local_theta is not None and sliding
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Read path/config.json: astrai's native format or a Hugging Face Llama-family one."""
-        directory = Path(path)
-        if not directory.is_dir():
-            raise FileNotFoundError(
-                f"model directory {str(directory)!r} does not exist; pass a directory that "
-                "holds config.json and the model's safetensors weights"
-            )
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(
-                f"no config.json in {str(directory)!r}; a model directory needs config.json "
-                "(native astrai or Hugging Face) next to its safetensors weights"
-            )
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{config_file} is not valid JSON: {error}") from error
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
-        if raw.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE:
-            return cls._from_native(raw)
-        return cls.from_hf(raw)
-
-    @classmethod
-    def _from_native(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """The config of astrai's native config.json content (to_dict's), its model_type
+        optional."""
         known = {field.name for field in fields(cls)}
         settings = {key: value for key, value in raw.items() if key != "model_type"}
         unknown = sorted(set(settings) - known)
@@ -286,69 +247,6 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"native astrai config lacks required fields: {missing}")
         return cls(**settings)
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Convert a Hugging Face config.json dict whose model_type is one of HF_MODEL_TYPES.
-
-        Settings the model cannot honour are refused with a ConfigError rather than dropped,
-        because ignoring them would give a model that runs but computes something else.
-        """
-        model_type = hf.get("model_type")
-        if model_type == "gemma3":
-            raise ConfigError(
-                "model_type gemma3 is Gemma 3's image-and-text checkpoint, which astrai does not "
-                "load; it runs Gemma 3's text models (model_type gemma3_text, as Gemma 3 1B "
-                "ships) and GGUF files of architecture gemma3"
-            )
-        if model_type not in HF_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}; astrai loads "
-                f"{', '.join((NATIVE_MODEL_TYPE, *HF_MODEL_TYPES))}"
-            )
-
-        def required(key: str) -> Any:
-            if hf.get(key) is None:
-                raise ConfigError(f"{model_type} config.json lacks required key {key!r}")
-            return hf[key]
-
-        dim = required("hidden_size")
-        n_heads = required("num_attention_heads")
-        n_layers = required("num_hidden_layers")
-        max_len = required("max_position_embeddings")
-        _refuse_unsupported_hf(hf, model_type)
-        if model_type == "gemma3_text":
-            hf = _gemma3_global_rope(hf)
-        rope_theta, rope_scaling = _hf_rope(hf, max_len)
-        head_dim = hf.get("head_dim") or dim // n_heads
-        if rope_scaling is not None and rope_scaling["rope_type"] == "dynamic":
-            # Dynamic NTK is for contexts factor times max_position_embeddings.
-            max_len = int(max_len * rope_scaling["factor"])
-        return cls(
-            vocab_size=required("vocab_size"),
-            dim=dim,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
-            dim_ffn=required("intermediate_size"),
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_len=max_len,
-            tie_weight=bool(hf.get("tie_word_embeddings", False)),
-            use_qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            attention_bias=model_type == "qwen2"
-            or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
-            moe=_hf_moe(hf, model_type, max_len) if model_type in MOE_MODEL_TYPES else None,
-            **_hf_sliding_window(hf, model_type, n_layers, max_len),
-            **(_hf_gemma(hf, model_type) if model_type in GEMMA_MODEL_TYPES else {}),
-            **(
-                _hf_variant(hf, model_type, head_dim, max_len)
-                if model_type in VARIANT_MODEL_TYPES
-                else {}
-            ),
-        )
 
     def to_dict(self) -> dict[str, Any]:
         """The native config.json content (model_type "astrai" plus every field)."""
@@ -388,236 +286,6 @@ def _check_rope_scaling(rope_scaling: dict, rotary_dim: int) -> None:
                 f"rope_scaling has {len(factors)} {key}; a rotary dimension of {rotary_dim} has "
                 f"{rotary_dim // 2} frequencies"
             )
-
-
-def _refuse_unsupported_hf(hf: dict[str, Any], model_type: str) -> None:
-    """Raise ConfigError for any HF setting that would make astrai compute a different model."""
-    if model_type not in GEMMA_MODEL_TYPES and hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; astrai runs SwiGLU")
-    if hf.get("mlp_bias"):
-        raise ConfigError("mlp_bias=true is not supported: astrai's MLP has no biases")
-    # Qwen2 always has a q/k/v bias and no flag; elsewhere attention_bias also adds an o_proj bias.
-    if model_type != "qwen2" and hf.get("attention_bias"):
-        raise ConfigError(
-            f"attention_bias=true on {model_type} adds an o_proj bias, which astrai does not "
-            "implement; only Qwen2's q/k/v bias is supported"
-        )
-    if hf.get("quantization_config"):
-        raise ConfigError("quantized checkpoints are not supported; use unquantized weights")
-
-
-def _hf_sliding_window(
-    hf: dict[str, Any], model_type: str, n_layers: int, max_len: int
-) -> dict[str, Any]:
-    """sliding_window and layer_types as transformers derives them for the family: none where
-    no layer slides, no window where it is no shorter than the context (the layer types stay:
-    Gemma 3's sliding layers keep their own rope)."""
-    window, layer_types = hf.get("sliding_window"), hf.get("layer_types")
-    if model_type in ("qwen2", "qwen3"):
-        if not hf.get("use_sliding_window"):
-            return {}
-        first_sliding = hf.get("max_window_layers", 28)  # transformers' default
-        layer_types = layer_types or [LAYER_TYPES[i >= first_sliding] for i in range(n_layers)]
-    elif model_type in GEMMA_MODEL_TYPES:
-        # Gemma 2 alternates from a sliding first layer; Gemma 3 slides in 5 of every 6.
-        pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
-        layer_types = layer_types or [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n_layers)]
-    elif model_type == "mistral":
-        layer_types = None  # transformers' Mistral slides in every layer, whatever layer_types says
-    else:
-        return {}  # transformers' Llama has no sliding window
-    if layer_types is not None:
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ConfigError(f"unsupported attention layer types {unknown}")
-        if "sliding_attention" not in layer_types:
-            return {}
-    shorter = window is not None and window < max_len
-    return {"sliding_window": window if shorter else None, "layer_types": layer_types}
-
-
-def _hf_gemma(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """What Gemma 2 and Gemma 3 change from the Llama decoder (ModelConfig's later fields)."""
-    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if activation != "gelu_pytorch_tanh":
-        raise ConfigError(
-            f"hidden_activation {activation!r} is not supported on {model_type}; astrai runs "
-            "Gemma's GeGLU with the tanh approximation of GELU (gelu_pytorch_tanh)"
-        )
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError(
-            "use_bidirectional_attention=true (an embedding model) is not supported; astrai "
-            "runs causal decoders"
-        )
-    default_softcaps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
-    settings = {
-        "hidden_act": "gelu_tanh",
-        "scale_embeddings": True,
-        "post_norms": True,
-        "attention_scale": hf.get("query_pre_attn_scalar", 256) ** -0.5,
-        "attn_logit_softcap": hf.get("attn_logit_softcapping", default_softcaps[0]),
-        "final_logit_softcap": hf.get("final_logit_softcapping", default_softcaps[1]),
-    }
-    if model_type == "gemma3_text":
-        settings["rope_local_theta"] = float(hf["rope_local_base_freq"])
-    return settings
-
-
-def _gemma3_global_rope(hf: dict[str, Any]) -> dict[str, Any]:
-    """hf with the full-attention layers' rope in the place _hf_rope reads it and
-    rope_local_base_freq set: the sliding layers' base, whose rope must be plain."""
-    params = hf.get("rope_parameters")
-    if params is not None and isinstance(params.get("sliding_attention"), dict):
-        local = params["sliding_attention"]
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError(
-                f"rope scaling {local['rope_type']!r} on Gemma 3's sliding layers is not "
-                "supported; astrai scales the rope of its full-attention layers only"
-            )
-        return {
-            **hf,
-            "rope_parameters": {"rope_theta": 1e6, **params.get("full_attention", {})},
-            "rope_local_base_freq": local.get("rope_theta", 10000.0),
-        }
-    # transformers 4 spelling: rope_theta (default 1e6 on Gemma 3) and rope_scaling at top level
-    return {"rope_theta": 1e6, "rope_local_base_freq": 10000.0, **hf}
-
-
-def _hf_moe(hf: dict[str, Any], model_type: str, max_len: int) -> MoEConfig | None:
-    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None if it has none)."""
-    # transformers reads either name on Mixtral and Qwen3-MoE (Qwen2-MoE: num_experts).
-    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if model_type == "mixtral":
-        # Mixtral's router always renormalises; its experts are intermediate_size wide.
-        norm_topk_prob, dim_expert = True, hf.get("intermediate_size")
-    else:
-        norm_topk_prob, dim_expert = bool(hf.get("norm_topk_prob")), hf.get("moe_intermediate_size")
-    sliding = hf.get("use_sliding_window") if model_type != "mixtral" else True
-    window = hf.get("sliding_window")
-    if sliding and window and window < max_len:
-        raise ConfigError(
-            f"sliding_window={window} on {model_type} is not supported: astrai's sliding-window "
-            "attention does not cover mixture-of-experts models yet"
-        )
-    if n_experts == 0:  # transformers then builds every layer dense
-        return None
-    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
-    if model_type == "qwen2_moe" and shared is None:
-        raise ConfigError("qwen2_moe config.json lacks shared_expert_intermediate_size")
-    return MoEConfig(
-        n_experts=n_experts,
-        n_experts_per_token=hf.get("num_experts_per_tok"),
-        dim_expert=dim_expert,
-        norm_topk_prob=norm_topk_prob,
-        dim_shared_expert=shared,
-        sparse_step=hf.get("decoder_sparse_step", 1),
-        dense_layers=hf.get("mlp_only_layers") or (),
-    )
-
-
-def _hf_variant(hf: dict[str, Any], model_type: str, head_dim: int, max_len: int) -> dict:
-    """What Phi-3, OLMo 2 and Granite change from the Llama decoder (ModelConfig's fields)."""
-    if model_type == "phi3":
-        # Fused qkv_proj and gate_up_proj are astrai's own layout; partial rotary on Phi-4-mini.
-        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        window = hf.get("sliding_window")  # every layer slides, as on Mistral
-        sliding = {} if window is None or window >= max_len else {"sliding_window": window}
-        return {"rotary_dim": int(head_dim * partial), **sliding}
-    if model_type == "olmo2":
-        return {"pre_norms": False, "post_norms": True, "qk_norm_across_heads": True}
-    return {  # granite
-        "embedding_multiplier": hf.get("embedding_multiplier", 1.0),
-        "attention_scale": hf.get("attention_multiplier", 1.0),
-        "residual_multiplier": hf.get("residual_multiplier", 1.0),
-        "logits_scaling": hf.get("logits_scaling", 1.0),
-    }
-
-
-def _hf_rope(hf: dict[str, Any], max_len: int) -> tuple[float, dict | None]:
-    """Read rope settings from transformers 5 (rope_parameters) or 4 (rope_theta, rope_scaling),
-    with the defaults transformers fills in written out, so the scaling names every parameter."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    if any(isinstance(value, dict) for value in params.values()):
-        raise ConfigError("per-layer-type rope parameters are not supported")
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and hf.get("model_type") != "phi3":
-        raise ConfigError(
-            f"partial rotary embedding (partial_rotary_factor={partial}) is supported on phi3 "
-            f"only, where transformers applies it, not on {hf.get('model_type')}"
-        )
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if hf.get("model_type") == "phi3":
-        rope_type = PHI3_ROPE_ALIASES.get(rope_type, rope_type)
-    if rope_type == "default":
-        return theta, None
-    if rope_type not in ROPE_SCALING_KEYS:
-        raise ConfigError(
-            f"unsupported rope scaling type {rope_type!r}; astrai supports "
-            f"{sorted(ROPE_SCALING_KEYS)} (or no scaling)"
-        )
-    if rope_type in ("llama3", "yarn", "longrope"):
-        # As transformers does: a top-level original_max_position_embeddings wins.
-        original = hf.get("original_max_position_embeddings")
-        if original is not None:
-            params["original_max_position_embeddings"] = original
-        params.setdefault("original_max_position_embeddings", max_len)
-    if rope_type == "dynamic":
-        params["original_max_position_embeddings"] = max_len  # what transformers scales from
-    # The parameters that transformers derives where a config leaves them out
-    derived = {
-        "yarn": ("attention_factor", "beta_fast", "beta_slow", "truncate"),
-        "longrope": ("attention_factor",),
-    }.get(rope_type, ())
-    missing = [
-        k for k in ROPE_SCALING_KEYS[rope_type] if k not in derived and params.get(k) is None
-    ]
-    if missing:
-        raise ConfigError(f"rope scaling of type {rope_type!r} lacks {missing}")
-    if rope_type == "yarn":
-        params.update(_yarn_defaults(params))
-    if rope_type == "longrope":
-        params["attention_factor"] = _longrope_attention_factor(params, max_len)
-    scaling = {"rope_type": rope_type}
-    scaling.update({key: params[key] for key in ROPE_SCALING_KEYS[rope_type]})
-    return theta, scaling
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention factor for a context factor times longer (its paper's eq. 21)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn_defaults(params: dict[str, Any]) -> dict[str, Any]:
-    """YaRN's optional parameters, missing or null, as transformers fills them in."""
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        factor, mscale, mscale_all_dim = (
-            params.get(k) for k in ("factor", "mscale", "mscale_all_dim")
-        )
-        attention_factor = (
-            float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-            if mscale and mscale_all_dim
-            else _yarn_mscale(factor)
-        )
-    return {
-        "attention_factor": attention_factor,
-        "beta_fast": params.get("beta_fast") or 32,
-        "beta_slow": params.get("beta_slow") or 1,
-        "truncate": bool(params.get("truncate", True)),
-    }
-
-
-def _longrope_attention_factor(params: dict[str, Any], max_len: int) -> float:
-    """LongRoPE's attention factor: the config's, else transformers' default from how many
-    times the original context max_len is."""
-    if params.get("attention_factor") is not None:
-        return params["attention_factor"]
-    original = params["original_max_position_embeddings"]
-    factor = params.get("factor")
-    factor = max_len / original if factor is None else factor
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def setting(default: Any, help: str, **cli: Any) -> Any:

@@ -11,6 +11,7 @@ import pytest
 from tiny_models import LLAMA3_ROPE, TINY
 
 from astrai.config import ConfigError, EngineConfig, ModelConfig, parse_kv_cache_memory
+from astrai.model.families import config_from_hf, read_config
 
 
 def hf_config(directory: Path, arch: str, **overrides) -> Path:
@@ -52,7 +53,7 @@ def write_json(directory: Path, content: dict) -> Path:
     ],
 )
 def test_hf_families_convert(tmp_path, arch, overrides, expected):
-    config = ModelConfig.from_pretrained(hf_config(tmp_path, arch, **overrides))
+    config = read_config(hf_config(tmp_path, arch, **overrides))
     common = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, dim_ffn=128)
     common.update(norm_eps=1e-6, max_len=1024, tie_weight=False, rope_theta=10000.0)
     for field, value in {**common, **expected}.items():
@@ -67,24 +68,24 @@ def test_transformers_4_spelling_of_rope_settings(tmp_path):
         "rope_theta": 250000.0,
         "rope_scaling": {"type": "linear", "factor": 4.0},
     }
-    config = ModelConfig.from_pretrained(write_json(tmp_path, old))
+    config = read_config(write_json(tmp_path, old))
     assert config.rope_theta == 250000.0
     assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     llama3 = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
-    config = ModelConfig.from_hf({"model_type": "llama", **TINY, "rope_scaling": llama3})
+    config = config_from_hf({"model_type": "llama", **TINY, "rope_scaling": llama3})
     assert config.rope_scaling["original_max_position_embeddings"] == 1024
 
 
 def test_missing_head_dim_and_kv_heads_fall_back_like_transformers():
     hf = {"model_type": "mistral", **TINY, "head_dim": None}
     del hf["num_key_value_heads"]
-    config = ModelConfig.from_hf(hf)
+    config = config_from_hf(hf)
     assert (config.head_dim, config.n_kv_heads) == (16, 4)
 
 
 def test_unknown_model_type_lists_the_supported_ones(tmp_path):
     with pytest.raises(ConfigError, match="'gpt2'.*astrai, llama, mistral, qwen2, qwen3"):
-        ModelConfig.from_pretrained(write_json(tmp_path, {"model_type": "gpt2", **TINY}))
+        read_config(write_json(tmp_path, {"model_type": "gpt2", **TINY}))
 
 
 @pytest.mark.parametrize(
@@ -104,7 +105,7 @@ def test_unknown_model_type_lists_the_supported_ones(tmp_path):
     ],
 )
 def test_sliding_window_shorter_than_the_context_is_read(tmp_path, arch, overrides, layer_types):
-    config = ModelConfig.from_pretrained(hf_config(tmp_path, arch, **overrides))
+    config = read_config(hf_config(tmp_path, arch, **overrides))
     assert (config.sliding_window, config.layer_types) == (64, layer_types)
     windows = [config.layer_window(i) for i in range(config.n_layers)]
     assert windows == [None if kind == "full_attention" else 64 for kind in layer_types or [0, 0]]
@@ -112,7 +113,7 @@ def test_sliding_window_shorter_than_the_context_is_read(tmp_path, arch, overrid
 
 def test_transformers_4_qwen2_config_slides_from_max_window_layers():
     hf = {"model_type": "qwen2", **TINY, "use_sliding_window": True, "sliding_window": 64}
-    config = ModelConfig.from_hf({**hf, "max_window_layers": 1})
+    config = config_from_hf({**hf, "max_window_layers": 1})
     assert config.layer_types == ("full_attention", "sliding_attention")
 
 
@@ -125,7 +126,7 @@ def test_transformers_4_qwen2_config_slides_from_max_window_layers():
     ],
 )
 def test_sliding_window_that_never_applies_is_dropped(tmp_path, arch, overrides):
-    config = ModelConfig.from_pretrained(hf_config(tmp_path, arch, **overrides))
+    config = read_config(hf_config(tmp_path, arch, **overrides))
     assert (config.sliding_window, config.layer_types) == (None, None)
 
 
@@ -143,14 +144,14 @@ def test_sliding_window_that_never_applies_is_dropped(tmp_path, arch, overrides)
 )
 def test_settings_the_model_cannot_honour_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf({"model_type": "llama", **TINY, **overrides})
+        config_from_hf({"model_type": "llama", **TINY, **overrides})
 
 
 def test_missing_required_hf_key_is_named():
     hf = {"model_type": "qwen3", **TINY}
     del hf["intermediate_size"]
     with pytest.raises(ConfigError, match="'intermediate_size'"):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
 
 
 def native(**overrides) -> ModelConfig:
@@ -163,18 +164,18 @@ def test_native_round_trip(tmp_path):
     config.save(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == config.to_dict()
     assert config.to_dict()["model_type"] == "astrai"
-    assert ModelConfig.from_pretrained(tmp_path) == config
+    assert read_config(tmp_path) == config
     del_type = {k: v for k, v in config.to_dict().items() if k != "model_type"}
-    assert ModelConfig.from_pretrained(write_json(tmp_path, del_type)) == config
+    assert read_config(write_json(tmp_path, del_type)) == config
 
 
 def test_native_unknown_and_missing_fields_are_refused(tmp_path):
     content = native().to_dict()
     with pytest.raises(ConfigError, match=r"unknown fields.*\['attention_dropout'\]"):
-        ModelConfig.from_pretrained(write_json(tmp_path, {**content, "attention_dropout": 0.1}))
+        read_config(write_json(tmp_path, {**content, "attention_dropout": 0.1}))
     del content["dim_ffn"]
     with pytest.raises(ConfigError, match=r"lacks required fields: \['dim_ffn'\]"):
-        ModelConfig.from_pretrained(write_json(tmp_path, content))
+        read_config(write_json(tmp_path, content))
 
 
 @pytest.mark.parametrize(
@@ -200,9 +201,9 @@ def test_invalid_native_values_are_refused(overrides, message):
 
 def test_missing_directory_and_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        ModelConfig.from_pretrained(tmp_path / "absent")
+        read_config(tmp_path / "absent")
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        ModelConfig.from_pretrained(tmp_path)
+        read_config(tmp_path)
 
 
 @pytest.mark.parametrize("spec", dataclasses.fields(EngineConfig), ids=lambda spec: spec.name)

@@ -9,16 +9,32 @@ keep no scheduling state at all.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from astrai.distributed.group import STOP_MESSAGE, TensorParallelGroup
 from astrai.inference.executor import ExecutorFailedError, ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 
-KV_POOL, STEP = 1, 2  # header kinds besides STOP_MESSAGE
+STOP_MESSAGE, KV_POOL, STEP = 0, 1, 2  # the kinds of rank 0's messages, a header's first int
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # as KV_POOL names them
+
+
+class StepChannel(Protocol):
+    """What both ends of a step use of the tensor-parallel group (astrai.distributed.group's
+    TensorParallelGroup, which builds rank 0's executor): rank 0's messages to the workers, the
+    gather of the logits' columns, and the group's failure."""
+
+    failure: str | None
+
+    def send(self, header: list[int], body: torch.Tensor | None = None) -> None: ...
+
+    def receive_header(self) -> list[int]: ...
+
+    def receive_body(self, size: int) -> torch.Tensor: ...
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class TensorParallelExecutor(ModelExecutor):
@@ -30,7 +46,7 @@ class TensorParallelExecutor(ModelExecutor):
 
     def __init__(
         self,
-        group: TensorParallelGroup,
+        group: StepChannel,
         model: torch.nn.Module,
         cache: PagedCache,
         max_batch_size: int = 256,
@@ -62,7 +78,7 @@ class TensorParallelExecutor(ModelExecutor):
             raise ExecutorFailedError(self.group.failure) from exc
 
 
-def gathered_logits(group: TensorParallelGroup, logits: torch.Tensor) -> torch.Tensor | None:
+def gathered_logits(group: StepChannel, logits: torch.Tensor) -> torch.Tensor | None:
     """The whole vocabulary's logits on rank 0 from every rank's columns (None elsewhere); a
     step with no logits rows, as every rank knows from its plan, gathers nothing."""
     if not len(logits):
@@ -122,7 +138,7 @@ class PlannedPages:
         return self.tables[task_id]
 
 
-def serve_steps(group: TensorParallelGroup, model: torch.nn.Module) -> None:
+def serve_steps(group: StepChannel, model: torch.nn.Module) -> None:
     """A worker's loop: run every step rank 0 sends on this rank's shard, until STOP."""
     executor = None
     while True:

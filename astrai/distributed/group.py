@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from astrai.distributed.executor import STOP_MESSAGE, TensorParallelExecutor
 from astrai.kernels.graph import launch
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,6 @@ PLAN_TIMEOUT = timedelta(days=30)
 # How long a worker may take to exit after the group is closed before it is terminated.
 JOIN_SECONDS = 10.0
 HEADER_SIZE = 5
-STOP_MESSAGE = 0  # the header kind that ends the workers' loops
 
 
 @torch.library.custom_op("astrai::all_reduce_sum", mutates_args=("x",))
@@ -70,8 +70,6 @@ class TensorParallelGroup:
 
     def executor(self, model, cache, max_batch_size: int = 256, batch_invariant: bool = True):
         """Rank 0's TensorParallelExecutor of the sharded model over the engine's cache."""
-        from astrai.distributed.executor import TensorParallelExecutor  # which imports this
-
         return TensorParallelExecutor(self, model, cache, max_batch_size, batch_invariant)
 
     def all_reduce(self, x: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from astrai.config import ConfigError, ModelConfig
+from astrai.config import ConfigError
 from astrai.distributed.executor import serve_steps
 from astrai.distributed.group import (
     TensorParallelGroup,
@@ -20,6 +20,7 @@ from astrai.distributed.group import (
 )
 from astrai.distributed.sharding import TensorShard, check_shardable
 from astrai.model import AutoModel
+from astrai.model.families import config_from_gguf, read_config
 from astrai.model.transformer import Transformer
 
 # How long a rank waits for the others in a collective (start-up, a step's all-reduce).
@@ -46,9 +47,9 @@ def load_sharded(
     """
     path = Path(path)
     if path.suffix == ".gguf":
-        from astrai.model.weights.gguf import gguf_model_config, open_gguf, shard_problems
+        from astrai.model.weights.gguf import open_gguf, shard_problems
 
-        config = gguf_model_config(open_gguf(path))
+        config = config_from_gguf(open_gguf(path))
         problems = [] if dequantize else shard_problems(path, size)
         if problems:
             raise ConfigError(
@@ -57,7 +58,7 @@ def load_sharded(
                 + ". Pick another tensor_parallel_size, or load it with --dequantize."
             )
     else:
-        config = ModelConfig.from_pretrained(path)
+        config = read_config(path)
     check_shardable(config, size)
     options = {"dtype": dtype, "dequantize": dequantize, "quantization": quantization}
     device = torch.device(device)

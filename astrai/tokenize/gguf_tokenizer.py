@@ -16,7 +16,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from astrai.tokenize.tokenizer import _BYTE_DECODER, Tokenizer, TokenizerError
+from astrai.tokenize.tokenizer import BYTE_DECODER, Tokenizer, TokenizerError
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -191,13 +191,13 @@ def _byte_level_vocab(tokens: list[str], token_types: list[int]) -> dict[str, in
     written with raw text) is respelled, as transformers does. Control tokens keep their text."""
     vocab = {}
     for token_id, (token, kind) in enumerate(zip(tokens, token_types, strict=True)):
-        if kind not in (_CONTROL, _USER_DEFINED) and not all(c in _BYTE_DECODER for c in token):
+        if kind not in (_CONTROL, _USER_DEFINED) and not all(c in BYTE_DECODER for c in token):
             token = "".join(_BYTE_ENCODER[byte] for byte in token.encode("utf-8"))
         vocab[token] = token_id
     return vocab
 
 
-_BYTE_ENCODER = {byte: char for char, byte in _BYTE_DECODER.items()}
+_BYTE_ENCODER = {byte: char for char, byte in BYTE_DECODER.items()}
 
 
 def _pre_tokenizer(name: str, path: str | os.PathLike) -> pre_tokenizers.PreTokenizer:

@@ -37,59 +37,49 @@ SPECIAL_TOKEN_NAMES = (
 )
 
 
-class AutoTokenizer:
-    """Loads the tokenizer of a Hugging Face model directory or a GGUF file."""
+def load_hf_tokenizer(
+    path: str | os.PathLike, chat_template: str | os.PathLike | None = None
+) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory: tokenizer.json, tokenizer_config.json,
+    generation_config.json and chat templates.
 
-    @staticmethod
-    def from_pretrained(
-        path: str | os.PathLike, chat_template: str | os.PathLike | None = None
-    ) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json, generation_config.json and chat templates,
-        or the metadata of a .gguf file.
-
-        chat_template, a Jinja file or the template's text, replaces the model's default one.
-        """
-        if Path(path).suffix == ".gguf":
-            # Imported here: the gguf package (and numpy) load only for GGUF files.
-            from astrai.tokenize.gguf_tokenizer import load_gguf_tokenizer
-
-            template = None if chat_template is None else _template_text(chat_template)
-            return load_gguf_tokenizer(path, chat_template=template)
-        directory = Path(path)
-        if not directory.is_dir():
-            raise TokenizerError(f"{directory} is not a directory; pass a model directory")
-        tokenizer_file = directory / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise TokenizerError(
-                f"{directory} has no tokenizer.json; astrai reads Hugging Face fast-tokenizer "
-                "files. Convert a slow tokenizer once with transformers: "
-                "AutoTokenizer.from_pretrained(path).save_pretrained(path)"
-            )
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # the library raises a bare Exception on malformed files
-            raise TokenizerError(f"{tokenizer_file} could not be loaded: {exc}") from exc
-        config = _read_json(directory / "tokenizer_config.json")
-        generation = _read_json(directory / "generation_config.json")
-        if not generation:
-            # Without generation_config.json, transformers reads these settings from config.json.
-            generation = _read_json(directory / "config.json")
-        special_tokens = {
-            name: _token_content(config[name], name)
-            for name in SPECIAL_TOKEN_NAMES
-            if config.get(name) is not None
-        }
-        eos_token_ids = _token_ids(config.get("eos_token_id"), "tokenizer_config.json")
-        eos_token_ids += _token_ids(generation.get("eos_token_id"), "generation_config.json")
-        chat_templates = _chat_templates(directory, config)
-        if chat_template is not None:
-            chat_templates["default"] = _template_text(chat_template)
-        return Tokenizer(
-            backend,
-            special_tokens=special_tokens,
-            chat_templates=chat_templates,
-            eos_token_ids=eos_token_ids,
+    chat_template, a Jinja file or the template's text, replaces the model's default one.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise TokenizerError(f"{directory} is not a directory; pass a model directory")
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise TokenizerError(
+            f"{directory} has no tokenizer.json; astrai reads Hugging Face fast-tokenizer "
+            "files. Convert a slow tokenizer once with transformers: "
+            "AutoTokenizer.from_pretrained(path).save_pretrained(path)"
         )
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:  # the library raises a bare Exception on malformed files
+        raise TokenizerError(f"{tokenizer_file} could not be loaded: {exc}") from exc
+    config = _read_json(directory / "tokenizer_config.json")
+    generation = _read_json(directory / "generation_config.json")
+    if not generation:
+        # Without generation_config.json, transformers reads these settings from config.json.
+        generation = _read_json(directory / "config.json")
+    special_tokens = {
+        name: _token_content(config[name], name)
+        for name in SPECIAL_TOKEN_NAMES
+        if config.get(name) is not None
+    }
+    eos_token_ids = _token_ids(config.get("eos_token_id"), "tokenizer_config.json")
+    eos_token_ids += _token_ids(generation.get("eos_token_id"), "generation_config.json")
+    chat_templates = _chat_templates(directory, config)
+    if chat_template is not None:
+        chat_templates["default"] = chat_template_text(chat_template)
+    return Tokenizer(
+        backend,
+        special_tokens=special_tokens,
+        chat_templates=chat_templates,
+        eos_token_ids=eos_token_ids,
+    )
 
 
 class Tokenizer:
@@ -261,7 +251,7 @@ def _token_ids(value: Any, source: str) -> list[int]:
     return values
 
 
-def _template_text(template: str | os.PathLike) -> str:
+def chat_template_text(template: str | os.PathLike) -> str:
     """The text of a chat template given as a file or as the template itself."""
     if isinstance(template, str) and ("{{" in template or "{%" in template):
         return template
@@ -314,7 +304,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return {char: byte for byte, char in chars.items()}
 
 
-_BYTE_DECODER = _gpt2_byte_decoder()
+BYTE_DECODER = _gpt2_byte_decoder()
 
 
 def _token_bytes_function(backend: tokenizers.Tokenizer):
@@ -329,8 +319,8 @@ def _token_bytes_function(backend: tokenizers.Tokenizer):
     if "ByteLevel" in types:
 
         def byte_level(token: str, token_id: int) -> bytes:
-            if all(char in _BYTE_DECODER for char in token):
-                return bytes(_BYTE_DECODER[char] for char in token)
+            if all(char in BYTE_DECODER for char in token):
+                return bytes(BYTE_DECODER[char] for char in token)
             return token.encode("utf-8")
 
         return byte_level

@@ -234,7 +234,7 @@ def test_loading_shows_a_progress_bar_on_a_terminal_and_a_log_line(hf_dir, monke
 
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    with caplog.at_level(logging.INFO, logger="astrai.model.automodel"):
+    with caplog.at_level(logging.INFO, logger="astrai.model"):
         AutoModel.from_pretrained(hf_dir)
     assert f"loading 17 tensors from {hf_dir}" in caplog.text
     assert f"loading {hf_dir.name}:   0%|          | 0/17" in terminal.getvalue()

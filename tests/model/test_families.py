@@ -22,6 +22,7 @@ from astrai.config import ConfigError, ModelConfig
 from astrai.inference import GenerationParams
 from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model import AutoModel
+from astrai.model.families import config_from_hf
 from astrai.tokenize import AutoTokenizer
 
 ORIGINAL = 48
@@ -237,7 +238,7 @@ def test_phi3_su_rope_is_read_as_longrope():
         "original_max_position_embeddings": 256,
         "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
     }
-    scaling = ModelConfig.from_hf(hf).rope_scaling
+    scaling = config_from_hf(hf).rope_scaling
     assert scaling["rope_type"] == "longrope"
     assert scaling["attention_factor"] == pytest.approx((1 + 2 * 0.6931 / 5.5452) ** 0.5, 1e-4)
 
@@ -262,7 +263,7 @@ def test_phi3_su_rope_is_read_as_longrope():
 )
 def test_rope_settings_it_cannot_honour_are_refused(settings, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf({**TINY, **settings})
+        config_from_hf({**TINY, **settings})
 
 
 def test_native_configs_check_rotary_dim_and_a_local_rope_beside_yarn():

@@ -14,10 +14,11 @@ import pytest
 import torch
 from tiny_models import TINY, hf_greedy, make_engine, write_gguf, write_tokenizer
 
-from astrai.config import ConfigError, ModelConfig
+from astrai.config import ConfigError
 from astrai.inference import STOP, GenerationParams
 from astrai.kernels import native
 from astrai.model import AutoModel
+from astrai.model.families import config_from_hf
 from astrai.tokenize import AutoTokenizer
 
 WINDOW = 8
@@ -190,7 +191,7 @@ def test_greedy_batch_with_prefix_hits_equals_transformers(
 def test_gemma3_multimodal_config_is_refused_with_its_text_model_named():
     hf = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", **TINY}}
     with pytest.raises(ConfigError, match="image-and-text checkpoint.*gemma3_text"):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +203,7 @@ def test_gemma3_multimodal_config_is_refused_with_its_text_model_named():
 )
 def test_gemma_settings_it_cannot_honour_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf({"model_type": "gemma2", **TINY, "head_dim": 16, **overrides})
+        config_from_hf({"model_type": "gemma2", **TINY, "head_dim": 16, **overrides})
 
 
 # What llama.cpp's Gemma files leave to the reader: queries scaled by head_dim (here unlike
@@ -263,6 +264,6 @@ def test_q8_0_on_load_quantizes_every_linear_and_the_tied_head(tmp_path):
 def test_gemma3_sliding_layers_keep_their_rope_where_the_window_covers_the_context():
     layer_types = ["sliding_attention", "full_attention"]
     hf = {"model_type": "gemma3_text", **TINY, "sliding_window": 4096, "layer_types": layer_types}
-    config = ModelConfig.from_hf(hf)
+    config = config_from_hf(hf)
     assert config.sliding_window is None  # 4096 >= max_position_embeddings: never bites
     assert [config.uses_local_rope(i) for i in range(2)] == [True, False]

@@ -21,6 +21,7 @@ from tiny_models import LLAMA3_ROPE, real_gguf, write_gguf, write_hf_model
 from astrai.config import ConfigError
 from astrai.kernels import Arena, Linear, StepGraph, native
 from astrai.model import AutoModel, CheckpointError, Transformer
+from astrai.model.families import config_from_gguf
 from astrai.model.weights import gguf as gguf_weights
 
 MODEL_DIR = real_gguf().parent
@@ -213,7 +214,7 @@ def test_linear_rope_scaling_and_bad_scaling(tmp_path):
         "llama",
         **{"rope.scaling.type": "linear", "rope.scaling.factor": 2.0},
     )
-    assert gguf_weights.gguf_model_config(gguf.GGUFReader(linear)).rope_scaling == {
+    assert config_from_gguf(gguf.GGUFReader(linear)).rope_scaling == {
         "rope_type": "linear",
         "factor": 2.0,
     }

@@ -15,6 +15,7 @@ from astrai.inference import GenerationParams
 from astrai.kernels import Linear, native
 from astrai.kernels.quant_ops import QuantizedLinear
 from astrai.model import AutoModel
+from astrai.model.families import config_from_hf
 from astrai.model.moe import GateProjection, MoEFeedForward
 from astrai.tokenize import AutoTokenizer
 
@@ -268,12 +269,12 @@ def test_moe_config_refuses_what_it_cannot_run():
         num_local_experts=4,
         num_experts_per_tok=2,
     )
-    assert ModelConfig.from_hf(hf).moe == MoEConfig(4, 2, 64)
+    assert config_from_hf(hf).moe == MoEConfig(4, 2, 64)
     with pytest.raises(ConfigError, match="sliding_window=1024"):
-        ModelConfig.from_hf({**hf, "sliding_window": 1024})
+        config_from_hf({**hf, "sliding_window": 1024})
     qwen2_moe = {**hf, "model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 8}
     with pytest.raises(ConfigError, match="lacks shared_expert_intermediate_size"):
-        ModelConfig.from_hf(qwen2_moe)
-    assert ModelConfig.from_hf({**qwen2_moe, "shared_expert_intermediate_size": 16}).moe == (
+        config_from_hf(qwen2_moe)
+    assert config_from_hf({**qwen2_moe, "shared_expert_intermediate_size": 16}).moe == (
         MoEConfig(4, 2, 8, norm_topk_prob=False, dim_shared_expert=16)
     )

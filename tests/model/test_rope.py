@@ -7,6 +7,7 @@ import torch
 from tiny_models import LLAMA3_ROPE, TINY
 
 from astrai.config import ModelConfig
+from astrai.model.families import config_from_hf
 from astrai.model.rope import RotaryEmbedding, dynamic_ntk_inv_freq, rope_inv_freq
 
 ROPES = {
@@ -36,7 +37,7 @@ def hf_config(rope: dict, **settings):
 
 
 def astrai_config(hf) -> ModelConfig:
-    return ModelConfig.from_hf(hf.to_dict())
+    return config_from_hf(hf.to_dict())
 
 
 @pytest.mark.parametrize("name", list(ROPES))

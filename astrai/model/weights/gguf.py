@@ -16,31 +16,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as decode_blocks
 
-from astrai.config import LAYER_TYPES, ConfigError, ModelConfig, MoEConfig
+from astrai.config import ConfigError, ModelConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
 from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight, concat_columns
-from astrai.model.automodel import (
-    CheckpointError,
-    WeightShard,
-    _sources,
-    expert_template,
-    loading,
-    part_rows,
-)
+from astrai.model.families import config_from_gguf, gguf_architecture, gguf_family
+from astrai.model.families.gguf_config import LONGROPE_FACTORS, ROPE_FREQS
 from astrai.model.transformer import Transformer
+from astrai.model.weights.checkpoint import CheckpointError, WeightShard, loading, part_rows
 from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)
-# Mixtral is a "llama" file with experts.
-ARCHITECTURES = (
-    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "olmo2", "granite", "gemma2",
-    "gemma3",
-)  # fmt: skip
-# llama.cpp's converter permutes attn_q and attn_k rows for its llama-style rope on these.
-PERMUTED_ARCHITECTURES = ("llama", "granite")
 # The block types astrai dequantizes at load; the quantization issue keeps some as they are.
 TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
@@ -50,51 +38,6 @@ TENSOR_TYPES = tuple(
     )
 )  # fmt: skip
 QUANTIZED = frozenset(TENSOR_TYPES) - {GGMLQuantizationType[n] for n in ("F32", "F16", "BF16")}
-# Hugging Face tensor name (below model.layers.N.) -> GGUF name (below blk.N.).
-GGUF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv" for w in ("weight", "bias")},
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    # Experts as llama.cpp's first Mixtral files held them, one tensor each: _per_expert
-    # splits the 3-D tensors of today's files (ffn_gate_exps, ...) into these.
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-    "mlp.experts.{e}.gate_proj.weight": "ffn_gate.{e}.weight",
-    "mlp.experts.{e}.up_proj.weight": "ffn_up.{e}.weight",
-    "mlp.experts.{e}.down_proj.weight": "ffn_down.{e}.weight",
-    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
-    # Phi-3's fused projections
-    "self_attn.qkv_proj.weight": "attn_qkv.weight",
-    "mlp.gate_up_proj.weight": "ffn_up.weight",
-}
-# With post-norms (OLMo 2, Gemma) HF's post_attention_layernorm norms the attention's output.
-# llama.cpp's converter has added Gemma's 1 to its (1 + w) norm weights already.
-GGUF_POST_NORM_LAYER_NAMES = {
-    **GGUF_LAYER_NAMES,
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-}
-# Llama 3.1's rope scaling as llama.cpp stores it: a divisor for each rotary frequency.
-ROPE_FREQS = "rope_freqs.weight"
-# Phi-3's LongRoPE divisors within and past the original context.
-LONGROPE_FACTORS = {
-    "short_factor": "rope_factors_short.weight",
-    "long_factor": "rope_factors_long.weight",
-}
-GGUF_TOP_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 
 
 def load_gguf(
@@ -110,23 +53,20 @@ def load_gguf(
     or columns cut at block boundaries (shard_problems says where they cannot be)."""
     reader = open_gguf(path)
     tensors = {name: part for tensor in reader.tensors for name, part in _per_expert(tensor)}
-    config = gguf_model_config(reader)
+    family = gguf_family(gguf_architecture(reader))
+    config = config_from_gguf(reader)
     with torch.device("meta"):
         model = Transformer(config)
     # native name -> the GGUF tensors (name, torch-order shape) it concatenates
-    arch = reader_architecture(reader)
     layout = {
-        name: [
-            (_gguf_name(hf, config.post_norms), shape)
-            for hf, shape in _sources(config, name, t.shape, False, arch == "phi3")
-        ]
+        name: family.gguf_tensors(config, name, tuple(t.shape))
         for name, t in model.state_dict().items()
     }
     _check(path, layout, tensors, config)
     if shard is not None:
         with torch.device("meta"):
             model = shard.model(config)
-    permuted = arch in PERMUTED_ARCHITECTURES
+    permuted = family.permuted_rotary_rows
     quantize = not dequantize and device.type == "cpu"
     state, dequantized = {}, set()
     for name, parts in loading(layout.items(), path):
@@ -166,7 +106,7 @@ def load_gguf(
 
 
 def _per_expert(tensor) -> list[tuple[str, object]]:
-    """A file's tensor as (name, tensor) pairs named as GGUF_LAYER_NAMES reads them: a layer's
+    """A file's tensor as (name, tensor) pairs named as the family records read them: a layer's
     experts in one 3-D tensor (ffn_gate_exps) as one 2-D view each (ffn_gate.{e}), the shared
     expert's gate, which llama.cpp stores as a vector, as the one-row matrix it is, any other
     tensor as it is."""
@@ -310,196 +250,6 @@ class _PlainArrayReader(GGUFReader):
     @data.setter
     def data(self, mapping: np.memmap) -> None:
         self._mapping = mapping.view(np.ndarray)
-
-
-def reader_architecture(reader: GGUFReader) -> str:
-    """general.architecture of the file, refused unless astrai runs it."""
-    architecture = _metadata(reader, "general.architecture", None)
-    if architecture not in ARCHITECTURES:
-        raise CheckpointError(
-            f"unsupported GGUF architecture {architecture!r}; astrai loads {list(ARCHITECTURES)}"
-        )
-    return architecture
-
-
-def gguf_model_config(reader: GGUFReader) -> ModelConfig:
-    """The ModelConfig that a GGUF file's metadata (and its tensor list) describes."""
-    arch = reader_architecture(reader)
-
-    def key(name: str, default=...):
-        return _metadata(reader, f"{arch}.{name}", default)
-
-    dim = key("embedding_length")
-    n_heads = key("attention.head_count")
-    # Phi-3's rope may turn part of each head only: rope.dimension_count is no head size there.
-    partial_rotary = arch == "phi3"
-    head_dim = key("attention.key_length", None)
-    head_dim = head_dim or (not partial_rotary and key("rope.dimension_count", None))
-    head_dim = head_dim or dim // n_heads
-    for other in ("attention.value_length", *(() if partial_rotary else ("rope.dimension_count",))):
-        if key(other, head_dim) != head_dim:
-            raise ConfigError(
-                f"{arch}.{other} = {key(other)} differs from the head size {head_dim}: partial "
-                "rotary embedding and value heads of another size are not supported"
-            )
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = {tensor.name for tensor in reader.tensors}
-    return ModelConfig(
-        vocab_size=len(tokens.data) if tokens is not None else key("vocab_size"),
-        dim=dim,
-        n_layers=key("block_count"),
-        n_heads=n_heads,
-        n_kv_heads=key("attention.head_count_kv", None) or n_heads,
-        head_dim=head_dim,
-        dim_ffn=key("feed_forward_length"),
-        norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=key("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(reader, arch),
-        max_len=key("context_length"),
-        tie_weight="output.weight" not in names,
-        use_qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-        attention_bias=arch in ("qwen2", "qwen2moe"),
-        moe=_moe(key, arch, names),
-        **_variant(key, arch),
-        **(_gemma(key, arch, dim // n_heads, head_dim) if arch.startswith("gemma") else {}),
-    )
-
-
-def _variant(key, arch: str) -> dict:
-    """What phi3, olmo2 and granite files change from the Llama decoder (key reads
-    {arch}.name), as ModelConfig fields."""
-    if arch == "phi3":
-        window = key("attention.sliding_window", None)  # every layer slides, when shorter
-        sliding = (
-            {} if not window or window >= key("context_length") else {"sliding_window": window}
-        )
-        return {"rotary_dim": key("rope.dimension_count", None), **sliding}
-    if arch == "olmo2":
-        return {"pre_norms": False, "post_norms": True, "qk_norm_across_heads": True}
-    if arch == "granite":
-        return {
-            "embedding_multiplier": key("embedding_scale", 1.0),
-            "attention_scale": key("attention.scale", None),
-            "residual_multiplier": key("residual_scale", 1.0),
-            "logits_scaling": key("logit_scale", 1.0),
-        }
-    return {}
-
-
-# llama.cpp's Gemma settings that its files do not hold: the 27B models (by their layer count)
-# scale queries by dim / n_heads, the others by head_dim; Gemma 2 slides in every other layer,
-# Gemma 3 in 5 of every 6, its sliding layers' rope base 10000.
-GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
-
-
-def _gemma(key, arch: str, dim_per_head: int, head_dim: int) -> dict:
-    """What gemma2 and gemma3 files change from the Llama decoder, as ModelConfig fields."""
-    n_layers, window = key("block_count"), key("attention.sliding_window", None)
-    pattern = GEMMA_SLIDING_PATTERN[arch]
-    query_scale = dim_per_head if n_layers == GEMMA_27B_LAYERS[arch] else head_dim
-    settings = {
-        "hidden_act": "gelu_tanh",
-        "scale_embeddings": True,
-        "post_norms": True,
-        "attention_scale": query_scale**-0.5,
-        # Gemma 2's soft-caps, with llama.cpp's defaults; Gemma 3 has none
-        "attn_logit_softcap": key("attn_logit_softcapping", 50.0) if arch == "gemma2" else None,
-        "final_logit_softcap": key("final_logit_softcapping", 30.0) if arch == "gemma2" else None,
-        "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
-    }
-    settings["layer_types"] = [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n_layers)]
-    if window and window < key("context_length"):
-        settings["sliding_window"] = window
-    return settings
-
-
-def _moe(key, arch: str, names: set[str]) -> MoEConfig | None:
-    """The experts a file's metadata describes (key reads {arch}.name), None if it has none.
-    A layer is sparse if the file holds its router; the chosen experts' weights are
-    renormalised where the file says so or, as llama.cpp does, on every architecture but
-    qwen2moe."""
-    n_experts = key("expert_count", 0)
-    if not n_experts:
-        return None
-    dense = [i for i in range(key("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in names]
-    return MoEConfig(
-        n_experts=n_experts,
-        n_experts_per_token=key("expert_used_count"),
-        dim_expert=key("expert_feed_forward_length", None) or key("feed_forward_length"),
-        norm_topk_prob=key("expert_weights_norm", arch != "qwen2moe"),
-        dim_shared_expert=key("expert_shared_feed_forward_length", None),
-        dense_layers=dense,
-    )
-
-
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
-    scaling = _metadata(reader, f"{arch}.rope.scaling.type", "none")
-    factor = _metadata(reader, f"{arch}.rope.scaling.factor", None)
-    if factor is None:  # older converters wrote only this key, for linear scaling
-        factor = _metadata(reader, f"{arch}.rope.scale_linear", None)
-        scaling = "linear" if factor not in (None, 1.0) else scaling
-    tensors = {
-        t.name: t for t in reader.tensors if t.name in (ROPE_FREQS, *LONGROPE_FACTORS.values())
-    }
-    if LONGROPE_FACTORS["short_factor"] in tensors:  # Phi-3
-        return {
-            "rope_type": "longrope",
-            **{key: _vector(tensors[name]) for key, name in LONGROPE_FACTORS.items()},
-            "original_max_position_embeddings": _metadata(
-                reader, f"{arch}.rope.scaling.original_context_length"
-            ),
-            "attention_factor": _metadata(reader, f"{arch}.rope.scaling.attn_factor", 1.0),
-        }
-    frequency_factors = tensors.get(ROPE_FREQS)
-    if frequency_factors is not None:
-        if scaling != "none":
-            raise ConfigError(
-                f"the file has both {scaling!r} rope scaling and a {ROPE_FREQS} tensor; astrai "
-                "reads one or the other"
-            )
-        return {"rope_type": "frequency_factors", "factors": _vector(frequency_factors)}
-    if scaling == "none":
-        return None
-    if scaling != "linear":
-        raise ConfigError(
-            f"unsupported GGUF rope scaling type {scaling!r}; astrai reads 'linear', a "
-            f"{ROPE_FREQS} tensor (Llama 3.1's scaling), Phi-3's rope_factors_* tensors or none"
-        )
-    return {"rope_type": "linear", "factor": factor}
-
-
-def _vector(tensor) -> list[float]:
-    """A one-dimensional tensor's numbers (rope factors)."""
-    return [float(f) for f in decode_blocks(tensor.data, tensor.tensor_type)]
-
-
-def _metadata(reader: GGUFReader, name: str, default=...):
-    """A scalar metadata value; floats as the decimal the converter wrote (1e-05, not float32's
-    9.99999974e-06). Without a default, a missing key is a CheckpointError."""
-    field = reader.fields.get(name)
-    if field is None:
-        if default is ...:
-            raise CheckpointError(f"GGUF metadata lacks required key {name!r}")
-        return default
-    value = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    if field.types[0] in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
-        return float(str(value[0]))
-    if field.types[0] == GGUFValueType.BOOL:
-        return bool(value[0])
-    return int(value[0])
-
-
-def _gguf_name(hf_name: str, post_norms: bool) -> str:
-    if hf_name in GGUF_TOP_NAMES:
-        return GGUF_TOP_NAMES[hf_name]
-    _, _, layer, suffix = hf_name.split(".", 3)  # model.layers.N.suffix
-    suffix, expert = expert_template(suffix)
-    names = GGUF_POST_NORM_LAYER_NAMES if post_norms else GGUF_LAYER_NAMES
-    return f"blk.{layer}.{names[suffix].format(e=expert)}"
 
 
 def _check(path: Path, layout, tensors: dict, config: ModelConfig) -> None:

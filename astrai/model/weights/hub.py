@@ -6,7 +6,7 @@ import logging
 from os import PathLike
 from pathlib import Path
 
-from astrai.model.automodel import CheckpointError
+from astrai.model.weights.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
