@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import json
 import logging
 import os
 import random
@@ -29,6 +30,8 @@ log = logging.getLogger("astrai")
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 METAVARS = {int: "N", float: "X", str: "TEXT"}
+# The sampling settings of a generation_config.json that generate and chat take as defaults.
+GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 Settings = typing.TypeVar("Settings")
 
 
@@ -75,14 +78,16 @@ def add_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
     for spec in dataclasses.fields(cls):
         meta = spec.metadata
         flag = meta.get("flag", "--" + spec.name.replace("_", "-"))
-        options = {"dest": spec.name, "default": spec.default, "help": _help(spec)}
+        # An absent flag leaves no attribute (SUPPRESS), so given_flags can tell it from a
+        # flag given with the default's value.
+        options = {"dest": spec.name, "default": argparse.SUPPRESS, "help": _help(spec)}
         kind = _strip_none(hints[spec.name])
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:
             if typing.get_origin(kind) is tuple:
                 kind = typing.get_args(kind)[0]
-                options.update(action="append", default=list(spec.default))
+                options["action"] = "append"
             parse = _flag_parser(meta["parse"]) if "parse" in meta else kind
             options.update(type=parse, metavar=meta.get("metavar", METAVARS.get(kind)))
             options["choices"] = meta.get("choices")
@@ -91,8 +96,13 @@ def add_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
 
 def from_flags(cls: type[Settings], args: argparse.Namespace) -> Settings:
     """Build the dataclass cls back from the flags add_flags gave it; cls validates itself."""
-    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(cls)}
+    values = {spec.name: getattr(args, spec.name, spec.default) for spec in dataclasses.fields(cls)}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def given_flags(cls: type, args: argparse.Namespace) -> set[str]:
+    """The fields of cls whose flags the command line gave."""
+    return {spec.name for spec in dataclasses.fields(cls) if hasattr(args, spec.name)}
 
 
 def _help(spec: dataclasses.Field) -> str:
@@ -283,7 +293,8 @@ def _parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate",
         help="generate a continuation of a prompt, streamed to stdout",
-        description="Generate from one prompt and stream the text to stdout.",
+        description="Generate from one prompt and stream the text to stdout. Sampling flags "
+        "not given take the model's generation_config.json values, as transformers does.",
     )
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument(
@@ -294,8 +305,10 @@ def _parser() -> argparse.ArgumentParser:
     chat = commands.add_parser(
         "chat",
         help="chat interactively; keeps the conversation's history",
-        description="Chat with the model through its chat template. Type /reset to forget "
-        "the conversation, /exit (or end of input) to leave.",
+        description="Chat with the model through its chat template; at a terminal with line "
+        "editing and history. /help lists the commands (/reset, /system TEXT, /save FILE, "
+        "/exit); Ctrl-C stops a reply, Ctrl-D leaves. Sampling flags not given take the "
+        "model's generation_config.json values, as transformers does.",
     )
     for sub, run in ((generate, _generate), (chat, _chat)):
         _add_engine_flags(sub)
@@ -346,6 +359,41 @@ def _model_path(args: argparse.Namespace) -> Path:
     if path != Path(name):
         log.info("model %s is %s", name, path)
     return path
+
+
+def _model_name(args: argparse.Namespace, model_dir: Path) -> str:
+    """The name a model goes by: a hub id as given (its snapshot directory is a commit hash),
+    else the directory's or file's name."""
+    local = args.model is None or Path(args.model).exists()
+    return model_dir.resolve().name if local else args.model
+
+
+def _model_sampling(params: GenerationParams, given: set[str], model_dir: Path):
+    """params with the sampling settings of the model's generation_config.json for the flags
+    not given, as transformers' generate takes them (do_sample false there: greedy)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return params
+    try:
+        generation = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    taken = {
+        name: generation[name]
+        for name in GENERATION_CONFIG_SAMPLING
+        if name not in given and generation.get(name) is not None
+    }
+    if generation.get("do_sample") is False and "temperature" not in given:
+        taken["temperature"] = 0.0
+    if not taken:
+        return params
+    try:
+        params = dataclasses.replace(params, **taken)
+    except InvalidParamsError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    settings = ", ".join(f"{name}={value}" for name, value in taken.items())
+    log.info("sampling settings from %s: %s (a flag overrides each)", path, settings)
+    return params
 
 
 def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
@@ -415,9 +463,7 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
     from astrai.server import create_app
 
     model_dir = _model_path(args)
-    # A hub id names the model better than its snapshot directory (a commit hash).
-    local = args.model is None or Path(args.model).exists()
-    name = args.model_name or (model_dir.resolve().name if local else args.model)
+    name = args.model_name or _model_name(args, model_dir)
     engine = _load_engine(args, config, model_dir)
     try:
         app = create_app(
@@ -456,7 +502,9 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
-    with _load_engine(args, config, _model_path(args)) as engine:
+    model_dir = _model_path(args)
+    params = _model_sampling(params, given_flags(GenerationParams, args), model_dir)
+    with _load_engine(args, config, model_dir) as engine:
         prompt = args.prompt
         if args.chat:
             prompt = GenerationRequest(({"role": "user", "content": prompt},), params)
@@ -468,37 +516,15 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
 
 
 def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
-    interactive = sys.stdin.isatty()
-    with _load_engine(args, config, _model_path(args)) as engine:
-        history: list[dict[str, str]] = []
-        while True:
-            try:
-                line = input("> " if interactive else "").strip()
-            except EOFError:
-                break
-            if line == "/exit":
-                break
-            if line == "/reset":
-                history.clear()
-                continue
-            if not line:
-                continue
-            history.append({"role": "user", "content": line})
-            pieces = []
-            try:
-                for piece in engine.generate(
-                    GenerationRequest(tuple(history), params), stream=True
-                ):
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-                    pieces.append(piece)
-            except RequestError as exc:
-                history.pop()
-                print(f"astrai: {exc}; type /reset to start over", file=sys.stderr)
-                continue
-            sys.stdout.write("\n")
-            history.append({"role": "assistant", "content": "".join(pieces)})
-    return 0
+    from astrai.chat_repl import ChatSession
+
+    model_dir = _model_path(args)
+    params = _model_sampling(params, given_flags(GenerationParams, args), model_dir)
+    with _load_engine(args, config, model_dir) as engine:
+        session = ChatSession(
+            engine, params, _model_name(args, model_dir), interactive=sys.stdin.isatty()
+        )
+        return session.run()
 
 
 def _bench(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -338,6 +341,37 @@ def test_sampling_flags_change_the_output(llama_dir, engine, capsys, flag, value
     argv += ["--temperature", "1", "--seed", "0", flag, str(value)]
     assert main([*argv, "Hello world"]) == 0
     assert capsys.readouterr().out == expected + "\n"
+
+
+def test_sampling_defaults_come_from_the_models_generation_config(
+    llama_dir, engine, tmp_path, capsys, caplog
+):
+    """As transformers' generate does, a flag not given takes generation_config.json's value."""
+    caplog.set_level(logging.INFO, logger="astrai")
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    path = model / "generation_config.json"
+    generation = json.loads(path.read_text())
+    path.write_text(json.dumps({**generation, "do_sample": True, "temperature": 0.5, "top_k": 3}))
+    argv = ["generate", "--model", str(model), *SMALL_ENGINE, "--max-tokens", "10", "--seed", "0"]
+    sampled = {"max_tokens": 10, "seed": 0}
+    expected = engine.generate("Hello world", **sampled, temperature=0.5, top_k=3)
+    assert expected != engine.generate("Hello world", **sampled)
+    assert main([*argv, "Hello world"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert f"sampling settings from {path}: temperature=0.5, top_k=3 (a flag" in caplog.text
+
+    caplog.clear()  # a flag given wins, even at astrai's own default
+    assert main([*argv, "--temperature", "1", "Hello world"]) == 0
+    assert capsys.readouterr().out == engine.generate("Hello world", **sampled, top_k=3) + "\n"
+    assert f"sampling settings from {path}: top_k=3 (a flag" in caplog.text
+
+    path.write_text(json.dumps({**generation, "do_sample": False, "temperature": 0.5}))
+    caplog.clear()  # do_sample false is greedy
+    assert main([*argv, "Hello world"]) == 0
+    greedy = engine.generate("Hello world", **sampled, temperature=0)
+    assert capsys.readouterr().out == greedy + "\n"
+    assert "temperature=0.0 (a flag" in caplog.text
 
 
 def test_stop_token_ids_flag_stops_generation(llama_dir, engine, capsys):
