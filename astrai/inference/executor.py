@@ -24,7 +24,11 @@ from astrai.kernels import (
     data_addresses,
     tune_linears,
 )
-from astrai.kernels.quant_ops import QuantizedLinear, tune_quant_linears
+from astrai.kernels.quant_ops import (
+    DEFAULT_ACTIVATION_PRECISION,
+    quantized_linears,
+    tune_quant_linears,
+)
 
 log = logging.getLogger("astrai.executor")
 
@@ -303,10 +307,12 @@ class ModelExecutor:
         cuda_graphs: bool = False,
         max_seq_len: int | None = None,
         batch_invariant: bool = True,
+        activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
     ) -> None:
         """On CUDA, cuda_graphs replays decode steps from CUDA graphs (CudaSteps), whose page
         tables have room for max_seq_len tokens (default: the model's context). On the CPU,
-        batch_invariant keeps quantized linears on their kernel at every batch size."""
+        batch_invariant keeps quantized linears on their kernel at every batch size, and the
+        kernel quantizes their x at activation_precision."""
         self.model = model
         self.cache = cache
         self.pipeline = pipeline or SamplingPipeline()
@@ -322,9 +328,14 @@ class ModelExecutor:
             dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
             if dense:
                 tune_linears(dense)
-            quantized = [m.weight for m in model.modules() if isinstance(m, QuantizedLinear)]
+            quantized = quantized_linears(model, activation_precision)
             if quantized:
-                tune_quant_linears(quantized, model.tok_embeddings.weight.dtype, batch_invariant)
+                tune_quant_linears(
+                    [m.weight for m in quantized],
+                    model.tok_embeddings.weight.dtype,
+                    batch_invariant,
+                    activation_precision,
+                )
             self.recorded = RecordedLayers(model)
             release_openmp_workers()  # after the timing, which ran on this thread's pool
 

@@ -5,7 +5,12 @@ A batch-1 decode step is bound by reading the weights, so a 4-bit W reads a quar
 bf16 one does. Paths, as for the dense linears (linear_ops.LinearPath):
 
 - kernel: the C kernel (csrc/quant_linear.c) on the packed blocks: x quantized per 32-block to
-  int8, integer multiply-adds (AVX512-VNNI, AVX2 or portable scalar code, by CPU);
+  int8, integer multiply-adds (AVX512-VNNI, AVX2 or portable scalar code, by CPU). Its
+  activation precision is a setting of the linear: int8x2 (the default) quantizes x in two
+  terms, its int8 blocks and the int8 blocks of what they leave, for products about as exact as
+  15-bit activations; int8 is one term, llama.cpp's rounding, which tips near-ties of a small
+  model's greedy choice away from the reference's (benchmarks/README.md, "Activation
+  precision");
 - gemm: W dequantized to x's dtype, then PyTorch's GEMM: for prefill-sized products, which are
   bound by arithmetic, not bytes;
 - upcast: W dequantized to fp32 for an fp32 GEMM, for bf16 x where bf16 GEMMs are emulated;
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
+from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
 from astrai.kernels.linear_ops import (
@@ -48,6 +54,10 @@ from astrai.kernels.linear_ops import (
     streamed_weights,
 )
 from astrai.kernels.quant_blocks import BLOCK_TYPES, dense_weight, pack_blocks, packed_fields
+
+# Activation precision (int8x2, int8) -> the terms the kernel quantizes each row of x into.
+ACTIVATION_TERMS = dict(zip(ACTIVATION_PRECISIONS, (2, 1), strict=True))
+DEFAULT_ACTIVATION_PRECISION = ACTIVATION_PRECISIONS[0]
 
 
 @dataclass
@@ -173,13 +183,16 @@ def _dense_linear(
 _GEMM_DTYPES = {LinearPath.UPCAST: torch.float32, LinearPath.DOWNCAST: torch.bfloat16}
 
 
-def _run(path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None) -> None:
-    """out [rows, out_features] = x [rows, in_features] W^T + b along path."""
+def _run(
+    path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None, terms: int
+) -> None:
+    """out [rows, out_features] = x [rows, in_features] W^T + b along path; the kernel
+    quantizes x in terms (ACTIVATION_TERMS)."""
     if path is LinearPath.KERNEL:
         launch(
             native.quant_linear.linear,
             out.data_ptr(), x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            x.shape[0], x.shape[1], out.shape[1], qtype, x.dtype == torch.bfloat16,
+            x.shape[0], x.shape[1], out.shape[1], qtype, x.dtype == torch.bfloat16, terms,
         )  # fmt: skip
     else:
         dtype = _GEMM_DTYPES.get(path, x.dtype)
@@ -188,39 +201,65 @@ def _run(path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor 
 
 @torch.library.custom_op("astrai::quant_linear", mutates_args=())
 def _quant_linear_op(
-    x: Tensor, packed: Tensor, qtype: int, out_features: int, bias: Tensor | None
+    x: Tensor, packed: Tensor, qtype: int, out_features: int, bias: Tensor | None, terms: int
 ) -> Tensor:
     rows_shape = x.shape[:-1]
     x = x.view(-1, x.shape[-1])
     out = new_output((x.shape[0], out_features), x.dtype)
-    _run(choose_path(x), out, x, packed, qtype, bias)
+    _run(choose_path(x), out, x, packed, qtype, bias, terms)
     return out.view(*rows_shape, out_features)
 
 
 _quant_linear_op.register_fake(
-    lambda x, packed, qtype, out_features, bias: x.new_empty(*x.shape[:-1], out_features)
+    lambda x, packed, qtype, out_features, bias, terms: x.new_empty(*x.shape[:-1], out_features)
 )
 
 
-def quant_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, W, bias) for a quantized W, on the CPU by the path tuning chose."""
+def quant_linear(
+    x: Tensor,
+    weight: QuantizedWeight,
+    bias: Tensor | None = None,
+    activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
+) -> Tensor:
+    """F.linear(x, W, bias) for a quantized W, on the CPU by the path tuning chose, the kernel
+    quantizing x at activation_precision (a key of ACTIVATION_TERMS)."""
     if native.quant_linear is not None and native.cpu_kernel_may_take(x, bias):
         return torch.ops.astrai.quant_linear(
-            x.contiguous(), weight.packed, int(weight.qtype), weight.shape[0], bias
+            x.contiguous(),
+            weight.packed,
+            int(weight.qtype),
+            weight.shape[0],
+            bias,
+            ACTIVATION_TERMS[activation_precision],
         )
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
 class QuantizedLinear(nn.Module):
-    """A linear layer whose W stays quantized: what a model builds for a quantized tensor."""
+    """A linear layer whose W stays quantized: what a model builds for a quantized tensor.
+
+    activation_precision is how its kernel rounds x; the engine that runs the model sets it
+    (EngineConfig.activation_precision)."""
 
     def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None):
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.activation_precision = DEFAULT_ACTIVATION_PRECISION
 
     def forward(self, x: Tensor) -> Tensor:
-        return quant_linear(x, self.weight, self.bias)
+        return quant_linear(x, self.weight, self.bias, self.activation_precision)
+
+
+def quantized_linears(model: nn.Module, activation_precision: str) -> list[QuantizedLinear]:
+    """The model's quantized linears, each set to quantize its x at activation_precision."""
+    if activation_precision not in ACTIVATION_TERMS:
+        choices = ", ".join(ACTIVATION_TERMS)
+        raise ValueError(f"activation precision {activation_precision!r}: use one of {choices}")
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for linear in linears:
+        linear.activation_precision = activation_precision
+    return linears
 
 
 def _concat_into(out: Tensor, parts: list[Tensor], bias: Tensor | None) -> None:
@@ -247,7 +286,12 @@ def concat_columns(parts: list[Tensor], bias: Tensor | None = None) -> Tensor:
 
 
 def _time_path(
-    path: LinearPath, weights: Sequence[QuantizedWeight], dtype, rows: int, limit: float
+    path: LinearPath,
+    weights: Sequence[QuantizedWeight],
+    dtype,
+    terms: int,
+    rows: int,
+    limit: float,
 ) -> float:
     """Seconds for one pass of rows x every weight along path; inf once it passes limit."""
     generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
@@ -257,7 +301,7 @@ def _time_path(
     outs = [torch.empty(rows, w.shape[0], dtype=dtype) for w in weights]
     start = time.perf_counter()
     for w, out in zip(weights, outs, strict=True):
-        _run(path, out, inputs[w.shape[1]], w.packed, w.qtype, None)
+        _run(path, out, inputs[w.shape[1]], w.packed, w.qtype, None, terms)
         if time.perf_counter() - start > limit:
             return float("inf")
     return time.perf_counter() - start
@@ -265,7 +309,10 @@ def _time_path(
 
 @torch.inference_mode()
 def tune_quant_linears(
-    weights: Sequence[QuantizedWeight], dtype: torch.dtype, batch_invariant: bool = True
+    weights: Sequence[QuantizedWeight],
+    dtype: torch.dtype,
+    batch_invariant: bool = True,
+    activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
 ) -> dict[int, LinearPath]:
     """Time the paths for x of dtype on these weights (one model's quantized linears, in
     order; once per machine, as tuning_cache keeps the answer) -- first the kernel's CPU paths
@@ -276,11 +323,13 @@ def tune_quant_linears(
     batch_invariant keeps the kernel at every bucket: its result for a row of x does not
     depend on the other rows, while a GEMM path's roundings differ from it (x in bf16 or
     fp32, not int8 blocks), so a prompt prefilled in a batch past the kernel's buckets would
-    continue otherwise than the same prompt alone."""
-    key = (dtype, tuple((w.qtype, w.shape) for w in weights))
+    continue otherwise than the same prompt alone. The kernel is timed quantizing x at
+    activation_precision, as it will run."""
+    terms = ACTIVATION_TERMS[activation_precision]
+    key = (dtype, terms, tuple((w.qtype, w.shape) for w in weights))
     if native.quant_linear is not None and key not in _timed and forced_path() is None:
         isa, distance, *paths = tuning_cache.remembered(
-            "quant_linear", dtype, key[1], lambda: _fastest_isa_and_paths(weights, dtype)
+            "quant_linear", dtype, key[1:], lambda: _fastest_isa_and_paths(weights, dtype, terms)
         )
         native.quant_linear.set_isa(isa)
         native.quant_linear.set_prefetch(int(distance))
@@ -290,7 +339,9 @@ def tune_quant_linears(
     return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))
 
 
-def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtype) -> list:
+def _fastest_isa_and_paths(
+    weights: Sequence[QuantizedWeight], dtype: torch.dtype, terms: int
+) -> list:
     """[the kernel's fastest CPU path (over a pass of each of ISA_TIMED_ROWS, prefetching
     DEFAULT_PREFETCH ahead), its fastest prefetch distance (a pass at one row), then the
     fastest path of each row bucket], timed.
@@ -305,7 +356,7 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
         native.quant_linear.set_isa(isa)
         seconds = 0.0
         for rows in ISA_TIMED_ROWS:
-            seconds += _time_path(LinearPath.KERNEL, streamed, dtype, rows, limit - seconds)
+            seconds += _time_path(LinearPath.KERNEL, streamed, dtype, terms, rows, limit - seconds)
         return seconds
 
     native.quant_linear.set_prefetch(DEFAULT_PREFETCH)
@@ -314,7 +365,7 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
 
     def kernel_prefetching(distance: int, limit: float) -> float:
         native.quant_linear.set_prefetch(distance)
-        return _time_path(LinearPath.KERNEL, streamed, dtype, 1, limit)
+        return _time_path(LinearPath.KERNEL, streamed, dtype, terms, 1, limit)
 
     timings = {d: partial(kernel_prefetching, d) for d in PREFETCH_DISTANCES}
     distance = fastest(timings, DEFAULT_PREFETCH)
@@ -327,6 +378,6 @@ def _fastest_isa_and_paths(weights: Sequence[QuantizedWeight], dtype: torch.dtyp
         candidates = [LinearPath.KERNEL] if all(p is LinearPath.KERNEL for p in paths) else []
         candidates.append(LinearPath.GEMM)
         candidates.append(LinearPath.UPCAST if dtype == torch.bfloat16 else LinearPath.DOWNCAST)
-        timings = {p: partial(_time_path, p, timed, dtype, bucket) for p in candidates}
+        timings = {p: partial(_time_path, p, timed, dtype, terms, bucket) for p in candidates}
         paths.append(fastest(timings, LinearPath.KERNEL))
     return [isa, distance, *paths]

@@ -64,25 +64,35 @@ def dense_weight(blocks, qtype, shape) -> np.ndarray:
     return dequantize(blocks, qtype).reshape(shape)
 
 
-def quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x as the kernel sees it, and each element's block scale dx: per 32-block, dx = max|x| /
-    127 and q = round(x * (127 / max|x|)) to even, in fp32 operations as the C code does them."""
-    v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def int8_blocks(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, dx) of fp32 v [rows, blocks, 32] as the kernel quantizes it: per 32-block, dx =
+    max|v| / 127 and q = round(v * (127 / max|v|)) to even, in fp32 operations as the C code."""
     amax = np.abs(v).max(-1, keepdims=True)
     dx = amax / np.float32(127)
     scale = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
-    q = np.rint(v * scale)
-    return (q * dx).reshape(x.shape), np.broadcast_to(dx, v.shape).reshape(x.shape)
+    return np.rint(v * scale), dx
 
 
-def check_product(y: Tensor, x: Tensor, weight: np.ndarray, bias=None) -> None:
-    """y = x W^T (+ bias) as the kernel computes it: exact to fp32 summation against the
-    product with x quantized the same way, and within the quantization's own bound of the
-    product with x itself."""
+def quantized_x(x: np.ndarray, terms: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """x as the kernel sees it (fp64), and each element's scale dx of the last term: int8
+    blocks of x, and for two terms the int8 blocks of what they leave (x - dx q in fp32)."""
+    v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    q, dx = int8_blocks(v)
+    seen = q.astype(np.float64) * dx
+    if terms == 2:
+        q2, dx = int8_blocks(v - (dx * q).astype(np.float32))
+        seen = seen + q2.astype(np.float64) * dx
+    return seen.reshape(x.shape), np.broadcast_to(dx, v.shape).reshape(x.shape)
+
+
+def check_product(y: Tensor, x: Tensor, weight: np.ndarray, bias=None, terms: int = 1) -> None:
+    """y = x W^T (+ bias) as the kernel computes it with x in terms: exact to fp32 summation
+    against the product with x quantized the same way, and within the quantization's own bound
+    of the product with x itself."""
     x64 = x.float().numpy().astype(np.float64)
-    xq, dx = quantized_x(x.float().numpy())
+    xq, dx = quantized_x(x.float().numpy(), terms)
     w64 = weight.astype(np.float64)
-    exact, ideal = xq.astype(np.float64) @ w64.T, x64 @ w64.T
+    exact, ideal = xq @ w64.T, x64 @ w64.T
     if bias is not None:
         exact, ideal = exact + bias.double().numpy(), ideal + bias.double().numpy()
     magnitude = np.abs(xq) @ np.abs(w64).T + (0 if bias is None else np.abs(bias.double().numpy()))
@@ -108,10 +118,10 @@ def isa(request):
     native.quant_linear.set_isa(before)
 
 
-def kernel_product(x: Tensor, weight: QuantizedWeight, bias=None) -> Tensor:
-    """x W^T + b on the C kernel, whatever the tuned paths say."""
+def kernel_product(x: Tensor, weight: QuantizedWeight, bias=None, terms: int = 1) -> Tensor:
+    """x W^T + b on the C kernel, x quantized in terms, whatever the tuned paths say."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    quant_module._run(LinearPath.KERNEL, out, x, weight.packed, weight.qtype, bias)
+    quant_module._run(LinearPath.KERNEL, out, x, weight.packed, weight.qtype, bias, terms)
     return out
 
 
@@ -178,32 +188,60 @@ def test_avx512_writes_w_transposed_exactly(isa, qtype, shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_kernel_matches_the_gguf_reference(isa, qtype, shape, rows, dtype):
+@pytest.mark.parametrize("terms", [1, 2], ids=["int8", "int8x2"])
+def test_kernel_matches_the_gguf_reference(isa, qtype, shape, rows, dtype, terms):
     shape = shape_of(qtype, shape)
     blocks = random_blocks(qtype, shape, seed=rows)
     weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
     generator = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, shape[1], generator=generator) * 3).to(dtype)
     x[0, :32] = 0  # an all-zero block: dx = 0
-    y = kernel_product(x, weight)
+    x[-1, 32:64] = 1.0  # a block quantized exactly: nothing left for a second term
+    y = kernel_product(x, weight, terms=terms)
     assert y.dtype == dtype
-    check_product(y, x, dense_weight(blocks, qtype, shape))
+    check_product(y, x, dense_weight(blocks, qtype, shape), terms=terms)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_two_terms_are_many_times_as_exact_as_one(qtype):
+    """x in two int8 terms: the products' error against x's own is a small fraction of the one
+    term's (the second term's scale is at most 1/254 of the first's)."""
+    shape = shape_of(qtype, (64, 4))
+    blocks = random_blocks(qtype, shape, seed=8)
+    weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
+    x = torch.randn(8, shape[1], generator=torch.Generator().manual_seed(8))
+    ideal = F.linear(x.double(), torch.from_numpy(dense_weight(blocks, qtype, shape)).double())
+    errors = [(kernel_product(x, weight, terms=t).double() - ideal).abs().mean() for t in (1, 2)]
+    assert errors[1] < errors[0] / 50, errors
+
+
+@needs_kernel
+def test_the_kernel_refuses_other_term_counts():
+    qtype = GGMLQuantizationType.Q8_0
+    shape = shape_of(qtype, (16, 1))
+    weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, 9), qtype, shape)
+    with pytest.raises(ValueError, match="terms"):
+        kernel_product(torch.randn(1, shape[1]), weight, terms=3)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_bias_is_added(isa, qtype, dtype):
+@pytest.mark.parametrize("terms", [1, 2], ids=["int8", "int8x2"])
+def test_bias_is_added(isa, qtype, dtype, terms):
     shape = shape_of(qtype, (13, 2))
     blocks = random_blocks(qtype, shape, seed=3)
     weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
     x = torch.randn(3, shape[1]).to(dtype)
     bias = torch.randn(13).to(dtype)
-    check_product(kernel_product(x, weight, bias), x, dense_weight(blocks, qtype, shape), bias)
+    y = kernel_product(x, weight, bias, terms)
+    check_product(y, x, dense_weight(blocks, qtype, shape), bias, terms)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_rows_do_not_depend_on_the_batch_or_the_threads(isa, qtype, dtype):
+@pytest.mark.parametrize("terms", [1, 2], ids=["int8", "int8x2"])
+def test_rows_do_not_depend_on_the_batch_or_the_threads(isa, qtype, dtype, terms):
     """A row's result is bit-identical alone, in any batch (tiles of 6 rows and the rest) and
     on 1, 2 or 3 threads (groups split unevenly)."""
     shape = shape_of(qtype, (37, 3))
@@ -214,10 +252,11 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(isa, qtype, dtype):
         outs = []
         for n_threads in (1, 2, 3):
             torch.set_num_threads(n_threads)
-            outs.append(kernel_product(x, weight))
+            outs.append(kernel_product(x, weight, terms=terms))
             for row in range(len(x)):
-                assert torch.equal(kernel_product(x[row : row + 1], weight)[0], outs[-1][row])
-            assert torch.equal(kernel_product(x[3:9], weight), outs[-1][3:9])
+                alone = kernel_product(x[row : row + 1], weight, terms=terms)
+                assert torch.equal(alone[0], outs[-1][row])
+            assert torch.equal(kernel_product(x[3:9], weight, terms=terms), outs[-1][3:9])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -283,8 +322,9 @@ def test_op_on_every_path(forced_path, isa, qtype, dtype, rows):
     y = layer(x)
     assert y.shape == (rows, 2, 21) and y.dtype == dtype
     weight = torch.from_numpy(dense_weight(blocks, qtype, shape))
-    if forced_path is LinearPath.KERNEL:
-        check_product(y.reshape(-1, 21), x.reshape(-1, shape[1]), weight.numpy(), layer.bias)
+    if forced_path is LinearPath.KERNEL:  # the layer's default precision: x in two terms
+        rows_x = x.reshape(-1, shape[1])
+        check_product(y.reshape(-1, 21), rows_x, weight.numpy(), layer.bias, terms=2)
     else:
         compute = {GEMM: dtype, UPCAST: torch.float32, DOWNCAST: torch.bfloat16}[forced_path]
         product = F.linear(x.to(compute), weight.to(compute))
@@ -345,7 +385,7 @@ def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wi
     monkeypatch.setattr(quant_module, "_timed", {})
     timed = []
 
-    def fake_time(path, weights, dtype_, rows, limit):
+    def fake_time(path, weights, dtype_, terms, rows, limit):
         isa = native.quant_linear.isa()
         timed.append((path, rows, isa))
         if len(timed) <= isa_timings:

@@ -349,12 +349,13 @@ LLAMA_CPP_GREEDY = {
 
 @pytest.mark.parametrize("prompt", sorted(LLAMA_CPP_GREEDY))
 def test_quantized_greedy_equals_llama_cpp(monkeypatch, prompt):
-    from astrai.kernels.quant_ops import QuantizedLinear
+    from astrai.kernels.quant_ops import QuantizedLinear, quantized_linears
     from astrai.tokenize import AutoTokenizer
 
-    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")  # int8 activations, as llama.cpp
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
     assert isinstance(model.layers[0].feed_forward.w13, QuantizedLinear)
+    quantized_linears(model, "int8")  # one int8 term, as llama.cpp rounds activations
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
     ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
@@ -379,15 +380,21 @@ def test_quantized_greedy_is_batch_invariant(monkeypatch):
     monkeypatch.setattr(
         quant_ops,
         "_fastest_isa_and_paths",
-        lambda weights, dtype: [native.quant_linear.isa(), 2048, *gemm_beyond_one_row],
+        lambda weights, dtype, terms: [native.quant_linear.isa(), 2048, *gemm_beyond_one_row],
     )
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
     params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     def greedy(batch: int, batch_invariant: bool) -> list[list[int]]:
+        # int8: one term, whose roundings part most from a GEMM's (x in two terms is close
+        # enough to fp32 that these prompts continue alike on either path)
         with InferenceEngine(
-            model, tokenizer, max_batch_size=batch, batch_invariant=batch_invariant
+            model,
+            tokenizer,
+            max_batch_size=batch,
+            batch_invariant=batch_invariant,
+            activation_precision="int8",
         ) as engine:
             assert (quant_ops._paths[torch.float32] == gemm_beyond_one_row) != batch_invariant
             return [result.token_ids for result in engine.generate_results(PROMPTS, params)]
@@ -396,6 +403,32 @@ def test_quantized_greedy_is_batch_invariant(monkeypatch):
     # without it, a batch's decode steps take the GEMM and one request's the kernel (6 of 8
     # prompts part)
     assert greedy(len(PROMPTS), batch_invariant=False) != greedy(1, batch_invariant=False)
+
+
+@pytest.mark.skipif(native.quant_linear is None, reason="the quantized kernel is not built")
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_the_readme_question_gets_the_references_answer_on_every_cpu_path(isa):
+    """The README's GGUF example: the default activation precision (x in two int8 terms)
+    answers as the dequantized weights in fp32 do, on each CPU path of the kernel. One int8
+    term, llama.cpp's rounding, tips the first token's near-tie on this 135M model ("L'Étoile,
+    la Marseillaise, ..." on an AVX-512 EPYC, as llama-server says on the same file)."""
+    from astrai.inference import InferenceEngine
+    from astrai.tokenize import AutoTokenizer
+
+    if isa not in native.quant_linear.isas():
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(question, tokenize=False)
+    before = native.quant_linear.isa()
+    with InferenceEngine(model, tokenizer, max_batch_size=1, kv_cache_memory=2**24) as engine:
+        native.quant_linear.set_isa(isa)  # after the engine's timing, which sets the fastest
+        try:
+            answer = engine.generate(prompt, max_tokens=8, temperature=0.0)
+        finally:
+            native.quant_linear.set_isa(before)
+    assert answer.startswith("The capital of France is Paris"), answer
 
 
 def test_quantized_model_reports_its_bytes_and_refuses_the_native_format(tmp_path):
