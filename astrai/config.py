@@ -306,6 +306,9 @@ def parse_kv_cache_memory(text: str) -> float:
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+# how quantized linears' kernel rounds x on the CPU (astrai.kernels.quant_ops); the first is
+# the default
+ACTIVATION_PRECISIONS = ("int8x2", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -369,6 +372,15 @@ class EngineConfig:
         "whose roundings differ from the kernel's. It applies to the whole process: the last "
         "engine built sets it",
     )
+    activation_precision: str = setting(
+        ACTIVATION_PRECISIONS[0],
+        "on the CPU, how the kernel of quantized linears rounds their input: int8x2 quantizes "
+        "it in two int8 terms (the int8 blocks and what they leave), about as exact as 15-bit "
+        "activations, so greedy output follows the dequantized weights' as fp32 does; int8 is "
+        "llama.cpp's one term, faster where the products are bound by arithmetic, and its "
+        "roundings tip a small model's near-ties",
+        choices=ACTIVATION_PRECISIONS,
+    )
     cuda_graphs: bool = setting(
         True,
         "on CUDA, replay each decode step from a CUDA graph captured per batch size (one "
@@ -399,6 +411,11 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
                 f"{self.kv_cache_dtype!r}"
+            )
+        if self.activation_precision not in ACTIVATION_PRECISIONS:
+            raise ConfigError(
+                f"activation_precision must be one of {list(ACTIVATION_PRECISIONS)}, got "
+                f"{self.activation_precision!r}"
             )
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ConfigError(

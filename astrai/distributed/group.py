@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from astrai.distributed.executor import STOP_MESSAGE, TensorParallelExecutor
 from astrai.kernels.graph import launch
+from astrai.kernels.quant_ops import DEFAULT_ACTIVATION_PRECISION
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,18 @@ class TensorParallelGroup:
         if workers:
             threading.Thread(target=self._watch, name="astrai-tp-watch", daemon=True).start()
 
-    def executor(self, model, cache, max_batch_size: int = 256, batch_invariant: bool = True):
+    def executor(
+        self,
+        model,
+        cache,
+        max_batch_size: int = 256,
+        batch_invariant: bool = True,
+        activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
+    ):
         """Rank 0's TensorParallelExecutor of the sharded model over the engine's cache."""
-        return TensorParallelExecutor(self, model, cache, max_batch_size, batch_invariant)
+        return TensorParallelExecutor(
+            self, model, cache, max_batch_size, batch_invariant, activation_precision
+        )
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum x across the ranks, in place; a recorded step graph replays it."""

@@ -168,6 +168,48 @@ _STRUCTURED_OUTPUT_KINDS = {
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Integers without bounds get those of the integers JSON carries exactly (2**53 - 1, as RFC 8259
+# advises): an unbounded one is where a small model writes "1111..." until max_tokens.
+_INTEGER_BOUNDS = {"minimum": -(2**53 - 1), "maximum": 2**53 - 1}
+# Keywords whose value is a schema, or a list or a map of them.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_schema(schema: Any, in_all_of: bool = False) -> Any:
+    """A JSON schema as astrai enforces it: an object that lists its properties takes no
+    others unless it says so (xgrammar's strict mode, vLLM's default), so no key is written
+    twice (llguidance keeps listed keys unique, not additional ones), and an integer without
+    bounds is held to the exactly representable range. Objects in an allOf stay open, since
+    each branch lists only its own part of the properties."""
+    if not isinstance(schema, Mapping):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in closed:
+            closed[key] = closed_schema(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_schema(item) for item in closed[key]]
+    if isinstance(closed.get("allOf"), list):
+        closed["allOf"] = [closed_schema(item, in_all_of=True) for item in closed["allOf"]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), Mapping):
+            closed[key] = {name: closed_schema(sub) for name, sub in closed[key].items()}
+    lists_properties = isinstance(closed.get("properties"), Mapping) and closed["properties"]
+    if lists_properties and not in_all_of and not any(k in closed for k in _OPEN_OBJECT_KEYS):
+        closed["additionalProperties"] = False
+    is_integer = closed.get("type") == "integer"
+    bounded = any(
+        k in closed for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    )
+    if is_integer and not bounded:
+        closed.update(_INTEGER_BOUNDS)
+    return closed
+
+
 def _grammar_text(constraint: Constraint) -> str:
     """llguidance's grammar for a constraint (it reports errors when a matcher is built)."""
     try:
@@ -177,7 +219,7 @@ def _grammar_text(constraint: Constraint) -> str:
             )
         if constraint.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                constraint.spec, defaults=_JSON_LAYOUT
+                closed_schema(json.loads(constraint.spec)), defaults=_JSON_LAYOUT
             )
         if constraint.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(constraint.spec)

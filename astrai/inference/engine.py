@@ -276,10 +276,15 @@ class InferenceEngine:
                 cuda_graphs=self.config.cuda_graphs,
                 max_seq_len=self.max_seq_len,
                 batch_invariant=self.config.batch_invariant,
+                activation_precision=self.config.activation_precision,
             )
         else:
             executor = self._group.executor(
-                model, self.cache, max_batch_size=rows, batch_invariant=self.config.batch_invariant
+                model,
+                self.cache,
+                max_batch_size=rows,
+                batch_invariant=self.config.batch_invariant,
+                activation_precision=self.config.activation_precision,
             )
         self.scheduler = InferenceScheduler(
             executor, self.cache, self.manager, self.config, speculator
@@ -333,6 +338,7 @@ class InferenceEngine:
                 cache,
                 cuda_graphs=config.cuda_graphs,
                 batch_invariant=config.batch_invariant,
+                activation_precision=config.activation_precision,
             )
         )
         return Speculator(proposer, config.num_speculative_tokens)

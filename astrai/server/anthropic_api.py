@@ -11,13 +11,13 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 
 from astrai.inference import TaskResult
-from astrai.inference.constraints import Constraint, ConstraintError
+from astrai.inference.constraints import ConstraintError
 from astrai.server.errors import APIError, anthropic_error_body
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import Generation, GenerationService
 from astrai.server.protocol import CountTokensRequest, MessagesRequest
 from astrai.server.sse import EventStreamResponse, sse_event
-from astrai.server.tool_parsers import ToolCallDelta, ToolUse
+from astrai.server.tool_parsers import ToolCallDelta, ToolChoice, ToolUse
 
 router = APIRouter()
 
@@ -29,54 +29,40 @@ def _service(request: Request) -> GenerationService:
 async def _prompt(
     service: GenerationService, body: MessagesRequest | CountTokensRequest, tools: ToolUse
 ) -> list[int]:
+    """The chat's prompt; a last assistant message is a prefill that the answer continues."""
     messages = [message for m in body.messages for message in m.template_messages()]
     if body.system:
         messages.insert(0, {"role": "system", "content": body.system})
-    return await service.chat_prompt(messages, tools=tools.definitions)
+    prefill = body.messages[-1].role == "assistant"
+    return await service.chat_prompt(
+        messages,
+        tools=tools.definitions,
+        continue_final_message=prefill,
+    )
 
 
 def _tool_use(service: GenerationService, body: MessagesRequest | CountTokensRequest) -> ToolUse:
     """What the request's tools and tool_choice ask for, in OpenAI's terms that chat templates
     and the parsers share: tools as function definitions, any and tool as forced calls."""
     choice = body.tool_choice
-    if not body.tools:
-        if choice is not None and choice.type in ("any", "tool"):
-            raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
-        return ToolUse()
+    modes = {None: "auto", "auto": "auto", "none": "none", "any": "required", "tool": "named"}
+    named = ToolChoice(modes[choice and choice.type], choice and choice.name)
     # In the order of OpenAI's definitions, so the template renders both APIs' tools alike.
     functions = [
         {"name": t.name, "description": t.description, "parameters": t.input_schema}
-        for t in body.tools
+        for t in body.tools or ()
     ]
     functions = [{k: v for k, v in f.items() if v is not None} for f in functions]
-    definitions = [{"type": "function", "function": function} for function in functions]
-    if choice is not None and choice.type == "none":
-        return ToolUse(definitions)
-    parser = service.tool_call_parser()
     parallel = choice is None or not choice.disable_parallel_tool_use
-    if choice is None or choice.type == "auto":
-        return ToolUse(definitions, parser, parallel=parallel)
-    if choice.type == "tool":
-        functions = [f for f in functions if f["name"] == choice.name]
-        if not functions:
-            names = ", ".join(repr(t.name) for t in body.tools)
-            raise APIError(
-                400,
-                f"tool_choice names the tool {choice.name!r}, which is not one of the tools "
-                f"({names})",
-                param="tool_choice",
-            )
-        parallel = False
-    forced = Constraint.grammar(parser.grammar(functions, parallel))
-    return ToolUse(definitions, parser, forced, parallel)
+    return service.tool_use(functions, named, parallel)
 
 
 async def _compile(service: GenerationService, tools: ToolUse) -> None:
-    """Compile the grammar of a forced call off the event loop; one that fails is a 400."""
-    if tools.forced_call is None:
+    """Compile the tools' grammar off the event loop; one that fails is a 400."""
+    if tools.constraint is None:
         return
     try:
-        await asyncio.to_thread(service.engine.compile, tools.forced_call)
+        await asyncio.to_thread(service.engine.compile, tools.constraint)
     except ConstraintError as exc:
         raise APIError(400, f"tools: {exc}", param="tools") from exc
 
@@ -96,16 +82,16 @@ def _content(text: str, tools: ToolUse) -> tuple[list[dict], bool]:
                 block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name}
                 blocks.append({**block, "input": json.loads(call.arguments)})
             return blocks, True
-    return [{"type": "text", "text": text}], False
+    return [{"type": "text", "text": "" if tools.forced else text}], False
 
 
 def _stop(result: TaskResult, called: bool = False) -> dict:
-    """stop_reason and stop_sequence: a tool call, a matched stop string, the length limit, or
-    end of turn."""
-    if called:
-        return {"stop_reason": "tool_use", "stop_sequence": None}
+    """stop_reason and stop_sequence: the length limit (even after complete calls), a tool
+    call, a matched stop string, or end of turn."""
     if result.finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if called:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
     if isinstance(result.stop_reason, str):
         return {"stop_reason": "stop_sequence", "stop_sequence": result.stop_reason}
     return {"stop_reason": "end_turn", "stop_sequence": None}
@@ -150,7 +136,7 @@ async def messages(body: MessagesRequest, request: Request):
         top_p=body.top_p,
         top_k=body.top_k,
         stop=body.stop_sequences or (),
-        constraint=tools.forced_call,
+        constraint=tools.constraint,
     )
     generation = service.submit([prompt], params)
     message = {
@@ -220,6 +206,7 @@ class _StreamedBlocks:
     def __init__(self, tools: ToolUse) -> None:
         self._stream = None if tools.parser is None else tools.parser.stream()
         self._parallel = tools.parallel
+        self._forced = tools.forced
         self._index = -1  # the open block's, or the last one's
         self._open: str | None = None  # the open block's type
         self.called = False
@@ -241,7 +228,7 @@ class _StreamedBlocks:
         return frames + self._stop()
 
     def _text(self, text: str) -> list[str]:
-        if not text:
+        if not text or self._forced:
             return []
         frames = (
             [] if self._open == "text" else self._stop() + self._start({"type": "text", "text": ""})

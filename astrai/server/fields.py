@@ -70,7 +70,7 @@ FUNCTIONS = "is OpenAI's deprecated form of tools and is not supported; send too
 TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
 HOSTED = "is a feature of the hosted API that a local server does not have; leave it out"
 BEAM = "is not supported: astrai has no beam search; leave it out"
-PROMPT = "is not supported by astrai yet: it cannot continue the chat's last message; leave it out"
+PROMPT = "is not supported by astrai yet: it cannot echo the chat's last message; leave it out"
 
 _OPENAI = {
     "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
@@ -113,7 +113,6 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "prompt_cache_retention": Refused(HOSTED, noop=("in_memory",)),
         "prompt_cache_options": Refused(HOSTED),
         "echo": Refused(PROMPT, noop=(False,)),
-        "continue_final_message": Refused(PROMPT, noop=(False,)),
         "chat_template": Refused(TEMPLATE),
         "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
         "documents": Refused(TEMPLATE, noop=([],)),
@@ -154,7 +153,10 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "diagnostics": Refused(HOSTED),
     },
     TokenizeRequest: {
-        "continue_final_message": Refused(PROMPT, noop=(False,)),
+        "continue_final_message": Refused(
+            "is not supported by /tokenize yet (chat completions take it); leave it out",
+            noop=(False,),
+        ),
         "chat_template": Refused(TEMPLATE),
         "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
         "mm_processor_kwargs": Refused("is not supported: astrai takes text only", noop=({},)),

@@ -27,9 +27,10 @@ from astrai.inference import (
     TaskResult,
     TokenLogprob,
 )
+from astrai.inference.constraints import Constraint
 from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
-from astrai.server.tool_parsers import ToolCallParser
+from astrai.server.tool_parsers import HermesParser, ToolCallParser, ToolChoice, ToolUse
 from astrai.tokenize import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,27 @@ class GenerationService:
         self.metrics = metrics
         self.created = int(time.time())
         self.stopping = False
-        self.tool_parser = tool_parser
         self._running: weakref.WeakSet[Generation] = weakref.WeakSet()
+        # A template that drops the tools can never show the model how to call them: astrai
+        # then shows them itself, in Hermes' format, unless another format was named.
+        self.template_shows_tools = _template_shows_tools(engine.tokenizer)
+        self.shows_tools_itself = not self.template_shows_tools and (
+            tool_parser is None or isinstance(tool_parser, HermesParser)
+        )
+        if self.shows_tools_itself:
+            tool_parser = HermesParser()
+            log.warning(
+                "the chat template drops the tools it is given; astrai writes them into the "
+                "system message itself, with earlier calls and results, in Hermes' format "
+                "(<tool_call> tags), and reads calls in that format"
+            )
+        elif not self.template_shows_tools:
+            log.warning(
+                "the chat template drops the tools it is given, so the model sees none; calls "
+                "are read in the %s format named",
+                tool_parser.name,
+            )
+        self.tool_parser = tool_parser
 
     def stop_running(self) -> None:
         """Refuse new submissions and end every running generation with the shutting-down error."""
@@ -196,14 +216,54 @@ class GenerationService:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def tool_call_parser(self) -> ToolCallParser:
-        """The format the model writes tool calls in; a 400 naming tools when none is known."""
+    def tool_use(
+        self, functions: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool = True
+    ) -> ToolUse:
+        """What a request's tools (OpenAI function definitions), tool_choice and parallel calls
+        ask for, whichever API they came through; a 400 for what cannot be honoured.
+
+        A forced call (required, or a named function) is a grammar in the model's format, or
+        in Hermes' where none is known (the output is then astrai's to read). Under auto, calls
+        are read in the model's format, and strict tools hold a call the model starts to their
+        schema from its marker on."""
+        if not functions:
+            if choice.mode in ("required", "named"):
+                raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
+            return ToolUse()
+        definitions = [{"type": "function", "function": dict(f)} for f in functions]
+        if choice.mode == "none":
+            # Shown by astrai, the tools would teach a call format that none leaves unread.
+            return ToolUse(None if self.shows_tools_itself else definitions)
+        if choice.mode == "auto":
+            parser = self._auto_parser()
+            strict = None
+            if any(f.get("strict") for f in functions):
+                strict = Constraint.grammar(parser.triggered_grammar(functions, parallel))
+            return ToolUse(definitions, parser, strict, forced=False, parallel=parallel)
+        parser = self.tool_parser or HermesParser()
+        if choice.mode == "named":
+            functions = [f for f in functions if f["name"] == choice.name]
+            if not functions:
+                names = ", ".join(repr(f["function"]["name"]) for f in definitions)
+                raise APIError(
+                    400,
+                    f"tool_choice names {choice.name!r}, which is not one of the tools ({names})",
+                    param="tool_choice",
+                )
+            parallel = False
+        grammar = Constraint.grammar(parser.grammar(functions, parallel))
+        return ToolUse(definitions, parser, grammar, forced=True, parallel=parallel)
+
+    def _auto_parser(self) -> ToolCallParser:
+        """The format calls are read in under tool_choice auto; a 400 naming tools when the
+        chat template shows the tools in a format astrai does not know."""
         if self.tool_parser is None:
             raise APIError(
                 400,
-                "tools need to know how this model writes tool calls, and its chat template "
-                "shows no known format; start astrai serve with --tool-call-parser hermes, "
-                "llama3_json or mistral",
+                "tool_choice auto needs to know how this model writes tool calls, and its chat "
+                "template shows the tools in no format astrai knows; start astrai serve with "
+                "--tool-call-parser hermes, llama3_json or mistral, or force a call with "
+                "tool_choice required or a named function",
                 param="tools",
             )
         return self.tool_parser
@@ -254,19 +314,39 @@ class GenerationService:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The same encoding as InferenceEngine.generate by default, so greedy results match it.
 
-        tools (OpenAI function definitions) go to the template as transformers hands them.
+        A message without content has empty content, as vLLM hands it (templates concatenate
+        it). tools (OpenAI function definitions) go to the template as transformers hands them,
+        or into the messages when the template drops them. continue_final_message leaves the
+        last message open for the answer to continue (an assistant prefill).
         add_special_tokens adds the tokenizer's own (a bos) on top of the template's. Encoding
         runs in a worker thread: a prompt of megabytes takes seconds to tokenize, and the event
         loop must keep serving other clients meanwhile.
         """
         tokenizer = self.tokenizer
+        messages = [{**m, "content": m.get("content") or ""} for m in messages]
+        if tools and self.shows_tools_itself:
+            messages, tools = self.tool_parser.show_tools(messages, tools), None
+        if continue_final_message:
+            if messages[-1].get("tool_calls"):
+                raise APIError(
+                    400,
+                    "the last message makes tool calls, so it cannot be continued; send its "
+                    "text only, or end the chat with a user or tool message",
+                    param="messages",
+                )
+            add_generation_prompt = False
 
         def encode() -> list[int]:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt, tokenize=False, tools=tools
+                messages,
+                add_generation_prompt,
+                tokenize=False,
+                tools=tools,
+                continue_final_message=continue_final_message,
             )
             return tokenizer.encode(text, add_special_tokens)
 
@@ -311,6 +391,20 @@ class GenerationService:
         generation = Generation(stream, params.n, prompt_tokens, self.metrics, arrival)
         self._running.add(generation)
         return generation
+
+
+def _template_shows_tools(tokenizer) -> bool:
+    """Whether the chat template writes the tools it is given into the prompt (a template
+    that fails on the probe, or a model without one, counts as showing them)."""
+    name = "astrai_probe_function"
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}], True, tokenize=False, tools=[tool]
+        )
+    except ChatTemplateError:
+        return True
+    return name in text
 
 
 def _api_error(exc: RequestError | RuntimeError) -> APIError:

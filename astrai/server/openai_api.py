@@ -22,6 +22,7 @@ from astrai.server.tool_parsers import (
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
+    ToolChoice,
     ToolUse,
 )
 
@@ -67,13 +68,13 @@ _CONSTRAINT_FIELDS = {
 async def _constraint(
     service: GenerationService,
     body: ChatCompletionRequest | CompletionRequest,
-    forced_call: Constraint | None = None,
+    tools_constraint: Constraint | None = None,
 ) -> Constraint | None:
     """The output constraint the request asks for, compiled off the event loop (the engine
     caches it for the submit); a bad one, or two, is a 400 naming the field.
 
-    forced_call is the grammar of a tool call that tool_choice demands."""
-    asked = [] if forced_call is None else [("tools", forced_call)]
+    tools_constraint is the one the tools put on the answer (ToolUse.constraint)."""
+    asked = [] if tools_constraint is None else [("tools", tools_constraint)]
     for name, build in _CONSTRAINT_FIELDS.items():
         value = getattr(body, name)
         if value is None:
@@ -100,43 +101,14 @@ async def _constraint(
 
 
 def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> ToolUse:
-    """What the request's tools, tool_choice and parallel_tool_calls ask for; a 400 for what
-    cannot be honoured (no known call format, an unknown function, strict under auto)."""
+    """What the request's tools, tool_choice and parallel_tool_calls ask for."""
     choice = body.tool_choice
-    parallel = body.parallel_tool_calls is not False  # OpenAI's default is true
-    if not body.tools:
-        if choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
-        return ToolUse()
-    definitions = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    if choice == "none":
-        return ToolUse(definitions)
-    parser = service.tool_call_parser()
-    functions = [tool.function for tool in body.tools]
-    if choice in (None, "auto"):
-        for i, function in enumerate(functions):
-            if function.strict:
-                raise APIError(
-                    400,
-                    f"tools.{i}.function.strict is honoured only when tool_choice forces a call "
-                    "('required' or a named function): the arguments are then constrained to "
-                    "the schema; send such a tool_choice, or strict false",
-                    param=f"tools.{i}.function.strict",
-                )
-        return ToolUse(definitions, parser, parallel=parallel)
     if isinstance(choice, NamedToolChoice):
-        functions = [f for f in functions if f.name == choice.function.name]
-        if not functions:
-            names = ", ".join(repr(tool.function.name) for tool in body.tools)
-            raise APIError(
-                400,
-                f"tool_choice names the function {choice.function.name!r}, which is not one "
-                f"of the tools ({names})",
-                param="tool_choice",
-            )
-    parallel = parallel and choice == "required"
-    grammar = parser.grammar([f.model_dump(exclude_none=True) for f in functions], parallel)
-    return ToolUse(definitions, parser, Constraint.grammar(grammar), parallel)
+        choice = ToolChoice("named", choice.function.name)
+    else:
+        choice = ToolChoice(choice or "auto")
+    functions = [tool.function.model_dump(exclude_none=True) for tool in body.tools or ()]
+    return service.tool_use(functions, choice, parallel=body.parallel_tool_calls is not False)
 
 
 def _call_id() -> str:
@@ -149,14 +121,23 @@ def _tool_call(call: ToolCall) -> dict:
 
 
 def _chat_message(text: str, tools: ToolUse) -> tuple[dict, bool]:
-    """The assistant message of an answer, and whether it calls tools."""
+    """The assistant message of an answer, and whether it calls tools; a forced answer has no
+    content (what a cut-off call left is dropped)."""
     if tools.parser is not None:
         content, calls = tools.parser.parse(text)
         if calls:
             calls = calls if tools.parallel else calls[:1]
             message = {"role": "assistant", "content": content or None}
             return {**message, "tool_calls": [_tool_call(call) for call in calls]}, True
-    return {"role": "assistant", "content": text}, False
+    return {"role": "assistant", "content": None if tools.forced else text}, False
+
+
+def _finish_reason(result: TaskResult, called: bool) -> str:
+    """length when max_tokens cut the answer, even after complete calls; else tool_calls for
+    an answer that calls tools."""
+    if called and result.finish_reason != "length":
+        return "tool_calls"
+    return result.finish_reason
 
 
 def _usage(usage: Usage) -> dict:
@@ -216,12 +197,19 @@ async def retrieve_model(model_id: str, request: Request) -> dict:
 
 
 def _model_card(service: GenerationService) -> dict:
+    parser = service.tool_parser
     return {
         "id": service.model_name,
         "object": "model",
         "created": service.created,
         "owned_by": "astrai",
         "max_model_len": service.engine.max_seq_len,
+        # astrai's: the format tool calls are read in under tool_choice auto (null: only forced
+        # calls), and who shows the model its tools: its chat template, or astrai.
+        "tool_call_parser": None if parser is None else parser.name,
+        "tools_shown_by": "chat_template"
+        if service.template_shows_tools
+        else ("astrai" if service.shows_tools_itself else "nobody"),
     }
 
 
@@ -231,10 +219,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_request(service, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    # vLLM refuses both set true; left out, add_generation_prompt gives way.
+    asked_for_both = "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt
+    if body.continue_final_message and asked_for_both:
+        raise APIError(
+            400,
+            "continue_final_message continues the last message and add_generation_prompt "
+            "opens a new one; set add_generation_prompt to false or leave it out",
+            param="continue_final_message",
+        )
     tools = _tool_use(service, body)
     messages = [m.template_message() for m in body.messages]
     prompt = await service.chat_prompt(
-        messages, body.add_generation_prompt, body.add_special_tokens, tools.definitions
+        messages,
+        body.add_generation_prompt,
+        body.add_special_tokens,
+        tools.definitions,
+        continue_final_message=body.continue_final_message,
     )
     [prompt] = service.truncate([prompt], body.truncate_prompt_tokens)
     max_tokens = body.max_tokens
@@ -244,7 +245,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         [prompt],
         max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        constraint=await _constraint(service, body, tools.forced_call),
+        constraint=await _constraint(service, body, tools.constraint),
         **_sampling(body),
     )
     generation = service.submit([prompt], params)
@@ -258,7 +259,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         text = out.result.text + _stop_text(body, out.result)
         message, called = _chat_message(text, tools)
         lp = chat_logprobs(service.tokenizer, out.logprobs) if body.logprobs else None
-        finish_reason = "tool_calls" if called else out.result.finish_reason
+        finish_reason = _finish_reason(out.result, called)
         choices.append(
             {"index": i, "message": message, "logprobs": lp, "finish_reason": finish_reason}
         )
@@ -333,7 +334,7 @@ def _chat_chunks(
     def render_finish(choice: int, result: TaskResult) -> list[dict]:
         deltas = calls[choice].feed(_stop_text(body, result)) + calls[choice].finish()
         last = deltas.pop() if deltas and "content" in deltas[-1] else {}
-        finish_reason = "tool_calls" if calls[choice].called else result.finish_reason
+        finish_reason = _finish_reason(result, calls[choice].called)
         closing = {**entry(choice, last), "finish_reason": finish_reason}
         return [entry(choice, d) for d in deltas] + [closing]
 
@@ -358,6 +359,7 @@ class _StreamedCalls:
             None if tools.parser is None else tools.parser.stream()
         )
         self._parallel = tools.parallel
+        self._forced = tools.forced
         self.called = False
 
     def feed(self, text: str) -> list[dict]:
@@ -370,7 +372,7 @@ class _StreamedCalls:
         return [] if self._stream is None else self._deltas(self._stream.finish(), [])
 
     def _deltas(self, content: str, calls: list[ToolCallDelta]) -> list[dict]:
-        deltas = [{"content": content}] if content else []
+        deltas = [{"content": content}] if content and not self._forced else []
         for call in calls:
             if call.index > 0 and not self._parallel:
                 continue

@@ -259,7 +259,7 @@ class ChatCompletionRequest(_OpenAISampling):
     prompt_cache_options: Any = None
     # vLLM's extensions.
     echo: Any = None
-    continue_final_message: Any = None
+    continue_final_message: bool = False
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template holds the special tokens already
     chat_template: Any = None

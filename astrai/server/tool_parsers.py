@@ -5,6 +5,10 @@ markers: Hermes and Qwen2.5 in <tool_call> tags, Llama 3.x bare (or after <|pyth
 "parameters", Mistral as an array after [TOOL_CALLS]. A parser only knows where its calls begin
 and how to force one with a grammar; one JSON scanner reads the calls of the whole text and of a
 stream alike, so a streamed call concatenates to the call parsed from the whole text.
+
+From the first marker on, the text is the calls: each complete call object with a name and an
+object of arguments is a call, and the rest (markup, a call cut off by max_tokens) is dropped.
+Text whose calls section holds no call at all is content, as if there were no marker.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from astrai.inference.constraints import Constraint
+from astrai.inference.constraints import Constraint, closed_schema
 
 # JSON laid out as json.dumps does, like astrai's other JSON constraints: whitespace the grammar
 # leaves free is where a random-weight (or a confused) model wanders off.
@@ -29,14 +33,26 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class ToolChoice:
+    """What the request lets the model do with its tools, in OpenAI's terms: "none", "auto",
+    "required", or "named" (the function `name`)."""
+
+    mode: Literal["none", "auto", "required", "named"] = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
 class ToolUse:
     """What a request's tools ask for: the definitions the chat template shows the model, the
-    parser that reads calls out of its answer (None: the answer is plain text), the grammar
-    that forces a call, and whether more than one call may be kept."""
+    parser that reads calls out of its answer (None: the answer is plain text), the constraint
+    the tools put on decoding (a forced call's grammar, or under auto the grammar that holds
+    a call the model starts to the schemas of strict tools), whether the answer is forced to
+    be calls only, and whether more than one call may be kept."""
 
     definitions: list[dict] | None = None
     parser: ToolCallParser | None = None
-    forced_call: Constraint | None = None
+    constraint: Constraint | None = None
+    forced: bool = False
     parallel: bool = True
 
 
@@ -58,15 +74,15 @@ class ToolCallParser(ABC):
     argument_keys: tuple[str, ...] = ("arguments",)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The text before the calls and the calls; the whole text and no calls unless every call
-        is complete, valid JSON."""
+        """The text before the calls and the complete calls; the whole text and no calls when
+        the text holds no complete call."""
         found = self.find_start(text)
         if found is None:
             return text, []
         content_end, calls_start = found
         scanner = ToolCallScanner(self.argument_keys)
         scanner.feed(text[calls_start:])
-        if not scanner.calls or not scanner.all_valid or scanner.inside_call:
+        if not scanner.calls:
             return text, []
         return text[:content_end], scanner.calls
 
@@ -100,21 +116,45 @@ class ToolCallParser(ABC):
         return len(text) - held
 
     @abstractmethod
+    def calls_rule(self, parallel: bool) -> str:
+        """The Lark rule `calls`: what follows the format's marker, one call (`call_json`) or
+        several with parallel, up to where the format closes them."""
+
     def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) whose every sentence is one call, or several
-        with parallel, to one of tools (OpenAI function definitions) with schema-valid arguments."""
+        with parallel, to one of tools (OpenAI function definitions) with schema-valid arguments.
+
+        The output may end after any complete call (the model's end of turn)."""
+        marker = json.dumps(self.markers[0]) if self.forced_marker else ""
+        return f"start: {marker} calls\n{self.calls_rule(parallel)}\n{self._call_rules(tools)}"
+
+    def triggered_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+        """A grammar that leaves the text free until the model writes the format's marker, and
+        from there holds its calls to tools: those with strict true to their schema, the others
+        to any object of arguments (tool_choice auto with strict tools).
+
+        The free text is one lazy lexeme that ends at the first marker (llguidance's triggered
+        tool calls); a marker that is a special token is then written as text."""
+        tools = [tool if tool.get("strict") else {**tool, "parameters": None} for tool in tools]
+        repeat = "*" if parallel else "?"
+        return (
+            f"start: (opening calls){repeat} TEXT\n"
+            "TEXT: /(.|\\n)*/\n"
+            f"opening[lazy]: TEXT {json.dumps(self.markers[0])}\n"
+            f"{self.calls_rule(parallel)}\n{self._call_rules(tools)}"
+        )
+
+    forced_marker: bool = True  # a forced call opens with the marker
 
     def _call_rules(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """Lark rules `call_json` (a call object of any of tools) and one %json rule per tool."""
         rules = [f"call_json: {' | '.join(f'tool_{i}' for i in range(len(tools)))}"]
         for i, tool in enumerate(tools):
             key = self.argument_keys[0]
+            arguments = tool.get("parameters") or {"type": "object"}
             schema = {
                 "type": "object",
-                "properties": {
-                    "name": {"const": tool["name"]},
-                    key: tool.get("parameters") or {"type": "object"},
-                },
+                "properties": {"name": {"const": tool["name"]}, key: closed_schema(arguments)},
                 "required": ["name", key],
                 "additionalProperties": False,
                 "x-guidance": _JSON_LAYOUT,
@@ -129,10 +169,68 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     markers = ("<tool_call>",)
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
-        repeat = ' ("\\n" call)*' if parallel else ""
-        head = f'start: call{repeat}\ncall: "<tool_call>\\n" call_json "\\n</tool_call>"\n'
-        return head + self._call_rules(tools)
+    def calls_rule(self, parallel: bool) -> str:
+        repeat = ' ("\\n<tool_call>" call)*' if parallel else ""
+        return f'calls: call{repeat}\ncall: "\\n" call_json "\\n</tool_call>"'
+
+    def show_tools(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping]) -> list:
+        """messages with tools and the calls and results of earlier turns written into their
+        text as Qwen2.5's template writes them, for a chat template that shows none of them:
+        the tools in the system message, calls in <tool_call> tags, results in a user turn of
+        <tool_response> tags."""
+        listed = "".join(f"\n{json.dumps(tool, ensure_ascii=False)}" for tool in tools)
+        shown = _HERMES_TOOLS.format(tools=listed)
+        messages = [dict(message) for message in messages]
+        if messages and messages[0].get("role") == "system":
+            messages[0]["content"] = f"{messages[0].get('content') or ''}\n\n{shown}"
+        else:
+            messages.insert(0, {"role": "system", "content": shown})
+        written: list[dict] = []
+        after_tool = False  # the last message written holds tool results
+        for message in messages:
+            if message.get("role") == "tool":
+                response = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+                if after_tool:
+                    written[-1]["content"] += "\n" + response
+                else:
+                    written.append({"role": "user", "content": response})
+                after_tool = True
+                continue
+            after_tool = False
+            message.pop("tool_call_id", None)
+            calls = message.pop("tool_calls", None) or ()
+            parts = [message["content"]] if message.get("content") else []
+            parts += [_hermes_call(call) for call in calls]
+            if calls:
+                message["content"] = "\n".join(parts)
+            written.append(message)
+        return written
+
+
+def _hermes_call(call: Mapping[str, Any]) -> str:
+    """An earlier call of an OpenAI assistant message in Hermes' tags."""
+    function = call["function"]
+    arguments = function["arguments"]
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    body = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+# Qwen2.5's words for the tools in its system message.
+_HERMES_TOOLS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -142,11 +240,12 @@ class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     markers = ("<|python_tag|>",)
     leading_json = True
+    forced_marker = False
     argument_keys = ("parameters", "arguments")
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+    def calls_rule(self, parallel: bool) -> str:
         repeat = ' ("; " call_json)*' if parallel else ""
-        return f"start: call_json{repeat}\n" + self._call_rules(tools)
+        return f"calls: call_json{repeat}"
 
 
 class MistralParser(ToolCallParser):
@@ -155,9 +254,9 @@ class MistralParser(ToolCallParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+    def calls_rule(self, parallel: bool) -> str:
         repeat = ' (", " call_json)*' if parallel else ""
-        return f'start: "[TOOL_CALLS][" call_json{repeat} "]"\n' + self._call_rules(tools)
+        return f'calls: "[" call_json{repeat} "]"'
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
@@ -186,7 +285,8 @@ def tool_call_parser_for(name: str | None, chat_templates: Sequence[str]) -> Too
 
 class ToolCallStream:
     """Splits streamed text into content and tool-call deltas, holding back text that may yet
-    open a call.
+    open a call, and the calls section until it yields its first call (a section that yields
+    none is content at the end, as parse has it).
 
     Only the held-back text is searched again as pieces arrive: a marker cannot begin in text
     already sent, so a long answer costs linear time.
@@ -194,17 +294,20 @@ class ToolCallStream:
 
     def __init__(self, parser: ToolCallParser) -> None:
         self._parser = parser
-        self._pending = ""  # text not sent yet, before the calls began
+        self._pending = ""  # text not sent yet: before the calls, or the calls without a call
         self._at_start = True  # no content sent yet
         self._scanner: ToolCallScanner | None = None
 
     @property
     def called(self) -> bool:
-        return self._scanner is not None and self._scanner.announced > 0
+        return self._scanner is not None and bool(self._scanner.calls)
 
     def feed(self, piece: str) -> tuple[str, list[ToolCallDelta]]:
         """The content and call deltas that piece adds."""
         if self._scanner is not None:
+            if self._scanner.calls:
+                return "", self._scanner.feed(piece)
+            self._pending += piece
             return "", self._scanner.feed(piece)
         self._pending += piece
         found = self._parser.find_start(self._pending, self._at_start)
@@ -215,12 +318,13 @@ class ToolCallStream:
             return content, []
         content_end, calls_start = found
         self._scanner = ToolCallScanner(self._parser.argument_keys)
-        calls = self._scanner.feed(self._pending[calls_start:])
-        return self._pending[:content_end], calls
+        content, self._pending = self._pending[:content_end], self._pending[content_end:]
+        return content, self._scanner.feed(self._pending[calls_start - content_end :])
 
     def finish(self) -> str:
-        """The content held back at the end because it might have opened a call."""
-        if self._scanner is not None:
+        """The content held back at the end: text that might have opened a call, or a calls
+        section that yielded none."""
+        if self.called:
             return ""
         content, self._pending = self._pending, ""
         return content
@@ -230,28 +334,24 @@ class ToolCallScanner:
     """Reads call objects {"name": ..., <argument key>: ...} out of JSON text one character at
     a time, skipping whatever lies between objects (tags, commas, brackets).
 
-    A call's name goes out once its string is closed, its arguments as they arrive after that.
+    A call goes out (its name, then its arguments as the model wrote them) once its object is
+    complete and is a call: one cut off by max_tokens, or that is no call, never goes out.
     """
 
     def __init__(self, argument_keys: Sequence[str]) -> None:
         self._argument_keys = tuple(argument_keys)
         self.calls: list[ToolCall] = []
-        self.all_valid = True  # every object so far was a valid call
-        self.announced = 0  # calls whose name went out
         self._depth = 0
         self._raw = ""  # the object being read
-        self._arguments: tuple[int, int | None] | None = None  # start and end in _raw
-        self._announced = False  # the object's name went out
-
-    @property
-    def inside_call(self) -> bool:
-        return self._depth > 0
 
     def feed(self, text: str) -> list[ToolCallDelta]:
         deltas: list[ToolCallDelta] = []
         for ch in text:
-            self._step(ch, deltas)
-        self._send_arguments(deltas)
+            call = self._step(ch)
+            if call is not None:
+                deltas.append(ToolCallDelta(len(self.calls), name=call.name))
+                deltas.append(ToolCallDelta(len(self.calls), arguments=call.arguments))
+                self.calls.append(call)
         return deltas
 
     def _open(self) -> None:
@@ -261,15 +361,14 @@ class ToolCallScanner:
         self._key = ""
         self._key_start = self._value_start = 0
         self._name: str | None = None
-        self._arguments = None
-        self._sent_to = 0  # how far into _raw the arguments went out
-        self._announced = False
+        self._arguments: tuple[int, int] | None = None  # start and end in _raw
 
-    def _step(self, ch: str, deltas: list[ToolCallDelta]) -> None:
+    def _step(self, ch: str) -> ToolCall | None:
+        """Take ch; the call it completes, if any."""
         if self._depth == 0:
             if ch == "{":
                 self._open()
-            return
+            return None
         self._raw += ch
         if self._in_string:
             if self._escape:
@@ -284,11 +383,10 @@ class ToolCallScanner:
             self._depth += 1
         elif ch in "}]":
             self._depth -= 1
-        self._track_top_level(ch, deltas)
-        if self._depth == 0:
-            self._close(deltas)
+        self._track_top_level(ch)
+        return self._close() if self._depth == 0 else None
 
-    def _track_top_level(self, ch: str, deltas: list[ToolCallDelta]) -> None:
+    def _track_top_level(self, ch: str) -> None:
         """Follow the object's own keys and values (not those of nested ones)."""
         at = len(self._raw) - 1
         if self._state == "key" and ch == '"':
@@ -299,12 +397,10 @@ class ToolCallScanner:
             self._state = "value"
         elif self._state == "value" and not ch.isspace():
             self._state, self._value_start = "in_value", at
-            if self._key in self._argument_keys and ch in "{[":
-                self._arguments = (at, None)
         if self._state == "in_value":
             end = self._value_end(ch, at)
             if end is not None:
-                self._end_value(end, deltas)
+                self._end_value(end)
                 self._state = "key" if ch == "," else "after"
         elif self._state == "after" and ch == ",":
             self._state = "key"
@@ -320,46 +416,23 @@ class ToolCallScanner:
             return at
         return None
 
-    def _end_value(self, end: int, deltas: list[ToolCallDelta]) -> None:
+    def _end_value(self, end: int) -> None:
         value = self._raw[self._value_start : end]
         if self._key == "name":
             self._name = _json_or_none(value)
-            if isinstance(self._name, str) and not self._announced:
-                self._announced = True
-                deltas.append(ToolCallDelta(self.announced, name=self._name))
-                self.announced += 1
         elif self._key in self._argument_keys:
             self._arguments = (self._value_start, end)
 
-    def _send_arguments(self, deltas: list[ToolCallDelta]) -> None:
-        if not self._announced or self._arguments is None:
-            return
-        start, end = self._arguments
-        end = len(self._raw) if end is None else end
-        start = max(start, self._sent_to)
-        if end > start:
-            deltas.append(ToolCallDelta(self.announced - 1, arguments=self._raw[start:end]))
-            self._sent_to = end
-
-    def _close(self, deltas: list[ToolCallDelta]) -> None:
-        """The object is complete: send the rest of its arguments and keep it if it is a call."""
-        self._send_arguments(deltas)
-        if self._arguments is None:
-            arguments = "{}"
-            if self._announced:
-                deltas.append(ToolCallDelta(self.announced - 1, arguments=arguments))
-        else:
-            arguments = self._raw[self._arguments[0] : self._arguments[1]]
-        whole = _json_or_none(self._raw)
+    def _close(self) -> ToolCall | None:
+        """The object is complete: the call it is, or None."""
+        arguments = "{}" if self._arguments is None else self._raw[slice(*self._arguments)]
         valid = (
-            isinstance(whole, dict)
+            isinstance(_json_or_none(self._raw), dict)
             and isinstance(self._name, str)
             and isinstance(_json_or_none(arguments), dict)
         )
-        if valid:
-            self.calls.append(ToolCall(self._name, arguments))
-        self.all_valid = self.all_valid and valid
-        self._raw, self._arguments, self._announced = "", None, False
+        self._raw = ""
+        return ToolCall(self._name, arguments) if valid else None
 
 
 def _json_or_none(text: str) -> Any:

@@ -32,12 +32,30 @@ def render_chat_template(
     special_tokens: Mapping[str, str],
     tools: Any = None,
     documents: Any = None,
+    continue_final_message: bool = False,
     **template_kwargs: Any,
 ) -> str:
-    """Render an untrusted chat template in the strict sandbox, as transformers would."""
+    """Render an untrusted chat template in the strict sandbox, as transformers would.
+
+    continue_final_message leaves the last message open (transformers' option of that name):
+    the text ends where its content does, so generation continues it, an assistant prefill.
+    """
     template = _compile_template(source)
+    messages = _template_messages(messages)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatTemplateError(
+                "continue_final_message continues the last message and add_generation_prompt "
+                "opens a new one; ask for one of them"
+            )
+        content = messages[-1].get("content")
+        if not isinstance(content, str):
+            raise ChatTemplateError(
+                "continue_final_message needs a last message with text content to continue"
+            )
+        messages[-1]["content"] = content + _CONTINUE_TAG
     variables = {
-        "messages": _template_messages(messages),
+        "messages": messages,
         "tools": _plain_data(tools),
         "documents": _plain_data(documents),
         "add_generation_prompt": add_generation_prompt,
@@ -45,7 +63,7 @@ def render_chat_template(
         **_plain_data(template_kwargs),
     }
     try:
-        return template.render(**variables)
+        rendered = template.render(**variables)
     except SecurityError as exc:
         raise ChatTemplateError(
             f"the chat template was stopped by the sandbox: {exc}. A template may not reach "
@@ -57,6 +75,24 @@ def render_chat_template(
         raise ChatTemplateError(
             f"the chat template failed while rendering: {type(exc).__name__}: {exc}"
         ) from exc
+    return _cut_at_continuation(rendered) if continue_final_message else rendered
+
+
+# Marks where the continued message's content ends, as transformers marks it: the rendered text
+# is cut there, dropping whatever the template closes the message with.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_continuation(rendered: str) -> str:
+    at = rendered.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template drops or rewrites the last message's "
+            "content, so it cannot be continued"
+        )
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the content's trailing space
 
 
 class _TemplateRaised(TemplateError):
