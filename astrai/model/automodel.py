@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from astrai.config import ConfigError
+from astrai.model.checkpoint import WeightShard
 from astrai.model.transformer import Transformer
-from astrai.model.weights.checkpoint import WeightShard
 from astrai.model.weights.gguf import load_gguf
 from astrai.model.weights.quantize import quantization_type
 from astrai.model.weights.safetensors import load_safetensors

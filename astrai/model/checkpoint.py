@@ -1,4 +1,4 @@
-"""What every weight reader shares: its error, a tensor-parallel rank's share, progress."""
+"""What every checkpoint reader shares: its error, a tensor-parallel rank's share, progress."""
 
 from __future__ import annotations
 

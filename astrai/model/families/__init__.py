@@ -12,6 +12,7 @@ from typing import Any
 from gguf import GGUFReader
 
 from astrai.config import NATIVE_MODEL_TYPE, ConfigError, ModelConfig
+from astrai.model.checkpoint import CheckpointError
 from astrai.model.families.family import Family
 from astrai.model.families.gemma import GEMMA2, GEMMA3
 from astrai.model.families.gguf_config import read_gguf_config
@@ -22,7 +23,6 @@ from astrai.model.families.llama import LLAMA, MISTRAL, MIXTRAL
 from astrai.model.families.olmo2 import OLMO2
 from astrai.model.families.phi3 import PHI3
 from astrai.model.families.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
-from astrai.model.weights.checkpoint import CheckpointError
 
 # In the order error messages list them.
 FAMILIES = (

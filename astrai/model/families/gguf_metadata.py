@@ -7,7 +7,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType
 
-from astrai.model.weights.checkpoint import CheckpointError
+from astrai.model.checkpoint import CheckpointError
 
 
 def metadata_value(reader: GGUFReader, name: str, default: Any = ...) -> Any:

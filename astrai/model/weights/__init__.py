@@ -1,1 +1,1 @@
-"""Readers of model weight formats beyond a safetensors directory."""
+"""Readers of model weight formats: safetensors directories, GGUF files, hub ids."""

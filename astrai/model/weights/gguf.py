@@ -22,10 +22,10 @@ from gguf.quants import dequantize as decode_blocks
 from astrai.config import ConfigError, ModelConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
 from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight, concat_columns
+from astrai.model.checkpoint import CheckpointError, WeightShard, loading, part_rows
 from astrai.model.families import config_from_gguf, gguf_architecture, gguf_family
 from astrai.model.families.gguf_config import LONGROPE_FACTORS, ROPE_FREQS
 from astrai.model.transformer import Transformer
-from astrai.model.weights.checkpoint import CheckpointError, WeightShard, loading, part_rows
 from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import logging
 from os import PathLike
 from pathlib import Path
 
-from astrai.model.weights.checkpoint import CheckpointError
+from astrai.model.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 

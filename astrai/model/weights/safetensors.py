@@ -20,9 +20,9 @@ from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
 from astrai.config import ModelConfig
+from astrai.model.checkpoint import CheckpointError, WeightShard, loading, part_rows
 from astrai.model.families import Family, read_checkpoint_config
 from astrai.model.transformer import WEIGHTS_FILE, Transformer
-from astrai.model.weights.checkpoint import CheckpointError, WeightShard, loading, part_rows
 from astrai.model.weights.quantize import quantize_into
 
 log = logging.getLogger(__name__)
