@@ -14,8 +14,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from astrai.config import ACTIVATION_PRECISIONS
 from astrai.inference.executor import ExecutorFailedError, ModelExecutor
 from astrai.inference.kv_cache import PagedCache
+from astrai.kernels.quant_ops import DEFAULT_ACTIVATION_PRECISION
 
 STOP_MESSAGE, KV_POOL, STEP = 0, 1, 2  # the kinds of rank 0's messages, a header's first int
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # as KV_POOL names them
@@ -51,13 +53,22 @@ class TensorParallelExecutor(ModelExecutor):
         cache: PagedCache,
         max_batch_size: int = 256,
         batch_invariant: bool = True,
+        activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
     ) -> None:
         super().__init__(
-            model, cache, max_batch_size=max_batch_size, batch_invariant=batch_invariant
+            model,
+            cache,
+            max_batch_size=max_batch_size,
+            batch_invariant=batch_invariant,
+            activation_precision=activation_precision,
         )
         self.group = group
         dtype = KV_DTYPES.index(cache.k_cache.dtype)
-        group.send([KV_POOL, cache.n_pages, cache.page_size, dtype, int(batch_invariant)])
+        precision = ACTIVATION_PRECISIONS.index(activation_precision)
+        group.send(
+            [KV_POOL, cache.n_pages, cache.page_size, dtype, int(batch_invariant)],
+            torch.tensor([precision]),
+        )
 
     def forward(
         self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
@@ -147,6 +158,7 @@ def serve_steps(group: StepChannel, model: torch.nn.Module) -> None:
             return
         if header[0] == KV_POOL:
             _, n_pages, page_size, dtype, batch_invariant = header
+            precision = ACTIVATION_PRECISIONS[int(group.receive_body(1)[0])]
             config = model.config
             cache = PagedCache(
                 config.n_layers,
@@ -159,7 +171,12 @@ def serve_steps(group: StepChannel, model: torch.nn.Module) -> None:
                 enable_prefix_cache=False,
             )
             cache.tasks = PlannedPages()
-            executor = ModelExecutor(model, cache, batch_invariant=bool(batch_invariant))
+            executor = ModelExecutor(
+                model,
+                cache,
+                batch_invariant=bool(batch_invariant),
+                activation_precision=precision,
+            )
             continue
         seqs, token_ids, tables, rows = unpack_step(
             header, group.receive_body(step_body_size(header))
