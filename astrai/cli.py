@@ -24,6 +24,7 @@ from astrai.inference import (
     InvalidParamsError,
     RequestError,
 )
+from astrai.server.reasoning import PARSERS as REASONING_PARSERS
 from astrai.server.tool_parsers import PARSERS
 
 log = logging.getLogger("astrai")
@@ -286,6 +287,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the format the model writes tool calls in (default: the one its chat template "
         "shows; without either, chat requests with tools are refused)",
     )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="the format of the model's think blocks, answered apart from the text as "
+        "reasoning_content, thinking blocks and reasoning items (default: think when the chat "
+        "template mentions <think>, else none)",
+    )
     _add_serve_limits(serve)
     _add_engine_flags(serve)
     serve.set_defaults(command=_serve, parser=serve, settings=(EngineConfig,))
@@ -475,6 +483,7 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
             read_timeout=args.read_timeout,
             docs=args.docs,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except BaseException:
         engine.close()

@@ -27,6 +27,7 @@ from astrai.cli import DEMO_MODEL_DIR, _parser, add_flags, from_flags, main
 from astrai.config import EngineConfig, parse_kv_cache_memory
 from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
 from astrai.inference.constraints import Constraint
+from astrai.inference.task import ThinkingBudget
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -263,6 +264,8 @@ def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
         return [flag, "1=-100,2=5"], {1: -100.0, 2: 5.0}
     if kind == Constraint | None:
         return [flag, '{"type": "object"}'], Constraint.json_schema({"type": "object"})
+    if kind == ThinkingBudget | None:
+        return [flag, "5:1,2"], ThinkingBudget(5, (1, 2))
     if kind is str:  # a choice, such as kv_cache_dtype
         value = next(choice for choice in spec.metadata["choices"] if choice != default)
         return [flag, value], value

@@ -437,6 +437,7 @@ class InferenceEngine:
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids),
             ("stop_token_ids", params.stop_token_ids),
+            ("thinking_budget", params.thinking_budget.end_ids if params.thinking_budget else ()),
         ):
             outside = sorted(t for t in ids if t >= vocab)
             if outside:

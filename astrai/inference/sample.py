@@ -105,6 +105,8 @@ class SamplingBatch:
     allowed_rows: Tensor | None  # [R] int64, the rows with allowed_token_ids
     banned: TokenOccurrences | None  # stop tokens of rows short of their min_tokens
     mask: TokenMask | None  # the constrained rows' grammar masks
+    forced_rows: Tensor | None  # [F] int64, rows whose thinking budget forces their token
+    forced_ids: Tensor | None  # [F] int64, the token each of them must take
     seeded_rows: Tensor | None  # [S] int64, random rows with a seed
     seeded_uniforms: Tensor | None  # [S] float32, seeded_uniform(seed, len(output_ids))
     logprobs: list[int | None]  # per row: None, or how many alternatives besides the chosen
@@ -178,6 +180,12 @@ class SamplingBatch:
                 device,
             )
 
+        forced = [
+            p.thinking_budget and p.thinking_budget.forced_token(ids)
+            for p, ids in zip(params, output_ids, strict=True)
+        ]
+        forced_rows = [i for i, token in enumerate(forced) if token is not None]
+
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         uniforms = [seeded_uniform(params[i].seed, len(output_ids[i])) for i in seeded]
         return cls(
@@ -199,6 +207,10 @@ class SamplingBatch:
             allowed_rows=allowed_rows,
             banned=banned,
             mask=mask,
+            forced_rows=torch.tensor(forced_rows, device=device) if forced_rows else None,
+            forced_ids=torch.tensor([forced[i] for i in forced_rows], device=device)
+            if forced_rows
+            else None,
             seeded_rows=torch.tensor(seeded, dtype=torch.long, device=device) if seeded else None,
             seeded_uniforms=torch.tensor(uniforms, device=device) if seeded else None,
             logprobs=[p.logprobs for p in params],
@@ -289,6 +301,18 @@ class ConstraintMaskStrategy(BaseSamplingStrategy):
         return batch.mask.apply(logits.clone())
 
 
+class ForcedTokenStrategy(BaseSamplingStrategy):
+    """A spent thinking budget: the row's next token is the one it forces, whatever the model
+    and the other strategies make of it."""
+
+    def apply(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.forced_rows is None:
+            return logits
+        forced = logits.index_fill(0, batch.forced_rows, float("-inf"))
+        forced[batch.forced_rows, batch.forced_ids] = 0.0
+        return forced
+
+
 class TemperatureStrategy(BaseSamplingStrategy):
     """Divides each row's logits by its temperature (greedy rows carry 1)."""
 
@@ -375,6 +399,7 @@ class SamplingPipeline:
                 AllowedTokensStrategy(),
                 MinTokensStrategy(),
                 ConstraintMaskStrategy(),
+                ForcedTokenStrategy(),
                 TemperatureStrategy(),
                 TopKStrategy(),
                 TopPStrategy(),

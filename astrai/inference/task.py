@@ -112,6 +112,51 @@ def parse_logit_bias(text: str) -> dict[int, float]:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `tokens` tokens of thinking: once that many are generated without end_ids (a
+    reasoning model's </think>) among them, end_ids are forced next, one token a step."""
+
+    tokens: int
+    end_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_range("thinking_budget's tokens", self.tokens, 0, 1 << 30, integer=True)
+        ends = tuple(self.end_ids)
+        if not ends or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ends):
+            raise InvalidParamsError(
+                "thinking_budget's end_ids must be one or more non-negative token ids, got "
+                f"{self.end_ids!r}"
+            )
+        object.__setattr__(self, "end_ids", ends)
+
+    @classmethod
+    def parse(cls, text: str) -> ThinkingBudget:
+        """A budget from text such as "512:151668" (the command line's form)."""
+        tokens, _, ids = text.partition(":")
+        try:
+            return cls(int(tokens), tuple(int(i) for i in ids.split(",")))
+        except ValueError:
+            raise InvalidParamsError(
+                f"expected N:ID[,ID...], tokens and the ids that end thinking, such as "
+                f"512:151668, got {text!r}"
+            ) from None
+
+    def forced_token(self, output_ids: Sequence[int]) -> int | None:
+        """The token forced after output_ids, or None: thinking that ended on its own (end_ids
+        within the budget's tokens) is left alone, and end_ids are forced once each."""
+        if len(output_ids) < self.tokens:
+            return None
+        forced = len(output_ids) - self.tokens
+        if forced >= len(self.end_ids) or self._ended(output_ids[: self.tokens]):
+            return None
+        return self.end_ids[forced]
+
+    def _ended(self, ids: Sequence[int]) -> bool:
+        size, ends = len(self.end_ids), list(self.end_ids)
+        return any(list(ids[i : i + size]) == ends for i in range(len(ids) - size + 1))
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """Immutable sampling and stopping settings of one request; validated on construction.
 
@@ -173,6 +218,13 @@ class GenerationParams:
         metavar="SCHEMA",
         parse=Constraint.json_schema,
     )
+    thinking_budget: ThinkingBudget | None = setting(
+        None,
+        "think at most N tokens: once N are generated without the ids that end thinking (a "
+        "reasoning model's </think>) among them, those ids are forced next",
+        metavar="N:ID[,ID...]",
+        parse=ThinkingBudget.parse,
+    )
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
@@ -220,6 +272,16 @@ class GenerationParams:
                 "constraint must be a Constraint (Constraint.json_schema(...), .regex(...), "
                 f".choice(...), .grammar(...), .json_object()), got {self.constraint!r}"
             )
+
+        if self.thinking_budget is not None:
+            if not isinstance(self.thinking_budget, ThinkingBudget):
+                raise InvalidParamsError(
+                    f"thinking_budget must be a ThinkingBudget, got {self.thinking_budget!r}"
+                )
+            if self.constraint is not None:
+                raise InvalidParamsError(
+                    "thinking_budget forces tokens that a constraint may forbid; give one of them"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -12,10 +12,12 @@ from fastapi import APIRouter, Request
 
 from astrai.inference import TaskResult
 from astrai.inference.constraints import ConstraintError
+from astrai.inference.task import ThinkingBudget
 from astrai.server.errors import APIError, anthropic_error_body
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import Generation, GenerationService
 from astrai.server.protocol import CountTokensRequest, MessagesRequest
+from astrai.server.reasoning import ReasoningStream
 from astrai.server.sse import EventStreamResponse, sse_event
 from astrai.server.tool_parsers import ToolCallDelta, ToolChoice, ToolUse
 
@@ -38,7 +40,50 @@ async def _prompt(
         messages,
         tools=tools.definitions,
         continue_final_message=prefill,
+        template_kwargs=_thinking_kwargs(service, body),
     )
+
+
+def _thinking_kwargs(
+    service: GenerationService, body: MessagesRequest | CountTokensRequest
+) -> dict | None:
+    """thinking as the chat template's enable_thinking (Qwen3's switch), when it is given;
+    thinking needs a reasoning model."""
+    if body.thinking is None:
+        return None
+    enabled = body.thinking.type != "disabled"
+    if enabled and service.reasoning_parser is None:
+        raise APIError(
+            400,
+            "thinking needs a model that thinks in a format astrai reads, and this model's chat "
+            "template shows none; start astrai serve with --reasoning-parser think, or leave "
+            "thinking out",
+            param="thinking",
+        )
+    return {"enable_thinking": enabled}
+
+
+def _thinking_budget(service: GenerationService, body: MessagesRequest, tools: ToolUse) -> dict:
+    """The GenerationParams that end thinking once budget_tokens are spent."""
+    if body.thinking is None or body.thinking.budget_tokens is None:
+        return {}
+    budget = body.thinking.budget_tokens
+    if budget >= body.max_tokens:
+        raise APIError(
+            400,
+            f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+            f"({body.max_tokens}), which counts the thinking too",
+            param="thinking.budget_tokens",
+        )
+    if tools.constraint is not None:
+        raise APIError(
+            400,
+            "thinking cannot be combined with tool_choice any or tool, which force a call at "
+            "once; use tool_choice auto",
+            param="thinking",
+        )
+    end_ids = service.tokenizer.encode(service.reasoning_parser.end, add_special_tokens=False)
+    return {"thinking_budget": ThinkingBudget(budget, tuple(end_ids))}
 
 
 def _tool_use(service: GenerationService, body: MessagesRequest | CountTokensRequest) -> ToolUse:
@@ -71,8 +116,18 @@ def _tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-def _content(text: str, tools: ToolUse) -> tuple[list[dict], bool]:
-    """The answer's content blocks, and whether it calls tools."""
+def _content(text: str, tools: ToolUse, reasoning: str | None) -> tuple[list[dict], bool]:
+    """The answer's content blocks (after a thinking block with the reasoning, when there is
+    one), and whether it calls tools."""
+    blocks, called = _answer_blocks(text, tools)
+    if reasoning is None:
+        return blocks, called
+    # An answer cut off while thinking is its thinking block alone, as Anthropic's.
+    blocks = [block for block in blocks if block != {"type": "text", "text": ""}]
+    return [{"type": "thinking", "thinking": reasoning, "signature": ""}, *blocks], called
+
+
+def _answer_blocks(text: str, tools: ToolUse) -> tuple[list[dict], bool]:
     if tools.parser is not None:
         before, calls = tools.parser.parse(text)
         if calls:
@@ -137,6 +192,7 @@ async def messages(body: MessagesRequest, request: Request):
         top_k=body.top_k,
         stop=body.stop_sequences or (),
         constraint=tools.constraint,
+        **_thinking_budget(service, body, tools),
     )
     generation = service.submit([prompt], params)
     message = {
@@ -145,12 +201,17 @@ async def messages(body: MessagesRequest, request: Request):
         "role": "assistant",
         "model": service.model_name,
     }
+    parser = service.reasoning_parser
+    opened = parser is not None and parser.opened_by(service.tokenizer, prompt)
     if body.stream:
-        return EventStreamResponse(_message_events(generation, message, len(prompt), tools))
+        reasoning = parser and parser.stream(opened)
+        blocks = _StreamedBlocks(tools, reasoning)
+        return EventStreamResponse(_message_events(generation, message, len(prompt), blocks))
     outputs = await generation.collect(request)
     result = outputs[0].result
     usage = _input_usage(result.prompt_tokens, result.cached_tokens)
-    content, called = _content(result.text, tools)
+    reasoning, text = (None, result.text) if parser is None else parser.split(result.text, opened)
+    content, called = _content(text, tools, reasoning)
     return {
         **message,
         "content": content,
@@ -160,12 +221,11 @@ async def messages(body: MessagesRequest, request: Request):
 
 
 async def _message_events(
-    generation: Generation, message: dict, prompt_tokens: int, tools: ToolUse
+    generation: Generation, message: dict, prompt_tokens: int, blocks: _StreamedBlocks
 ) -> AsyncIterator[str]:
     # message_start waits for the first engine event: only then is it known how much of the
     # prompt the prefix cache served, so its input usage equals the final one.
     opened = False
-    blocks = _StreamedBlocks(tools)
     async with aclosing(generation.events()) as events:
         async for event in events:
             if not opened:
@@ -201,10 +261,12 @@ async def _message_events(
 class _StreamedBlocks:
     """One answer's content blocks as Anthropic streams them: text, then tool_use blocks (each
     started with an empty input, its arguments then sent as input_json_delta fragments), every
-    block stopped before the next starts."""
+    block stopped before the next starts. A thinking block, with its thinking_delta fragments,
+    comes first."""
 
-    def __init__(self, tools: ToolUse) -> None:
+    def __init__(self, tools: ToolUse, reasoning: ReasoningStream | None = None) -> None:
         self._stream = None if tools.parser is None else tools.parser.stream()
+        self._reasoning = reasoning
         self._parallel = tools.parallel
         self._forced = tools.forced
         self._index = -1  # the open block's, or the last one's
@@ -212,20 +274,43 @@ class _StreamedBlocks:
         self.called = False
 
     def opening(self) -> list[str]:
-        """Without tools the text block opens at once, before any text."""
-        return self._start({"type": "text", "text": ""}) if self._stream is None else []
+        """Without tools or thinking the text block opens at once, before any text."""
+        if self._stream is None and self._reasoning is None:
+            return self._start({"type": "text", "text": ""})
+        return []
 
     def feed(self, text: str) -> list[str]:
+        if self._reasoning is None:
+            return self._answer(text)
+        thinking, text = self._reasoning.feed(text)
+        return self._thinking(thinking) + self._answer(text)
+
+    def finish(self) -> list[str]:
+        frames = []
+        if self._reasoning is not None:
+            thinking, text = self._reasoning.finish()
+            frames = self._thinking(thinking) + self._answer(text)
+        if self._stream is not None:
+            frames += self._text(self._stream.finish())
+        if self._index < 0:  # an empty answer is one empty text block
+            frames += self._start({"type": "text", "text": ""})
+        return frames + self._stop()
+
+    def _answer(self, text: str) -> list[str]:
         if self._stream is None:
             return self._text(text)
         content, calls = self._stream.feed(text)
         return self._text(content) + self._calls(calls)
 
-    def finish(self) -> list[str]:
-        frames = [] if self._stream is None else self._text(self._stream.finish())
-        if self._index < 0:  # an empty answer is one empty text block
-            frames += self._start({"type": "text", "text": ""})
-        return frames + self._stop()
+    def _thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        frames = []
+        if self._open != "thinking":
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            frames = self._stop() + self._start(block)
+        delta = {"type": "thinking_delta", "thinking": text}
+        return frames + [sse_event("content_block_delta", {"index": self._index, "delta": delta})]
 
     def _text(self, text: str) -> list[str]:
         if not text or self._forced:

@@ -23,6 +23,7 @@ from astrai.server.hosts import HostCheck
 from astrai.server.lifecycle import Drain, DrainGate
 from astrai.server.limits import RequestBodyLimit
 from astrai.server.metrics import RequestCounter, ServerMetrics
+from astrai.server.reasoning import reasoning_parser_for
 from astrai.server.tool_parsers import tool_call_parser_for
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ def create_app(
     read_timeout: float = defaults.READ_TIMEOUT,
     docs: bool = False,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving one loaded engine under model_name.
 
@@ -46,14 +48,20 @@ def create_app(
     max_request_bytes and arrive within read_timeout seconds. /docs, /redoc and /openapi.json
     exist only with docs, behind the key when there is one. tool_call_parser names the format
     tool calls are read in (astrai.server.tool_parsers.PARSERS); without it the chat template
-    shows it, or chat requests with tools are refused.
+    shows it, or chat requests with tools are refused. reasoning_parser names the format of the
+    model's think blocks (astrai.server.reasoning.PARSERS), which answers give apart from the
+    text; without it a chat template that mentions <think> picks the think parser.
     """
     doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
     metrics = ServerMetrics(engine)
     templates = engine.tokenizer.chat_templates.values()
     service = GenerationService(
-        engine, model_name, metrics, tool_call_parser_for(tool_call_parser, templates)
+        engine,
+        model_name,
+        metrics,
+        tool_call_parser_for(tool_call_parser, templates),
+        reasoning_parser_for(reasoning_parser, templates),
     )
     app.state.service = service
     app.state.drain = Drain(service)

@@ -114,7 +114,6 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "prompt_cache_options": Refused(HOSTED),
         "echo": Refused(PROMPT, noop=(False,)),
         "chat_template": Refused(TEMPLATE),
-        "chat_template_kwargs": Refused(TEMPLATE, noop=({},)),
         "documents": Refused(TEMPLATE, noop=([],)),
     },
     CompletionRequest: {
@@ -136,9 +135,6 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "cache_control": NoOp("astrai's prefix cache caches every prompt without being asked")
     },
     MessagesRequest: {
-        "thinking": Refused(
-            "is not supported: astrai sets the model no thinking budget", ({"type": "disabled"},)
-        ),
         "output_config": Refused(STRUCTURED),
         "cache_control": NoOp("astrai's prefix cache caches every prompt without being asked"),
         "speed": Refused("is not supported: astrai has one speed", noop=("standard",)),

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +30,7 @@ from astrai.inference import (
 from astrai.inference.constraints import Constraint
 from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
+from astrai.server.reasoning import ReasoningParser
 from astrai.server.tool_parsers import HermesParser, ToolCallParser, ToolChoice, ToolUse
 from astrai.tokenize import ChatTemplateError
 
@@ -178,6 +179,7 @@ class GenerationService:
         model_name: str,
         metrics: ServerMetrics,
         tool_parser: ToolCallParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -205,6 +207,7 @@ class GenerationService:
                 tool_parser.name,
             )
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
 
     def stop_running(self) -> None:
         """Refuse new submissions and end every running generation with the shutting-down error."""
@@ -315,13 +318,15 @@ class GenerationService:
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The same encoding as InferenceEngine.generate by default, so greedy results match it.
 
         A message without content has empty content, as vLLM hands it (templates concatenate
         it). tools (OpenAI function definitions) go to the template as transformers hands them,
         or into the messages when the template drops them. continue_final_message leaves the
-        last message open for the answer to continue (an assistant prefill).
+        last message open for the answer to continue (an assistant prefill). template_kwargs
+        reach the template as variables (enable_thinking, ...).
         add_special_tokens adds the tokenizer's own (a bos) on top of the template's. Encoding
         runs in a worker thread: a prompt of megabytes takes seconds to tokenize, and the event
         loop must keep serving other clients meanwhile.
@@ -347,6 +352,7 @@ class GenerationService:
                 tokenize=False,
                 tools=tools,
                 continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
             return tokenizer.encode(text, add_special_tokens)
 

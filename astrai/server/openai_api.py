@@ -17,6 +17,7 @@ from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import ChoiceOutput, Generation, GenerationService, Usage
 from astrai.server.logprobs import chat_logprobs, completion_logprobs
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from astrai.server.reasoning import ReasoningStream
 from astrai.server.sse import EventStreamResponse, sse_data
 from astrai.server.tool_parsers import (
     ToolCall,
@@ -164,6 +165,26 @@ def _continuous_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.continuous_usage_stats
 
 
+# Variables of the chat template that astrai sets itself.
+_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict:
+    """chat_template_kwargs, the chat template's own variables (enable_thinking, ...)."""
+    kwargs = body.chat_template_kwargs or {}
+    taken = sorted(_TEMPLATE_VARIABLES & set(kwargs))
+    if taken:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may not set {taken[0]!r}, which astrai sets from the "
+            "request's own fields",
+            param="chat_template_kwargs",
+        )
+    return kwargs
+
+
 def _check_request(
     service: GenerationService, body: ChatCompletionRequest | CompletionRequest
 ) -> None:
@@ -236,7 +257,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.add_special_tokens,
         tools.definitions,
         continue_final_message=body.continue_final_message,
+        template_kwargs=_template_kwargs(body),
     )
+    parser = service.reasoning_parser
+    opened = parser is not None and parser.opened_by(service.tokenizer, prompt)
     [prompt] = service.truncate([prompt], body.truncate_prompt_tokens)
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:
@@ -252,12 +276,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = service.model_name
     if body.stream:
-        return EventStreamResponse(_chat_chunks(generation, head, service.tokenizer, body, tools))
+        return EventStreamResponse(_chat_chunks(generation, head, service, body, tools, opened))
     outputs = await generation.collect(request)
     choices = []
     for i, out in enumerate(outputs):
         text = out.result.text + _stop_text(body, out.result)
+        reasoning = None
+        if service.reasoning_parser is not None:
+            reasoning, text = service.reasoning_parser.split(text, opened)
         message, called = _chat_message(text, tools)
+        if service.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
         lp = chat_logprobs(service.tokenizer, out.logprobs) if body.logprobs else None
         finish_reason = _finish_reason(out.result, called)
         choices.append(
@@ -315,10 +344,18 @@ async def _stream_chunks(
 
 
 def _chat_chunks(
-    generation: Generation, head: dict, tokenizer, body: ChatCompletionRequest, tools: ToolUse
+    generation: Generation,
+    head: dict,
+    service: GenerationService,
+    body: ChatCompletionRequest,
+    tools: ToolUse,
+    opened: bool,
 ) -> AsyncIterator[str]:
+    """opened: the prompt left a think block open for the answer to close."""
+    tokenizer = service.tokenizer
     choices = range(generation.num_choices)
-    calls = [_StreamedCalls(tools) for _ in choices]
+    parser = service.reasoning_parser
+    calls = [_StreamedCalls(tools, parser and parser.stream(opened)) for _ in choices]
 
     def entry(choice: int, delta: dict, logprobs: dict | None = None) -> dict:
         return {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": None}
@@ -350,26 +387,42 @@ def _chat_chunks(
     )
 
 
+def _reasoning_deltas(reasoning: str) -> list[dict]:
+    return [{"reasoning_content": reasoning}] if reasoning else []
+
+
 class _StreamedCalls:
     """One choice's streamed text as chat deltas: content, or tool calls as OpenAI streams them
     (a call's index, id, type and name first, then fragments of its arguments)."""
 
-    def __init__(self, tools: ToolUse) -> None:
+    def __init__(self, tools: ToolUse, reasoning: ReasoningStream | None = None) -> None:
         self._stream: ToolCallStream | None = (
             None if tools.parser is None else tools.parser.stream()
         )
         self._parallel = tools.parallel
         self._forced = tools.forced
+        self._reasoning = reasoning
         self.called = False
 
     def feed(self, text: str) -> list[dict]:
+        """The deltas of a piece of text: reasoning_content first, as vLLM streams it."""
+        if self._reasoning is None:
+            return self._answer(text)
+        reasoning, text = self._reasoning.feed(text)
+        return _reasoning_deltas(reasoning) + self._answer(text)
+
+    def finish(self) -> list[dict]:
+        deltas = []
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.finish()
+            deltas = _reasoning_deltas(reasoning) + self._answer(text)
+        return deltas + ([] if self._stream is None else self._deltas(self._stream.finish(), []))
+
+    def _answer(self, text: str) -> list[dict]:
         if self._stream is None:
             return [{"content": text}] if text else []
         content, calls = self._stream.feed(text)
         return self._deltas(content, calls)
-
-    def finish(self) -> list[dict]:
-        return [] if self._stream is None else self._deltas(self._stream.finish(), [])
 
     def _deltas(self, content: str, calls: list[ToolCallDelta]) -> list[dict]:
         deltas = [{"content": content}] if content and not self._forced else []

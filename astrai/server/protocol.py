@@ -263,7 +263,7 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template holds the special tokens already
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
     documents: Any = None
 
 
@@ -305,8 +305,13 @@ class AnthropicMessage(_Request):
         if wrong in kinds:
             raise ValueError(f"a {self.role} message cannot hold a {wrong} block")
         if not isinstance(self.content, str):
-            _text_of([block for block in self.content if not _is_tool_block(block)])
+            for block in filter(_is_thinking_block, self.content):
+                _thinking_of(block, self.role)
+            _text_of(self._text_blocks())
         return self
+
+    def _text_blocks(self) -> list[Any]:
+        return [b for b in self.content if not (_is_tool_block(b) or _is_thinking_block(b))]
 
     def _tool_blocks(self) -> list[dict]:
         return [] if isinstance(self.content, str) else list(filter(_is_tool_block, self.content))
@@ -316,10 +321,15 @@ class AnthropicMessage(_Request):
         tool_calls, and each tool_result block a tool message ahead of the user's text."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        text = _text_of([block for block in self.content if not _is_tool_block(block)])
+        text = _text_of(self._text_blocks())
         blocks = self._tool_blocks()
         if self.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            thinking = [
+                _thinking_of(b, self.role) for b in filter(_is_thinking_block, self.content)
+            ]
+            if thinking:
+                message["reasoning_content"] = "".join(thinking)
             if blocks:
                 message["tool_calls"] = [
                     {
@@ -335,6 +345,23 @@ class AnthropicMessage(_Request):
             for block in blocks
         ]
         return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+def _is_thinking_block(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") == "thinking"
+
+
+def _thinking_of(block: dict, role: str) -> str:
+    """A thinking block's text, which the chat template gets as the turn's reasoning_content;
+    its signature is accepted unchecked (astrai signs nothing)."""
+    if role != "assistant":
+        raise ValueError("only an assistant message may hold a thinking block")
+    unknown = sorted(key for key in block if key not in ("type", "thinking", "signature"))
+    if unknown:
+        raise ValueError(f"a thinking block's {unknown[0]!r} is not supported by astrai")
+    if not isinstance(block.get("thinking"), str):
+        raise ValueError("a thinking block needs a string 'thinking'")
+    return _unicode(block["thinking"])
 
 
 def _is_tool_block(block: Any) -> bool:
@@ -394,13 +421,26 @@ class AnthropicToolChoice(_Request):
         return self
 
 
+class AnthropicThinking(_Request):
+    """Extended thinking: enabled with a budget of tokens, adaptive (no budget), or disabled."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> AnthropicThinking:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError("thinking of type 'enabled' needs budget_tokens, and only it takes it")
+        return self
+
+
 class _AnthropicPrompt(_Request):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Any] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: Any = None
+    thinking: AnthropicThinking | None = None
     output_config: Any = None
     cache_control: Any = None
     speed: Any = None

@@ -35,6 +35,7 @@ from astrai.server.protocol import (
     ResponsesReasoning,
     ResponsesRequest,
 )
+from astrai.server.reasoning import ReasoningStream
 from astrai.server.sse import EventStreamResponse, sse_event
 from astrai.server.tool_parsers import ToolCallDelta, ToolChoice, ToolUse
 
@@ -194,7 +195,9 @@ async def create_response(body: ResponsesRequest, request: Request):
         constraint=await _constraint(service, body, tools),
     )
     generation = service.submit([prompt], params)
-    answer = _Answer(body, service.model_name, tools, conversation, store)
+    parser = service.reasoning_parser
+    opened = parser is not None and parser.opened_by(service.tokenizer, prompt)
+    answer = _Answer(body, service, tools, conversation, store, opened)
     if body.stream:
         return EventStreamResponse(answer.events(generation))
     [output] = await generation.collect(request)
@@ -217,10 +220,11 @@ class _Answer:
     """One response being answered: its object, its output items, and storing it."""
 
     body: ResponsesRequest
-    model: str
+    service: GenerationService
     tools: ToolUse
     conversation: list[dict]
     store: ResponseStore
+    opened: bool  # the prompt left a think block open for the answer to close
     id: str = field(default_factory=lambda: _new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -239,7 +243,7 @@ class _Answer:
             ),
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "model": self.model,
+            "model": self.service.model_name,
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
@@ -269,11 +273,15 @@ class _Answer:
     def finish(self, result: TaskResult, output: list[dict]) -> dict:
         """The final response object, stored unless store is false."""
         status = "incomplete" if result.finish_reason == "length" else "completed"
+        parser, reasoning_tokens = self.service.reasoning_parser, 0
+        if parser is not None:
+            tokenizer = self.service.tokenizer
+            reasoning_tokens = parser.reasoning_tokens(tokenizer, result.token_ids, self.opened)
         usage = {
             "input_tokens": result.prompt_tokens,
             "input_tokens_details": {"cached_tokens": result.cached_tokens},
             "output_tokens": result.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": result.prompt_tokens + result.completion_tokens,
         }
         response = self.response(status, output, usage)
@@ -283,23 +291,29 @@ class _Answer:
 
     def whole(self, result: TaskResult) -> dict:
         """The answer of a request that does not stream."""
-        status = "incomplete" if result.finish_reason == "length" else "completed"
-        text, calls = result.text, []
+        parser, text, calls, output = self.service.reasoning_parser, result.text, [], []
+        if parser is not None:
+            reasoning, text = parser.split(text, self.opened)
+            if reasoning is not None:
+                output.append(_reasoning_item([_PARTS["reasoning"](reasoning)]))
         if self.tools.parser is not None:
             content, calls = self.tools.parser.parse(text)
             if calls:
                 text = content
                 calls = calls if self.tools.parallel else calls[:1]
-        output = []
         if text and not self.tools.forced:
-            output.append({**_message_item(status), "content": [_text_part(text)]})
+            output.append(_message_item([_text_part(text)]))
         for call in calls:
-            output.append({**_call_item(call.name, status), "arguments": call.arguments})
+            output.append({**_call_item(call.name), "arguments": call.arguments})
+        # As streamed: every item done before the last, which ends as the response does.
+        if output and result.finish_reason == "length":
+            output[-1]["status"] = "incomplete"
         return self.finish(result, output)
 
     async def events(self, generation: Generation) -> AsyncIterator[str]:
         """The typed events of a streamed answer, each with its sequence number."""
-        items = _StreamedItems(self.tools)
+        parser = self.service.reasoning_parser
+        items = _StreamedItems(self.tools, parser and parser.stream(self.opened))
         number = 0
 
         def event(kind: str, data: dict) -> str:
@@ -332,18 +346,29 @@ class _Answer:
                 yield event(f"response.{status}", {"response": response})
 
 
-def _message_item(status: str) -> dict:
+def _message_item(content: list[dict], status: str = "completed") -> dict:
     item = {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": status}
-    return {**item, "content": []}
+    return {**item, "content": content}
+
+
+def _reasoning_item(content: list[dict], status: str = "completed") -> dict:
+    item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": content}
+    return {**item, "status": status}
 
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(name: str, status: str) -> dict:
+def _call_item(name: str, status: str = "completed") -> dict:
     item = {"id": _new_id("fc"), "type": "function_call", "status": status}
     return {**item, "call_id": _new_id("call"), "name": name, "arguments": ""}
+
+
+# Per kind of item with text: its new item, its text part, its delta and done events.
+_ITEMS = {"message": _message_item, "reasoning": _reasoning_item}
+_PARTS = {"message": _text_part, "reasoning": lambda text: {"type": "reasoning_text", "text": text}}
+_TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
 
 
 def _assistant_message(output: list[dict]) -> dict:
@@ -352,6 +377,8 @@ def _assistant_message(output: list[dict]) -> dict:
     for item in output:
         if item["type"] == "message":
             message["content"] = item["content"][0]["text"]
+        elif item["type"] == "reasoning":
+            message["reasoning_content"] = item["content"][0]["text"]
         elif item["type"] == "function_call":
             call = {"name": item["name"], "arguments": json.loads(item["arguments"])}
             message.setdefault("tool_calls", []).append(
@@ -361,37 +388,50 @@ def _assistant_message(output: list[dict]) -> dict:
 
 
 class _StreamedItems:
-    """A streamed answer's output items and the events that build them: a message's text as
-    output_text deltas, then each call's arguments as function_call_arguments deltas; an item is
-    done before the next is added."""
+    """A streamed answer's output items and the events that build them: a reasoning item's text
+    as reasoning_text deltas, a message's as output_text deltas, then each call's arguments as
+    function_call_arguments deltas; an item is done before the next is added."""
 
-    def __init__(self, tools: ToolUse) -> None:
+    def __init__(self, tools: ToolUse, reasoning: ReasoningStream | None = None) -> None:
         self._stream = None if tools.parser is None else tools.parser.stream()
+        self._reasoning = reasoning
         self._forced = tools.forced
         self._parallel = tools.parallel
         self.output: list[dict] = []
         self._open: dict | None = None
 
     def feed(self, text: str) -> list[tuple[str, dict]]:
-        if self._stream is None:
-            return self._text(text)
-        content, calls = self._stream.feed(text)
-        return self._text(content) + self._calls(calls)
+        if self._reasoning is None:
+            return self._answer(text)
+        reasoning, text = self._reasoning.feed(text)
+        return self._text("reasoning", reasoning) + self._answer(text)
 
     def finish(self, status: str) -> list[tuple[str, dict]]:
-        events = [] if self._stream is None else self._text(self._stream.finish())
+        events = []
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.finish()
+            events = self._text("reasoning", reasoning) + self._answer(text)
+        if self._stream is not None:
+            events += self._text("message", self._stream.finish())
         return events + self._close(status)
 
-    def _text(self, text: str) -> list[tuple[str, dict]]:
-        if not text or self._forced:
+    def _answer(self, text: str) -> list[tuple[str, dict]]:
+        if self._stream is None:
+            return self._text("message", text)
+        content, calls = self._stream.feed(text)
+        return self._text("message", content) + self._calls(calls)
+
+    def _text(self, kind: str, text: str) -> list[tuple[str, dict]]:
+        """Text of a message or reasoning item, the item and its part added first."""
+        if not text or (kind == "message" and self._forced):
             return []
         events = []
-        if self._open is None or self._open["type"] != "message":
-            events = self._close("completed") + self._add(_message_item("in_progress"))
-            self._open["content"].append(_text_part(""))
-            events.append(self._event("response.content_part.added", part=_text_part("")))
+        if self._open is None or self._open["type"] != kind:
+            events = self._close("completed") + self._add(_ITEMS[kind]([], "in_progress"))
+            self._open["content"].append(_PARTS[kind](""))
+            events.append(self._event("response.content_part.added", part=_PARTS[kind]("")))
         self._open["content"][0]["text"] += text
-        events.append(self._event("response.output_text.delta", delta=text))
+        events.append(self._event(f"{_TEXT_EVENTS[kind]}.delta", delta=text))
         return events
 
     def _calls(self, calls: list[ToolCallDelta]) -> list[tuple[str, dict]]:
@@ -412,7 +452,7 @@ class _StreamedItems:
         where = {"output_index": len(self.output) - 1}
         if kind != "response.output_item.added" and kind != "response.output_item.done":
             where["item_id"] = self._open["id"]
-            if self._open["type"] == "message":
+            if self._open["type"] in _ITEMS:
                 where["content_index"] = 0
         return kind, copy.deepcopy({**where, **data})
 
@@ -425,9 +465,9 @@ class _StreamedItems:
         item = self._open
         if item is None:
             return []
-        if item["type"] == "message":
+        if item["type"] in _ITEMS:
             part = item["content"][0]
-            events = [self._event("response.output_text.done", text=part["text"])]
+            events = [self._event(f"{_TEXT_EVENTS[item['type']]}.done", text=part["text"])]
             events.append(self._event("response.content_part.done", part=part))
         else:
             kind = "response.function_call_arguments.done"
