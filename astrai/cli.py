@@ -16,7 +16,7 @@ import time
 import typing
 from pathlib import Path
 
-from astrai.config import ConfigError, EngineConfig
+from astrai.config import ConfigError, EngineConfig, LoadConfig
 from astrai.inference import (
     GenerationParams,
     GenerationRequest,
@@ -66,13 +66,19 @@ def main(argv: list[str] | None = None) -> int:
 # -- flags ------------------------------------------------------------------------------------
 
 
-def add_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    title: str,
+    cls: type,
+    parsers: dict[str, typing.Callable[[str], typing.Any]] | None = None,
+) -> None:
     """Add a group of flags, one per field of the dataclass cls, so a new field needs no CLI edit.
 
     The flag is --field-name unless metadata["flag"] spells it otherwise; its help, choices,
     metavar and parser come from the field's metadata, its type from the annotation: a bool
     is --flag/--no-flag, an optional type keeps None when the flag is absent, and a tuple is
-    a flag given once per item.
+    a flag given once per item. parsers gives a field's parser where it lives above
+    astrai.config, which cannot import it (LoadConfig.quantization's, in astrai.model).
     """
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
@@ -89,7 +95,8 @@ def add_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
             if typing.get_origin(kind) is tuple:
                 kind = typing.get_args(kind)[0]
                 options["action"] = "append"
-            parse = _flag_parser(meta["parse"]) if "parse" in meta else kind
+            parse = (parsers or {}).get(spec.name, meta.get("parse"))
+            parse = kind if parse is None else _flag_parser(parse)
             options.update(type=parse, metavar=meta.get("metavar", METAVARS.get(kind)))
             options["choices"] = meta.get("choices")
         group.add_argument(flag, **options)
@@ -135,57 +142,7 @@ def _flag_parser(parse):
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model",
-        metavar="DIR|FILE|ID",
-        help="a model directory (Hugging Face Llama-family or native astrai), a .gguf file, or "
-        "a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (from the local cache, "
-        "downloaded unless HF_HUB_OFFLINE=1); default: the small demo model shipped with astrai",
-    )
-    group.add_argument(
-        "--revision",
-        metavar="REV",
-        help="branch, tag or commit of a Hugging Face id (default: main)",
-    )
-    group.add_argument(
-        "--gguf-file",
-        metavar="NAME",
-        help="the .gguf file to load from the --model directory or Hugging Face repo",
-    )
-    group.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="weight dtype, and the KV cache's unless --kv-cache-dtype; auto is bfloat16 on "
-        "CUDA, float32 on CPU "
-        "(default: %(default)s); a GGUF file's quantized linears keep their blocks",
-    )
-    group.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="dequantize a GGUF file's quantized linears to --dtype at load, instead of running "
-        "them on astrai's quantized kernels (slower; products without int8 activations)",
-    )
-    group.add_argument(
-        "--quantization",
-        type=_flag_parser(_quantization),
-        metavar="TYPE",
-        help="quantize a dense checkpoint's linears at load to GGUF blocks for astrai's "
-        "quantized CPU kernels: q8_0, q4_0 or q4_1 (by the gguf package's quantizer, which "
-        "has no K types: for q4_k load a Q4_K_M GGUF file)",
-    )
-    group.add_argument(
-        "--device",
-        default="auto",
-        metavar="DEVICE",
-        help="cpu, cuda or cuda:N; auto picks CUDA when present",
-    )
-    group.add_argument(
-        "--chat-template",
-        metavar="FILE_OR_TEXT",
-        help="a Jinja chat template (a file or its text) to use instead of the model's",
-    )
+    add_flags(parser, "model", LoadConfig, parsers={"quantization": _quantization})
     add_flags(parser, "engine", EngineConfig)
 
 
@@ -359,11 +316,12 @@ def _model_path(args: argparse.Namespace) -> Path:
     """The local directory or .gguf file that --model (with --revision, --gguf-file) names."""
     from astrai.model.weights.hub import resolve_model
 
-    name = args.model
+    load = from_flags(LoadConfig, args)
+    name = load.model
     if name is None:
         log.info("no --model given; using the demo model at %s", DEMO_MODEL_DIR)
         name = DEMO_MODEL_DIR
-    path = resolve_model(name, revision=args.revision, gguf_file=args.gguf_file)
+    path = resolve_model(name, revision=load.revision, gguf_file=load.gguf_file)
     if path != Path(name):
         log.info("model %s is %s", name, path)
     return path
@@ -372,8 +330,9 @@ def _model_path(args: argparse.Namespace) -> Path:
 def _model_name(args: argparse.Namespace, model_dir: Path) -> str:
     """The name a model goes by: a hub id as given (its snapshot directory is a commit hash),
     else the directory's or file's name."""
-    local = args.model is None or Path(args.model).exists()
-    return model_dir.resolve().name if local else args.model
+    model = from_flags(LoadConfig, args).model
+    local = model is None or Path(model).exists()
+    return model_dir.resolve().name if local else model
 
 
 def _model_sampling(params: GenerationParams, given: set[str], model_dir: Path):
@@ -410,27 +369,28 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
     from astrai.model import AutoModel
     from astrai.tokenize import AutoTokenizer
 
-    device = args.device
+    load = from_flags(LoadConfig, args)
+    device = load.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype
+    dtype = load.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
     if config.tensor_parallel_size > 1:
-        model = _load_sharded(args, config, model_dir, dtype, device)
+        model = _load_sharded(load, config, model_dir, dtype, device)
     else:
         model = AutoModel.from_pretrained(
             model_dir,
             dtype=dtype,
             device=device,
-            dequantize=args.dequantize,
-            quantization=args.quantization,
+            dequantize=load.dequantize,
+            quantization=load.quantization,
         )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=args.chat_template)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=load.chat_template)
     return InferenceEngine(model, tokenizer, config)
 
 
-def _load_sharded(args: argparse.Namespace, config: EngineConfig, model_dir: Path, dtype, device):
+def _load_sharded(load: LoadConfig, config: EngineConfig, model_dir: Path, dtype, device):
     """Rank 0's shard of a tensor-parallel model (under torchrun, the other ranks serve steps
     inside this call and exit)."""
     from astrai.distributed import load_sharded
@@ -440,8 +400,8 @@ def _load_sharded(args: argparse.Namespace, config: EngineConfig, model_dir: Pat
         config.tensor_parallel_size,
         dtype=dtype,
         device=device,
-        dequantize=args.dequantize,
-        quantization=args.quantization,
+        dequantize=load.dequantize,
+        quantization=load.quantization,
     )
 
 

@@ -441,3 +441,63 @@ class EngineConfig:
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory "
                 f"in (0, 1], got {self.kv_cache_memory!r}"
             )
+
+
+LOAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to load and how: the model's source, its dtype and device, and what becomes of its
+    linears (a GGUF file's blocks, a dense checkpoint's weights), and the chat template.
+
+    As EngineConfig's, each field's metadata holds its command-line help, so the CLI derives
+    its model flags from these fields. Whether the settings fit the model and the machine is
+    checked where they are applied (AutoModel.from_pretrained: the device, the quantization).
+    """
+
+    model: str | None = setting(
+        None,
+        "a model directory (Hugging Face Llama-family or native astrai), a .gguf file, or a "
+        "Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (from the local cache, "
+        "downloaded unless HF_HUB_OFFLINE=1); default: the small demo model shipped with astrai",
+        metavar="DIR|FILE|ID",
+    )
+    revision: str | None = setting(
+        None, "branch, tag or commit of a Hugging Face id (default: main)", metavar="REV"
+    )
+    gguf_file: str | None = setting(
+        None,
+        "the .gguf file to load from the --model directory or Hugging Face repo",
+        metavar="NAME",
+    )
+    dtype: str = setting(
+        "auto",
+        "weight dtype, and the KV cache's unless --kv-cache-dtype; auto is bfloat16 on CUDA, "
+        "float32 on CPU; a GGUF file's quantized linears keep their blocks",
+        choices=LOAD_DTYPES,
+    )
+    dequantize: bool = setting(
+        False,
+        "dequantize a GGUF file's quantized linears to --dtype at load, instead of running "
+        "them on astrai's quantized kernels (slower; products without int8 activations)",
+    )
+    quantization: str | None = setting(
+        None,
+        "quantize a dense checkpoint's linears at load to GGUF blocks for astrai's quantized "
+        "CPU kernels: q8_0, q4_0 or q4_1 (by the gguf package's quantizer, which has no K "
+        "types: for q4_k load a Q4_K_M GGUF file)",
+        metavar="TYPE",
+    )
+    device: str = setting(
+        "auto", "cpu, cuda or cuda:N; auto picks CUDA when present", metavar="DEVICE"
+    )
+    chat_template: str | None = setting(
+        None,
+        "a Jinja chat template (a file or its text) to use instead of the model's",
+        metavar="FILE_OR_TEXT",
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in LOAD_DTYPES:
+            raise ConfigError(f"dtype must be one of {list(LOAD_DTYPES)}, got {self.dtype!r}")

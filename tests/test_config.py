@@ -1,5 +1,5 @@
 """ModelConfig: native config.json, conversion from each HF family, and refused settings;
-EngineConfig: its fields' command-line metadata and kv_cache_memory's parser."""
+EngineConfig and LoadConfig: their fields' command-line metadata, kv_cache_memory's parser."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny_models import LLAMA3_ROPE, TINY
 
-from astrai.config import ConfigError, EngineConfig, ModelConfig, parse_kv_cache_memory
+from astrai.config import ConfigError, EngineConfig, LoadConfig, ModelConfig, parse_kv_cache_memory
 from astrai.model.families import config_from_hf, read_config
 
 
@@ -221,3 +221,20 @@ def test_kv_cache_memory_reads_bytes_or_a_fraction(text, value):
 def test_kv_cache_memory_that_is_no_number_is_refused(text):
     with pytest.raises(ConfigError, match=f"byte count .* fraction .* got {text!r}"):
         parse_kv_cache_memory(text)
+
+
+@pytest.mark.parametrize("spec", dataclasses.fields(LoadConfig), ids=lambda spec: spec.name)
+def test_every_load_setting_has_command_line_help(spec):
+    assert spec.metadata.get("help"), f"LoadConfig.{spec.name} has no help text for its flag"
+
+
+def test_load_flags_are_load_config_fields():
+    from astrai.cli import _parser, from_flags
+
+    flags = ["--model", "m.gguf", "--dtype", "bfloat16", "--dequantize", "--device", "cpu"]
+    args = _parser().parse_args(["generate", *flags, "Hi"])
+    expected = LoadConfig(model="m.gguf", dtype="bfloat16", dequantize=True, device="cpu")
+    assert from_flags(LoadConfig, args) == expected
+    assert from_flags(LoadConfig, _parser().parse_args(["generate", "Hi"])) == LoadConfig()
+    with pytest.raises(ConfigError, match=r"dtype must be one of \['auto'"):
+        LoadConfig(dtype="int8")
