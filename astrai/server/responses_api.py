@@ -141,11 +141,16 @@ def _tool_use(service: GenerationService, body: ResponsesRequest) -> ToolUse:
 async def _constraint(
     service: GenerationService, body: ResponsesRequest, tools: ToolUse
 ) -> Constraint | None:
-    """The constraint of text.format or of the tools (not both), compiled off the event loop."""
+    """The constraint of text.format or of the tools (not both), compiled off the event loop.
+
+    A forced call's answer is the call alone, which text.format (the message's format) does not
+    govern: agents send both, the format for the answer after the tool's output."""
     text_format = body.text.format if body.text is not None else None
     asked = []
     if tools.constraint is not None:
         asked.append(("tools", tools.constraint))
+    if tools.forced:
+        text_format = None
     if text_format is not None and text_format["type"] != "text":
         if text_format["type"] == "json_object":
             asked.append(("text.format", Constraint.json_object()))
@@ -159,8 +164,8 @@ async def _constraint(
     if len(asked) > 1:
         raise APIError(
             400,
-            "tools and text.format both constrain the output; force no tool call, or leave "
-            "text.format out",
+            "strict tools under tool_choice auto and text.format both constrain the answer, "
+            "which astrai cannot combine yet; send strict false, or leave text.format out",
             param="text.format",
         )
     [(name, constraint)] = asked

@@ -4,7 +4,9 @@ conversation."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Annotated
 
 import httpx
 import jsonschema
@@ -12,6 +14,7 @@ import openai
 import pytest
 from live_server import API_KEY, MODEL_NAME, RunningServer, make_engine, start_server, stop_server
 from openai.types.responses import Response, ResponseFunctionToolCall, ResponseOutputMessage
+from pydantic import BaseModel, Field
 
 from astrai.server import create_app
 from astrai.server.errors import APIError
@@ -285,3 +288,49 @@ def test_what_astrai_cannot_do_is_a_400_naming_the_field(openai_client, server, 
 def test_responses_need_the_key(server):
     response = httpx.post(f"{server.base_url}/v1/responses", json={"input": "Hi"})
     assert response.status_code == 401
+
+
+class Forecast(BaseModel):
+    sky: str = Field(max_length=12)
+
+
+def test_an_agents_sdk_agent_runs_its_tool_loop(server):
+    """The OpenAI Agents SDK's Responses model through a whole loop: a forced call, the tool's
+    output sent back, then the structured answer. A random model never chooses to call under
+    tool_choice auto, and a strict tool under auto cannot be combined with the answer's format
+    yet, so the call is forced and the tool is not strict (the SDK resets tool_choice to auto
+    after the call, as it always does)."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # the SDK would send its traces to OpenAI
+    cities = []
+
+    @function_tool(strict_mode=False)
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return "Sunny"
+
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    agent = Agent(
+        name="forecaster",
+        instructions="Say what the sky is like.",
+        tools=[get_weather],
+        output_type=Forecast,
+        model=OpenAIResponsesModel(model=MODEL_NAME, openai_client=client),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200
+        ),
+    )
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    assert len(cities) == 1
+    assert isinstance(result.final_output, Forecast)
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
