@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Literal
 
 import anthropic
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from live_server import API_KEY, MODEL_NAME, make_engine, start_server, stop_server
 
+from astrai.inference.constraints import Constraint, ConstraintCompiler
 from astrai.server import create_app
 from astrai.server.tool_parsers import (
     HermesParser,
@@ -621,7 +624,6 @@ def test_auto_reads_the_call_the_model_wrote(client):
     assert (content, arguments) == ("Let me see. ", '{"zone": "UTC"}')
 
 
-
 def streamed_calls(stream) -> tuple[str, list[dict], str | None]:
     """The content, the calls and the finish reason of a streamed answer."""
     content, calls, finish = "", {}, None
@@ -645,3 +647,42 @@ def test_calls_cut_off_by_max_tokens_are_the_complete_ones_streamed_or_not(clien
     assert [call.function for call in cut.message.tool_calls] == [first.function]
     streamed = ask(client, max_tokens=limit, stream=True, **settings)
     assert streamed_calls(streamed) == ("", [first.function.model_dump()], "length")
+
+
+# Strict tools under auto: free text until the model opens a call, the call held to the schema.
+
+
+class GetTime(pydantic.BaseModel):
+    """The time in a zone."""
+
+    zone: Literal["UTC", "CET"]
+
+
+def test_a_strict_tool_under_auto_holds_a_started_call_to_its_schema(client, llama_dir):
+    strict = openai.pydantic_function_tool(GetTime)
+    assert strict["function"]["strict"] is True  # what the SDK sends, as the Agents SDK does
+    reply = ask(client, tools=[strict, WEATHER], tool_choice="auto", max_tokens=8)
+    assert reply.choices[0].finish_reason == "length"  # free text: the model opened no call
+    # The strict tool's grammar is on the answer: another constraint beside it is refused.
+    with pytest.raises(openai.BadRequestError, match="tools and guided_regex both constrain"):
+        ask(client, tools=[strict], tool_choice="auto", extra_body={"guided_regex": "a+"})
+    functions = [strict["function"], WEATHER["function"]]
+    grammar = HermesParser().triggered_grammar(functions, parallel=True)
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    compiled = ConstraintCompiler(tokenizer).compile(Constraint.grammar(grammar))
+
+    def accepts(text: str) -> bool:
+        state = compiled.new_state()
+        try:
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                state.advance(token)
+        except RuntimeError:
+            return False
+        return True
+
+    call = '<tool_call>\n{"name": "GetTime", "arguments": {"zone": "%s"}}\n</tool_call>'
+    assert accepts("Any text, <b>tags</b> and all, then " + call % "UTC" + " and more")
+    assert not accepts("Some text " + call % "PST")  # not in the strict schema's enum
+    assert not accepts('<tool_call>\n{"name": "get_time", "arguments": {}}')  # no such tool
+    # A tool without strict takes any object of arguments.
+    assert accepts('<tool_call>\n{"name": "get_weather", "arguments": {"x": [1]}}\n</tool_call>')
