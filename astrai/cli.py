@@ -6,24 +6,24 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import difflib
+import errno
 import io
 import json
 import logging
 import os
 import random
+import socket
 import sys
 import time
 import typing
 from pathlib import Path
 
+# Only torch-free modules here: `astrai --help` and a busy --port answer without loading torch;
+# the engine, the model and the server are imported where a command needs them.
+from astrai import __version__
 from astrai.config import ConfigError, EngineConfig, LoadConfig
-from astrai.inference import (
-    GenerationParams,
-    GenerationRequest,
-    InferenceEngine,
-    InvalidParamsError,
-    RequestError,
-)
+from astrai.inference.task import GenerationParams, InvalidParamsError, RequestError
 from astrai.server.reasoning import PARSERS as REASONING_PARSERS
 from astrai.server.tool_parsers import PARSERS
 
@@ -38,7 +38,10 @@ Settings = typing.TypeVar("Settings")
 
 def main(argv: list[str] | None = None) -> int:
     """Run one `astrai` subcommand; returns the process exit status."""
-    args = _parser().parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:
+        args.parser.error(_unrecognized(args.parser, unknown))
+    _take_positional_model(args)
     try:
         settings = [from_flags(cls, args) for cls in args.settings]
     except (ConfigError, InvalidParamsError) as exc:
@@ -50,17 +53,52 @@ def main(argv: list[str] | None = None) -> int:
                 "chat print one text (use `astrai serve`)"
             )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from astrai.model import CheckpointError
-    from astrai.tokenize import TokenizerError
-
     try:
         return args.command(args, *settings)
-    except (FileNotFoundError, ConfigError, CheckpointError, TokenizerError, RequestError) as exc:
-        print(f"astrai: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not _caused_by_user(exc):
+            raise
+        print(f"astrai: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _unrecognized(parser: argparse.ArgumentParser, words: list[str]) -> str:
+    """argparse's message for words no flag of the command takes, with the nearest flag of
+    each (argparse says it only from Python 3.14 on, and with the top-level usage)."""
+    flags = list(parser._option_string_actions)
+    message = f"unrecognized arguments: {' '.join(words)}"
+    for word in words:
+        close = difflib.get_close_matches(word.split("=")[0], flags, n=1)
+        if word.startswith("-") and close:
+            message += f"; did you mean {close[0]} (for {word})?"
+    return message
+
+
+def _take_positional_model(args: argparse.Namespace) -> None:
+    """`astrai serve MODEL` is `astrai serve --model MODEL`; both at once must agree."""
+    positional = getattr(args, "model_path", None)
+    if positional is None:
+        return
+    given = getattr(args, "model", None)
+    if given not in (None, positional):
+        args.parser.error(
+            f"the model is given twice: {positional} and --model {given}; give one of them"
+        )
+    args.model = positional
+
+
+def _caused_by_user(exc: Exception) -> bool:
+    """Whether exc is an error the user can mend, reported in one line, not as a traceback."""
+    if isinstance(exc, FileNotFoundError | ConfigError | RequestError):
+        return True
+    # Imported only now: astrai.model loads torch, which a busy --port need not wait for.
+    from astrai.model import CheckpointError
+    from astrai.tokenize import TokenizerError
+
+    return isinstance(exc, CheckpointError | TokenizerError)
 
 
 # -- flags ------------------------------------------------------------------------------------
@@ -74,8 +112,9 @@ def add_flags(
 ) -> None:
     """Add a group of flags, one per field of the dataclass cls, so a new field needs no CLI edit.
 
-    The flag is --field-name unless metadata["flag"] spells it otherwise; its help, choices,
-    metavar and parser come from the field's metadata, its type from the annotation: a bool
+    The flag is --field-name unless metadata["flag"] spells it otherwise, with the other
+    spellings of metadata["aliases"]; its help, choices, metavar and parser come from the
+    field's metadata, its type from the annotation: a bool
     is --flag/--no-flag, an optional type keeps None when the flag is absent, and a tuple is
     a flag given once per item. parsers gives a field's parser where it lives above
     astrai.config, which cannot import it (LoadConfig.quantization's, in astrai.model).
@@ -97,9 +136,11 @@ def add_flags(
                 options["action"] = "append"
             parse = (parsers or {}).get(spec.name, meta.get("parse"))
             parse = kind if parse is None else _flag_parser(parse)
-            options.update(type=parse, metavar=meta.get("metavar", METAVARS.get(kind)))
             options["choices"] = meta.get("choices")
-        group.add_argument(flag, **options)
+            # With choices and no metavar, argparse lists the choices: {auto,fp32,...}.
+            metavar = meta.get("metavar", None if options["choices"] else METAVARS.get(kind))
+            options.update(type=parse, metavar=metavar)
+        group.add_argument(flag, *meta.get("aliases", ()), **options)
 
 
 def from_flags(cls: type[Settings], args: argparse.Namespace) -> Settings:
@@ -186,7 +227,8 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         type=_positive(int),
         default=defaults.MAX_REQUEST_BYTES,
         metavar="N",
-        help="largest request body accepted; larger ones get 413 (default: %(default)s)",
+        help="largest request body accepted, in bytes; larger ones get 413 (default: "
+        f"{defaults.MAX_REQUEST_BYTES}, {defaults.MAX_REQUEST_BYTES / 2**20:g} MiB)",
     )
     limits.add_argument(
         "--read-timeout",
@@ -217,6 +259,7 @@ def _parser() -> argparse.ArgumentParser:
         description="astrai: a small, fast LLM inference engine. Without --model every "
         "command uses the demo model shipped with astrai.",
     )
+    parser.add_argument("--version", action="version", version=f"astrai {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -224,6 +267,12 @@ def _parser() -> argparse.ArgumentParser:
         help="serve OpenAI- and Anthropic-compatible HTTP APIs",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/messages, "
         "/health and /metrics.",
+    )
+    serve.add_argument(
+        "model_path",
+        nargs="?",
+        metavar="MODEL",
+        help="the model to serve, as --model takes it (as `vllm serve MODEL` takes it)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
@@ -235,8 +284,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--model-name",
+        "--served-model-name",
         help="model name clients must send (default: the hub id, or the model directory's or "
-        "file's name)",
+        "file's name); --served-model-name is vLLM's spelling",
     )
     serve.add_argument(
         "--tool-call-parser",
@@ -364,6 +414,13 @@ def _model_sampling(params: GenerationParams, given: set[str], model_dir: Path):
 
 
 def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
+    from astrai.inference import InferenceEngine
+
+    return InferenceEngine(*_load_model(args, config, model_dir), config)
+
+
+def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
+    """(model, tokenizer) as the flags ask for them."""
     import torch
 
     from astrai.model import AutoModel
@@ -387,7 +444,7 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
             quantization=load.quantization,
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=load.chat_template)
-    return InferenceEngine(model, tokenizer, config)
+    return model, tokenizer
 
 
 def _load_sharded(load: LoadConfig, config: EngineConfig, model_dir: Path, dtype, device):
@@ -417,6 +474,7 @@ def serve_settings(flags: list[str]) -> tuple[argparse.Namespace, EngineConfig]:
     try:
         with contextlib.redirect_stderr(errors):
             args = _parser().parse_args(["serve", *flags])
+            _take_positional_model(args)
     except SystemExit:
         message = errors.getvalue().strip().splitlines()
         raise ConfigError(message[-1] if message else f"bad serve flags: {flags}") from None
@@ -453,9 +511,17 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    # Bound before the model loads (seconds to minutes), so a busy port fails at once;
+    # torchrun's other ranks serve steps, not HTTP.
+    sock = _bound_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     from astrai.server import run_server
 
-    engine, app = open_server(args, config)
+    try:
+        engine, app = open_server(args, config)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     try:
         # SIGINT and SIGTERM drain the server, which then returns here.
         run_server(
@@ -464,19 +530,49 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
             args.port,
             shutdown_timeout=args.shutdown_timeout,
             header_timeout=args.read_timeout,
+            sock=sock,
         )
     finally:
         engine.close()
     return 0
 
 
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (as uvicorn binds one), or a ConfigError that says why
+    not."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        hint = (
+            "another process is listening there: stop it or choose another --port"
+            if exc.errno == errno.EADDRINUSE
+            else "check --host and --port"
+        )
+        reason = exc.strerror or exc
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}; {hint}") from None
+    return sock
+
+
 def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
+    from astrai.inference import GenerationRequest, InferenceEngine
+
     model_dir = _model_path(args)
     params = _model_sampling(params, given_flags(GenerationParams, args), model_dir)
-    with _load_engine(args, config, model_dir) as engine:
-        prompt = args.prompt
-        if args.chat:
-            prompt = GenerationRequest(({"role": "user", "content": prompt},), params)
+    model, tokenizer = _load_model(args, config, model_dir)
+    prompt = args.prompt
+    if args.chat:
+        prompt = GenerationRequest(({"role": "user", "content": prompt},), params)
+        prompt_ids = tokenizer.apply_chat_template(list(prompt.messages))
+    else:
+        prompt_ids = tokenizer.encode(prompt)
+    if "max_total_tokens" not in given_flags(EngineConfig, args):
+        # The prompt and its output are all this command's KV pool ever holds.
+        tokens = len(prompt_ids) + params.max_tokens
+        config = dataclasses.replace(config, max_total_tokens=tokens)
+    with InferenceEngine(model, tokenizer, config) as engine:
         for piece in engine.generate(prompt, params, stream=True):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -489,6 +585,9 @@ def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationPara
 
     model_dir = _model_path(args)
     params = _model_sampling(params, given_flags(GenerationParams, args), model_dir)
+    if "max_batch_size" not in given_flags(EngineConfig, args):
+        # One request at a time: a batch of one sizes the KV pool for one conversation.
+        config = dataclasses.replace(config, max_batch_size=1)
     with _load_engine(args, config, model_dir) as engine:
         session = ChatSession(
             engine, params, _model_name(args, model_dir), interactive=sys.stdin.isatty()

@@ -316,8 +316,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class EngineConfig:
     """Limits and switches of one InferenceEngine.
 
-    kv_cache_memory is a byte count (> 1) or a fraction of the device's free memory
-    (0 < x <= 1); the KV page pool is sized from it, not from batch size times length.
+    The KV page pool holds max_total_tokens (default: max_batch_size x max_seq_len, what a
+    full batch can use), capped by kv_cache_memory: a byte count (> 1) or a fraction of the
+    device's free memory (0 < x <= 1).
     Each field's metadata holds its command-line help (and "flag" where the flag is spelled
     otherwise than the field, "parse" where its text needs a parser), so the CLI derives its
     flags from these fields.
@@ -341,7 +342,16 @@ class EngineConfig:
         2048, "token budget of one forward pass; longer prompts are prefilled in chunks"
     )
     max_seq_len: int | None = setting(
-        None, "longest prompt plus output in tokens (default: the model's context length)"
+        None,
+        "longest prompt plus output in tokens (default: the model's context length); "
+        "--max-model-len (vLLM's spelling), -c and --ctx-size (llama.cpp's) are aliases",
+        aliases=("--max-model-len", "-c", "--ctx-size"),
+    )
+    max_total_tokens: int | None = setting(
+        None,
+        "most tokens the KV pool holds, all requests together, capped by --kv-cache-memory "
+        "(default: --max-batch-size x --max-seq-len, a full batch at full length; astrai "
+        "generate: its prompt and --max-tokens; astrai chat: one conversation)",
     )
     enable_prefix_cache: bool = setting(
         True, "reuse the KV cache of shared prompt prefixes", flag="--prefix-cache"
@@ -403,10 +413,10 @@ class EngineConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_seq_len is not None and (
-            not isinstance(self.max_seq_len, int) or self.max_seq_len <= 0
-        ):
-            raise ConfigError(f"max_seq_len must be a positive integer, got {self.max_seq_len!r}")
+        for name in ("max_seq_len", "max_total_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
@@ -462,6 +472,7 @@ class LoadConfig:
         "Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (from the local cache, "
         "downloaded unless HF_HUB_OFFLINE=1); default: the small demo model shipped with astrai",
         metavar="DIR|FILE|ID",
+        aliases=("-m",),
     )
     revision: str | None = setting(
         None, "branch, tag or commit of a Hugging Face id (default: main)", metavar="REV"
@@ -485,7 +496,7 @@ class LoadConfig:
     quantization: str | None = setting(
         None,
         "quantize a dense checkpoint's linears at load to GGUF blocks for astrai's quantized "
-        "CPU kernels: q8_0, q4_0 or q4_1 (by the gguf package's quantizer, which has no K "
+        "CPU kernels: q8_0, q4_0, q4_1 or q5_0 (by the gguf package's quantizer, which has no K "
         "types: for q4_k load a Q4_K_M GGUF file)",
         metavar="TYPE",
     )

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import typing
 from pathlib import Path
 
@@ -23,7 +26,14 @@ from serve_process import astrai_serve
 from tiny_models import add_snapshot, write_hf_model
 
 import astrai
-from astrai.cli import DEMO_MODEL_DIR, _parser, add_flags, from_flags, main
+from astrai.cli import (
+    DEMO_MODEL_DIR,
+    _parser,
+    _take_positional_model,
+    add_flags,
+    from_flags,
+    main,
+)
 from astrai.config import EngineConfig, parse_kv_cache_memory
 from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
 from astrai.inference.constraints import Constraint
@@ -191,6 +201,52 @@ def test_serve_answers_then_shuts_down_on_sigterm(llama_dir):
     assert "Traceback" not in stderr
 
 
+@pytest.fixture(scope="module")
+def torch_blocked(tmp_path_factory) -> Path:
+    """A directory to put first on PYTHONPATH: its `torch` raises on import."""
+    shim = tmp_path_factory.mktemp("no_torch")
+    (shim / "torch").mkdir()
+    (shim / "torch" / "__init__.py").write_text('raise ImportError("torch was imported")\n')
+    return shim
+
+
+def run_without_torch(shim: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{shim}{os.pathsep}{REPO_ROOT}", "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "astrai", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["generate"], ["chat"], ["bench"]])
+def test_help_does_not_import_torch(torch_blocked, command):
+    """Loading torch takes seconds; asking how to use astrai should not wait for it."""
+    run = run_without_torch(torch_blocked, *command, "--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"usage: astrai {' '.join(command)}".rstrip())
+    assert "--model" in run.stdout or not command
+
+
+def test_a_busy_port_fails_before_the_model_loads(torch_blocked):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.perf_counter()
+        run = run_without_torch(torch_blocked, "serve", "--port", str(port))
+        seconds = time.perf_counter() - start
+    assert run.returncode == 1, run.stderr
+    assert run.stderr == (
+        f"astrai: error: cannot listen on 127.0.0.1:{port}: Address already in use; another "
+        "process is listening there: stop it or choose another --port\n"
+    )
+    assert seconds < 10  # torch blocked shows nothing loaded; this bounds the rest, on a busy CI
+
+
 def test_without_model_the_demo_model_is_used_and_said_so():
     run = astrai_cli("generate", *SMALL_ENGINE, "--max-tokens", "4", "Hello")
     lines = [line for line in run.stderr.splitlines() if "demo model" in line]
@@ -247,6 +303,87 @@ def test_help_explains_every_flag_in_its_group(command, capsys, monkeypatch):
                 rf"^  {flag}\b[^\n]*\n? *{re.escape(spec.metadata['help'])}", groups[title], re.M
             )
     assert ("sampling" in groups) == (command in ("generate", "chat"))
+
+
+@pytest.mark.parametrize(
+    ("words", "field", "value"),
+    [
+        (["serve", "-m", "m.gguf"], "model", "m.gguf"),
+        (["serve", "m.gguf"], "model", "m.gguf"),  # as `vllm serve MODEL`
+        (["serve", "m.gguf", "--model", "m.gguf"], "model", "m.gguf"),
+        (["serve", "--served-model-name", "smol"], "model_name", "smol"),
+        (["serve", "--max-model-len", "64"], "max_seq_len", 64),
+        (["generate", "-c", "64", "Hi"], "max_seq_len", 64),
+        (["chat", "--ctx-size", "64"], "max_seq_len", 64),
+    ],
+)
+def test_the_peers_spellings_are_aliases(words, field, value, capsys):
+    """vLLM's, llama.cpp's and Ollama users' flags, named as aliases in --help."""
+    args, unknown = _parser().parse_known_args(words)
+    assert unknown == []
+    _take_positional_model(args)
+    settings = from_flags(EngineConfig, args)
+    assert getattr(settings if field == "max_seq_len" else args, field) == value
+    with pytest.raises(SystemExit):
+        main([words[0], "--help"])
+    text = capsys.readouterr().out
+    assert "--max-seq-len N, --max-model-len N, -c N, --ctx-size N" in text
+    assert "-m DIR|FILE|ID" in text
+
+
+def test_a_model_given_twice_differently_is_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "a.gguf", "--model", "b.gguf"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: astrai serve")
+    assert "the model is given twice: a.gguf and --model b.gguf; give one of them" in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"astrai {astrai.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("words", "suggestion"),
+    [
+        (["generate", "--temprature", "0", "Hi"], "did you mean --temperature (for --temprature)?"),
+        (
+            ["serve", "--max-model-length=64"],
+            "did you mean --max-model-len (for --max-model-length=64)?",
+        ),
+        (["bench", "--num-reqests", "4"], "did you mean --num-requests (for --num-reqests)?"),
+    ],
+)
+def test_an_unknown_flag_shows_the_commands_usage_and_the_nearest_flag(words, suggestion, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(words)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: astrai {words[0]}")
+    assert f"astrai {words[0]}: error: unrecognized arguments:" in err
+    assert err.rstrip().endswith(suggestion)
+
+
+def test_help_lists_choices_and_readable_defaults(capsys, monkeypatch):
+    from astrai.model.weights.quantize import QUANTIZATIONS
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    lines = {  # a flag's help may start on the line after it
+        entry.split()[0]: " ".join(entry.split())
+        for entry in re.findall(r"^  -.*?(?=^  -|^\S|\Z)", text, flags=re.M | re.S)
+    }
+    assert "{auto,fp32,bf16,fp16}" in lines["--kv-cache-dtype"]
+    assert "{ngram,draft}" in lines["--speculative"]
+    assert "(default: 4194304, 4 MiB)" in lines["--max-request-bytes"]
+    assert "(default: auto)" in lines["--device"]
+    assert all(name in lines["--quantization"] for name in QUANTIZATIONS)
 
 
 def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
@@ -316,6 +453,7 @@ def built(monkeypatch) -> list:
 def test_engine_flags_reach_the_engine(llama_dir, built):
     flags = ["--max-waiting", "3", "--no-prefix-cache", "--page-size", "8", "--check-invariants"]
     flags += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "0.5", "--max-seq-len", "128"]
+    flags += ["--max-total-tokens", "100"]
     assert main(["generate", "--model", str(llama_dir), *flags, *GREEDY, "Hello"]) == 0
     (engine,) = built
     assert engine.config == EngineConfig(
@@ -326,8 +464,34 @@ def test_engine_flags_reach_the_engine(llama_dir, built):
         max_num_batched_tokens=64,
         kv_cache_memory=0.5,
         max_seq_len=128,
+        max_total_tokens=100,
     )
     assert engine.max_seq_len == 128
+
+
+def test_each_command_sizes_the_kv_pool_for_what_it_can_use(llama_dir, built, monkeypatch):
+    """generate: its prompt and --max-tokens; chat: one conversation; serve and bench: a full
+    batch (tests/inference/test_engine.py); a flag given wins."""
+    model = ["--model", str(llama_dir), "--temperature", "0"]
+    assert main(["generate", *model, "--max-tokens", "20", "Hello world"]) == 0
+    prompt_tokens = len(built[-1].tokenizer.encode("Hello world"))
+    assert built[-1].config.max_total_tokens == prompt_tokens + 20
+    assert built[-1].cache.n_pages == -(-(prompt_tokens + 20) // 16)
+    assert main(["generate", *model, "--chat", "--max-tokens", "20", "Hello world"]) == 0
+    chat_tokens = len(
+        built[-1].tokenizer.apply_chat_template([{"role": "user", "content": "Hello world"}])
+    )
+    assert built[-1].config.max_total_tokens == chat_tokens + 20
+    assert main(["generate", *model, "--max-total-tokens", "500", "Hello world"]) == 0
+    assert built[-1].cache.n_pages == 32
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    assert main(["chat", *model, "--max-tokens", "4"]) == 0
+    assert built[-1].config.max_batch_size == 1
+    assert built[-1].cache.n_pages == 1024 // 16  # the tiny model's context
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    assert main(["chat", *model, "--max-tokens", "4", "--max-batch-size", "2"]) == 0
+    assert built[-1].cache.n_pages == 2 * 1024 // 16
 
 
 @pytest.mark.parametrize(

@@ -31,11 +31,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
-import torch
-from torch import Tensor
+
+# torch is imported where a tensor is made, so that GenerationParams, which holds a Constraint,
+# loads without it: `astrai --help` builds its flags from GenerationParams' fields.
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 from astrai.tokenize.tokenizer import Tokenizer
 
@@ -391,6 +395,8 @@ class TokenMask:
 @functools.cache
 def _byte_bias(device: torch.device) -> Tensor:
     """Byte value -> the additive mask of its 8 tokens, lowest bit first: 0 allowed, -inf not."""
+    import torch
+
     bits = (torch.arange(256)[:, None] >> torch.arange(8) & 1).bool()
     return torch.where(bits, 0.0, float("-inf")).to(device)  # [256, 8]
 
@@ -398,6 +404,8 @@ def _byte_bias(device: torch.device) -> Tensor:
 def bitmask_to_bias(bitmask: Tensor, vocab_size: int) -> Tensor:
     """[R, W] int32 bitmask -> [R, vocab_size] float32, 0 where allowed and -inf where not:
     added to logits, it masks them in one pass (a table look-up per byte, no bit shifts)."""
+    import torch
+
     table = _byte_bias(bitmask.device)
     # Little-endian int32 as bytes: byte i holds tokens 8i..8i+7.
     as_bytes = bitmask.contiguous().view(torch.uint8).view(-1).long()  # [R * 4W]
@@ -414,6 +422,8 @@ class BatchMasker:
     bitmask, the rows computed in parallel by llguidance's threads (GIL released)."""
 
     def __init__(self, max_batch_size: int, vocab_size: int, threads: int | None = None) -> None:
+        import torch
+
         self.vocab_size = vocab_size
         self._bitmask = torch.zeros(max_batch_size, (vocab_size + 31) // 32, dtype=torch.int32)
         self._executor = llguidance.LLExecutor(num_threads=threads)
@@ -438,4 +448,6 @@ class BatchMasker:
             bitmask.shape[1] * bitmask.element_size(),
             len(rows),
         )
+        import torch
+
         return TokenMask(torch.tensor(rows), bitmask, all_rows=len(rows) == len(states))

@@ -231,8 +231,13 @@ class InferenceEngine:
         budget_pages = PagedCache.pages_for_budget(
             self.config.kv_cache_memory, *kv_shape, page_size, kv_dtype, weight.device
         )
-        # More pages than a full batch of full-length sequences can never be used at once.
-        usable_pages = self.config.max_batch_size * -(-self.max_seq_len // page_size)
+        # More pages than the engine can use at once would only reserve memory.
+        if self.config.max_total_tokens is None:
+            usable_pages = self.config.max_batch_size * -(-self.max_seq_len // page_size)
+            use = f"{self.config.max_batch_size} x max_seq_len {self.max_seq_len}"
+        else:
+            usable_pages = -(-self.config.max_total_tokens // page_size)
+            use = f"max_total_tokens {self.config.max_total_tokens}"
         self.cache = PagedCache(
             *kv_shape,
             min(budget_pages, usable_pages),
@@ -241,17 +246,27 @@ class InferenceEngine:
             device=weight.device,
             enable_prefix_cache=self.config.enable_prefix_cache,
         )
-        weight_bytes = model.weight_bytes()
+        page_bytes = 2 * self.cache.k_cache.nbytes // self.cache.n_pages
+        sized_by = f"for {use}"
+        if budget_pages < usable_pages:
+            budget = self.config.kv_cache_memory
+            budget = f"{budget / 1e6:.0f} MB" if budget > 1 else f"{budget:.0%} of free memory"
+            sized_by = (
+                f"capped by kv_cache_memory, {budget} ({use} would take "
+                f"{usable_pages * page_bytes / 1e6:.0f} MB)"
+            )
         log.info(
-            "weights %.0f MB %s on %s; KV cache %.0f MB %s: %d pages of %d tokens (%d tokens)",
-            weight_bytes / 1e6,
+            "weights %.0f MB %s on %s; KV cache %.1f MB %s reserved, touched only as tokens are "
+            "written: %d tokens in %d pages of %d, %s",
+            model.weight_bytes() / 1e6,
             weight.dtype,
             weight.device,
             2 * self.cache.k_cache.nbytes / 1e6,
             kv_dtype,
+            self.cache.n_pages * page_size,
             self.cache.n_pages,
             page_size,
-            self.cache.n_pages * page_size,
+            sized_by,
         )
         self.manager = TaskManager(self.config.max_waiting)
         speculator = self._speculator()

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import signal
+import socket
 
 import uvicorn
 
@@ -132,8 +133,12 @@ def run_server(
     *,
     shutdown_timeout: float = defaults.SHUTDOWN_TIMEOUT,
     header_timeout: float = defaults.READ_TIMEOUT,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve app (from create_app) until SIGINT or SIGTERM, then drain it and return.
+
+    sock, a socket already bound to host:port, is served instead of binding one here: the CLI
+    binds before it loads the model, so a busy port fails at once.
 
     Draining refuses new requests with 503, lets running ones finish for shutdown_timeout
     seconds and ends the rest with an error they can read (an SSE error event or a JSON error).
@@ -145,4 +150,6 @@ def run_server(
         http=functools.partial(HeaderDeadlineH11Protocol, header_timeout=header_timeout),
         timeout_graceful_shutdown=_STOPPED_REQUESTS_TIMEOUT,
     )
-    _DrainingServer(config, app.state.drain, shutdown_timeout).run()
+    _DrainingServer(config, app.state.drain, shutdown_timeout).run(
+        sockets=None if sock is None else [sock]
+    )

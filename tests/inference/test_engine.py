@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import random
 from dataclasses import replace
@@ -448,3 +449,32 @@ def test_result_status_becomes_the_engines_typed_error(model, tokenizer):
     raised = outcome.get(timeout=1)
     assert isinstance(raised, RequestAbortedError), raised
     assert "the engine shut down" in str(raised)
+
+
+def test_the_kv_pool_holds_what_the_engine_can_use_within_its_budget(model, tokenizer, caplog):
+    """max_batch_size x max_seq_len tokens by default, max_total_tokens where given, and the
+    budget caps both; the start line says what is reserved, for how many tokens and why."""
+    caplog.set_level(logging.INFO, logger="astrai.inference.engine")
+    large = {"kv_cache_memory": 1 << 30}
+    with make_engine(model, tokenizer, max_batch_size=3, max_seq_len=100, **large) as engine:
+        assert engine.cache.n_pages == 3 * 7  # 100 tokens take 7 pages of 16
+    assert (
+        "reserved, touched only as tokens are written: 336 tokens in 21 pages of 16, for 3 x "
+        "max_seq_len 100" in caplog.text
+    )
+
+    with make_engine(model, tokenizer, max_total_tokens=50, **large) as engine:
+        assert engine.cache.n_pages == 4
+        with pytest.raises(PromptTooLongError, match="the KV cache pool"):
+            engine.submit([1] * 60, GenerationParams(max_tokens=5), lambda *event: None)
+    assert "64 tokens in 4 pages of 16, for max_total_tokens 50" in caplog.text
+
+    budget = 10 * 16 * kv_bytes(model)
+    with make_engine(model, tokenizer, max_total_tokens=1000, kv_cache_memory=budget) as engine:
+        assert engine.cache.n_pages == 10
+    megabytes = 63 * 16 * kv_bytes(model) / 1e6  # 1000 tokens take 63 pages
+    assert (
+        f"KV cache {budget / 1e6:.1f} MB torch.float32 reserved, touched only as tokens are "
+        f"written: 160 tokens in 10 pages of 16, capped by kv_cache_memory, {budget / 1e6:.0f} "
+        f"MB (max_total_tokens 1000 would take {megabytes:.0f} MB)" in caplog.text
+    )
