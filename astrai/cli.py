@@ -291,8 +291,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tool-call-parser",
         choices=sorted(PARSERS),
-        help="the format the model writes tool calls in (default: the one its chat template "
-        "shows; without either, chat requests with tools are refused)",
+        help="the format the model writes tool calls in under tool_choice auto (default: the "
+        "one its chat template shows, or hermes, written into the prompt, when the template "
+        "drops the tools); forced calls need none",
     )
     serve.add_argument(
         "--reasoning-parser",
