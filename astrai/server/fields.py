@@ -163,12 +163,7 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "reasoning": Refused(
             "is not supported: astrai passes no reasoning effort or summary to the model "
             "(a reasoning model's thinking comes back as reasoning items without it)",
-            noop=({},),
-        ),
-        "include": Refused(
-            "is not supported: astrai has no encrypted reasoning, logprobs or hosted tools' "
-            "extras to include",
-            noop=([],),
+            noop=({}, {"summary": "auto"}, {"summary": "none"}),
         ),
         "top_logprobs": Refused(ENGINE, noop=(0,)),
         "truncation": Refused(
@@ -176,6 +171,7 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
             noop=("disabled",),
         ),
         "max_tool_calls": NoOp("a limit on the hosted API's built-in tools, which astrai has not"),
+        "client_metadata": NoOp("a client's notes on itself for the hosted API's telemetry"),
         "stream_options": Refused(
             "is not supported: astrai does not pad its events",
             noop=({}, {"include_obfuscation": False}),
@@ -209,7 +205,6 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "status": NoOp("the status the server gave an output item sent back"),
     },
     ResponsesReasoning: {
-        "encrypted_content": Refused("is not supported: astrai encrypts no reasoning"),
         "id": NoOp("the id the server gave an output item sent back"),
         "status": NoOp("the status the server gave an output item sent back"),
     },

@@ -597,11 +597,15 @@ class ResponsesReasoning(_Request):
     type: Literal["reasoning"]
     summary: list[Any]
     content: list[Any] | None = None
-    encrypted_content: Any = None
+    encrypted_content: str | None = None
     id: Any = None
     status: Any = None
 
     def text(self) -> str:
+        """Its content, else its encrypted_content (which astrai writes as the plain text),
+        else its summary."""
+        if not self.content and self.encrypted_content is not None:
+            return _unicode(self.encrypted_content)
         parts = self.content or self.summary
         kinds = ("reasoning_text",) if self.content else ("summary_text",)
         return _responses_text(parts, kinds)
@@ -696,10 +700,11 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     reasoning: Any = None
-    include: Any = None
+    include: list[str] | None = None
     top_logprobs: Any = None
     truncation: Any = None
     max_tool_calls: Any = None
+    client_metadata: Any = None  # the Codex CLI's
     user: Any = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None
@@ -716,6 +721,17 @@ class ResponsesRequest(_Request):
     access_programs: Any = None
 
     _text = field_validator("model", "instructions")(_unicode_strings)
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, include: list[str] | None) -> list[str] | None:
+        other = sorted(set(include or ()) - {"reasoning.encrypted_content"})
+        if other:
+            raise ValueError(
+                f"{other[0]!r} is not supported: astrai has no logprobs or hosted tools' extras "
+                "to include; only reasoning.encrypted_content can be included"
+            )
+        return include
 
     @field_validator("input", mode="before")
     @classmethod

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,6 +275,14 @@ class _Answer:
             "metadata": body.metadata or {},
         }
 
+    def encrypt(self, item: dict) -> None:
+        """include reasoning.encrypted_content: a reasoning item carries its text for a client
+        that keeps no state to send back; astrai keeps it plain, not encrypted."""
+        if item["type"] == "reasoning" and "reasoning.encrypted_content" in (
+            self.body.include or ()
+        ):
+            item["encrypted_content"] = item["content"][0]["text"]
+
     def finish(self, result: TaskResult, output: list[dict]) -> dict:
         """The final response object, stored unless store is false."""
         status = "incomplete" if result.finish_reason == "length" else "completed"
@@ -301,6 +309,7 @@ class _Answer:
             reasoning, text = parser.split(text, self.opened)
             if reasoning is not None:
                 output.append(_reasoning_item([_PARTS["reasoning"](reasoning)]))
+                self.encrypt(output[-1])
         if self.tools.parser is not None:
             content, calls = self.tools.parser.parse(text)
             if calls:
@@ -318,7 +327,7 @@ class _Answer:
     async def events(self, generation: Generation) -> AsyncIterator[str]:
         """The typed events of a streamed answer, each with its sequence number."""
         parser = self.service.reasoning_parser
-        items = _StreamedItems(self.tools, parser and parser.stream(self.opened))
+        items = _StreamedItems(self.tools, parser and parser.stream(self.opened), self.encrypt)
         number = 0
 
         def event(kind: str, data: dict) -> str:
@@ -397,9 +406,16 @@ class _StreamedItems:
     as reasoning_text deltas, a message's as output_text deltas, then each call's arguments as
     function_call_arguments deltas; an item is done before the next is added."""
 
-    def __init__(self, tools: ToolUse, reasoning: ReasoningStream | None = None) -> None:
+    def __init__(
+        self,
+        tools: ToolUse,
+        reasoning: ReasoningStream | None = None,
+        finish_item: Callable[[dict], None] = lambda item: None,
+    ) -> None:
+        """finish_item completes an item before it is done (encrypted_content)."""
         self._stream = None if tools.parser is None else tools.parser.stream()
         self._reasoning = reasoning
+        self._finish_item = finish_item
         self._forced = tools.forced
         self._parallel = tools.parallel
         self.output: list[dict] = []
@@ -478,6 +494,7 @@ class _StreamedItems:
             kind = "response.function_call_arguments.done"
             events = [self._event(kind, name=item["name"], arguments=item["arguments"])]
         item["status"] = status
+        self._finish_item(item)
         events.append(self._event("response.output_item.done", item=item))
         self._open = None
         return events

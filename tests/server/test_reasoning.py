@@ -276,6 +276,30 @@ def test_responses_reasoning_items_and_tokens(thinker):
     assert chat.choices[0].message.reasoning_content == reasoning.content[0].text
 
 
+def test_include_encrypted_content_carries_the_reasoning_back(thinker):
+    client = openai_client(thinker)
+    kwargs = dict(model=MODEL_NAME, max_output_tokens=6, temperature=0)
+    response = client.responses.create(
+        input="Why?", include=["reasoning.encrypted_content"], store=False, **kwargs
+    )
+    [reasoning] = response.output
+    assert reasoning.encrypted_content == reasoning.content[0].text
+    later = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Blue."}]
+    later += [{"role": "user", "content": "And?"}]
+
+    def input_tokens(item: dict) -> int:
+        conversation = [*later[:1], item, *later[1:]]
+        return client.responses.create(input=conversation, **kwargs).usage.input_tokens
+
+    opaque = {"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content}
+    plain = reasoning.model_dump(include={"type", "summary", "content"})
+    assert (
+        input_tokens(opaque)
+        == input_tokens(plain)
+        > client.responses.create(input=later, **kwargs).usage.input_tokens
+    )
+
+
 # The engine's part: forcing the end of thinking
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import subprocess
 from typing import Annotated
 
 import httpx
@@ -15,6 +18,8 @@ import pytest
 from live_server import API_KEY, MODEL_NAME, RunningServer, make_engine, start_server, stop_server
 from openai.types.responses import Response, ResponseFunctionToolCall, ResponseOutputMessage
 from pydantic import BaseModel, Field
+from serve_process import astrai_serve
+from tiny_models import real_gguf
 
 from astrai.server import create_app
 from astrai.server.errors import APIError
@@ -264,7 +269,7 @@ def test_the_store_drops_the_least_recently_used():
     [
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"background": True}, "background"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
@@ -334,3 +339,47 @@ def test_an_agents_sdk_agent_runs_its_tool_loop(server):
     assert isinstance(result.final_output, Forecast)
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+
+
+CODEX_CONFIG = """
+model = "smollm2"
+model_provider = "astrai"
+
+[model_providers.astrai]
+name = "astrai"
+base_url = "{base_url}/v1"
+wire_api = "responses"
+env_key = "ASTRAI_CODEX_KEY"
+"""
+
+
+@pytest.mark.skipif(
+    shutil.which("codex") is None,
+    reason="the Codex CLI is not installed (npm install -g @openai/codex)",
+)
+def test_codex_exec_runs_against_astrai_serve(tmp_path):
+    """The Codex CLI's non-interactive mode, which speaks only the Responses API, through a
+    whole turn against `astrai serve` on the real SmolLM2 GGUF (its prompt of several thousand
+    tokens needs the model's long context). Its multi-agent tools come as a namespace and its
+    web search is a hosted tool, which astrai refuses by name; they are switched off."""
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    flags = ["--model-name", "smollm2", "--max-seq-len", "8192", "--kv-cache-memory", "400000000"]
+    with astrai_serve(real_gguf(), *flags, api_key="codex-key") as (process, base_url):
+        (home / "config.toml").write_text(CODEX_CONFIG.format(base_url=base_url))
+        result = subprocess.run(
+            ["codex", "exec", "--skip-git-repo-check", "--disable", "multi_agent"]
+            + ["--disable", "goals", "-c", "web_search=disabled", "Say hello."],
+            env={**os.environ, "CODEX_HOME": str(home), "ASTRAI_CODEX_KEY": "codex-key"},
+            cwd=work,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        process.terminate()
+        process.wait(timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ERROR" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.strip()  # the model's last message
