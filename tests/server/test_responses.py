@@ -353,6 +353,7 @@ env_key = "ASTRAI_CODEX_KEY"
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("codex") is None,
     reason="the Codex CLI is not installed (npm install -g @openai/codex)",
