@@ -523,6 +523,9 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if sock is not None:
             sock.close()
         raise
+    if sock is not None:  # uvicorn says where it listens only for a socket it binds itself
+        host, port = sock.getsockname()[:2]
+        log.info("listening on http://%s:%d (Ctrl-C to stop)", host, port)
     try:
         # SIGINT and SIGTERM drain the server, which then returns here.
         run_server(
