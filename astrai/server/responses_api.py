@@ -99,7 +99,7 @@ def _new_id(prefix: str) -> str:
 def _conversation(items: list[Any]) -> list[dict]:
     """The input items as chat template messages: a function call joins the assistant message
     before it (or opens one), its output is a tool message, and a reasoning item's text is the
-    next assistant message's reasoning_content."""
+    next assistant message's reasoning_content (the item right after it; no other gets it)."""
     messages: list[dict] = []
     reasoning = None
     for item in items:
@@ -108,8 +108,7 @@ def _conversation(items: list[Any]) -> list[dict]:
             continue
         if isinstance(item, ResponsesFunctionCallOutput):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-            continue
-        if isinstance(item, ResponsesMessage):
+        elif isinstance(item, ResponsesMessage):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": item.content})
         elif isinstance(item, ResponsesFunctionCall):
@@ -120,7 +119,7 @@ def _conversation(items: list[Any]) -> list[dict]:
             calls.append({"id": item.call_id, "type": "function", "function": call})
         if reasoning is not None and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"] = reasoning
-            reasoning = None
+        reasoning = None
     return messages
 
 

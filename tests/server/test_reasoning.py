@@ -293,11 +293,11 @@ def test_include_encrypted_content_carries_the_reasoning_back(thinker):
 
     opaque = {"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content}
     plain = reasoning.model_dump(include={"type", "summary", "content"})
-    assert (
-        input_tokens(opaque)
-        == input_tokens(plain)
-        > client.responses.create(input=later, **kwargs).usage.input_tokens
-    )
+    alone = client.responses.create(input=later, **kwargs).usage.input_tokens
+    assert input_tokens(opaque) == input_tokens(plain) > alone
+    # A reasoning item is the thinking of the item right after it, when that is the assistant's.
+    misplaced = client.responses.create(input=[opaque, *later], **kwargs)
+    assert misplaced.usage.input_tokens == alone
 
 
 # The engine's part: forcing the end of thinking
