@@ -154,18 +154,24 @@ def test_a_call_streamed_in_pieces_is_the_call_parsed_whole(parser, text, conten
     assert deltas_of(parser, text, size) == (content, calls)
 
 
-@pytest.mark.parametrize(
-    ("parser", "text"),
-    [
-        (HermesParser(), "No tools needed: <tool and </tool_call> are just text."),
-        (HermesParser(), 'Cut short <tool_call>\n{"name": "get_time", "arguments": {"zo'),
-        (HermesParser(), '<tool_call>\n{"name": "get_time", "arguments": "not an object"}'),
-        (Llama3JsonParser(), 'The JSON {"name": "f", "parameters": {}} is mid-text.'),
-        (MistralParser(), "Plain [TOOL_ text."),
-    ],
-)
+NO_CALLS = [
+    (HermesParser(), "No tools needed: <tool and </tool_call> are just text."),
+    (HermesParser(), 'Cut short <tool_call>\n{"name": "get_time", "arguments": {"zo'),
+    (HermesParser(), '<tool_call>\n{"name": "get_time", "arguments": "not an object"}'),
+    (Llama3JsonParser(), 'The JSON {"name": "f", "parameters": {}} is mid-text.'),
+    (MistralParser(), "Plain [TOOL_ text."),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), NO_CALLS)
 def test_text_without_a_whole_call_is_content(parser, text):
     assert parser.parse(text) == (text, [])
+
+
+@pytest.mark.parametrize(("parser", "text"), NO_CALLS)
+@pytest.mark.parametrize("size", [1, 4])
+def test_text_without_a_whole_call_is_content_streamed_too(parser, text, size):
+    assert deltas_of(parser, text, size) == (text, [])
 
 
 @pytest.mark.parametrize("size", [1, 4])
@@ -584,6 +590,18 @@ def test_anthropic_a_tool_result_follows_the_tool_use(claude, tool_server):
         model=MODEL_NAME, messages=history, tools=ANTHROPIC_TOOLS
     )
     assert counted.input_tokens == tokenized["count"]
+
+
+def test_anthropic_a_call_cut_off_is_dropped_streamed_or_not(claude):
+    choice = {"type": "any"}
+    message = ask_claude(claude, tool_choice=choice, max_tokens=40)  # the call takes 78
+    assert message.stop_reason == "max_tokens"
+    assert [(block.type, block.text) for block in message.content] == [("text", "")]
+    events = list(ask_claude(claude, tool_choice=choice, max_tokens=40, stream=True))
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [(block.type, block.text) for block in starts] == [("text", "")]
+    assert not [e for e in events if e.type == "content_block_delta"]
+    assert events[-2].delta.stop_reason == "max_tokens"
 
 
 @pytest.mark.parametrize(
