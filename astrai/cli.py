@@ -247,6 +247,13 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         "with an error; new requests get 503 meanwhile (default: %(default)s)",
     )
     limits.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="do not serve the chat page at / (a browser page that streams from "
+        "/v1/chat/completions)",
+    )
+    limits.add_argument(
         "--docs",
         action="store_true",
         help="serve the API docs at /docs, /redoc and /openapi.json (behind --api-key if set)",
@@ -501,6 +508,7 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
             max_request_bytes=args.max_request_bytes,
             read_timeout=args.read_timeout,
             docs=args.docs,
+            webui=args.webui,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
         )

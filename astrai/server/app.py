@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 import astrai
@@ -28,6 +30,8 @@ from astrai.server.tool_parsers import tool_call_parser_for
 
 log = logging.getLogger(__name__)
 
+WEBUI_DIR = Path(__file__).resolve().parent / "webui"
+
 
 def create_app(
     engine: InferenceEngine,
@@ -40,6 +44,7 @@ def create_app(
     docs: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    webui: bool = True,
 ) -> FastAPI:
     """An app serving one loaded engine under model_name.
 
@@ -50,7 +55,8 @@ def create_app(
     tool calls are read in (astrai.server.tool_parsers.PARSERS); without it the chat template
     shows it, or chat requests with tools are refused. reasoning_parser names the format of the
     model's think blocks (astrai.server.reasoning.PARSERS), which answers give apart from the
-    text; without it a chat template that mentions <think> picks the think parser.
+    text; without it a chat template that mentions <think> picks the think parser. webui
+    serves the chat page (astrai/server/webui) at /, behind the key when there is one.
     """
     doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
@@ -84,6 +90,14 @@ def create_app(
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    if webui:
+
+        @app.get("/", include_in_schema=False)
+        async def chat_page() -> FileResponse:
+            return FileResponse(WEBUI_DIR / "index.html")
+
+        app.mount("/webui", StaticFiles(directory=WEBUI_DIR), name="webui")
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
