@@ -71,6 +71,7 @@ class ToolCallParser(ABC):
     name: str
     markers: tuple[str, ...]  # text that opens the calls wherever it appears
     leading_json: bool = False  # a "{" that opens the output opens the calls too
+    forced_marker: bool = True  # a forced answer opens with the first marker
     argument_keys: tuple[str, ...] = ("arguments",)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -143,8 +144,6 @@ class ToolCallParser(ABC):
             f"opening[lazy]: TEXT {json.dumps(self.markers[0])}\n"
             f"{self.calls_rule(parallel)}\n{self._call_rules(tools)}"
         )
-
-    forced_marker: bool = True  # a forced call opens with the marker
 
     def _call_rules(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """Lark rules `call_json` (a call object of any of tools) and one %json rule per tool."""
@@ -305,9 +304,8 @@ class ToolCallStream:
     def feed(self, piece: str) -> tuple[str, list[ToolCallDelta]]:
         """The content and call deltas that piece adds."""
         if self._scanner is not None:
-            if self._scanner.calls:
-                return "", self._scanner.feed(piece)
-            self._pending += piece
+            if not self._scanner.calls:  # held until the section yields a call
+                self._pending += piece
             return "", self._scanner.feed(piece)
         self._pending += piece
         found = self._parser.find_start(self._pending, self._at_start)
