@@ -386,3 +386,19 @@ def run_ids(engine, prompts, params):
         _, event = events.get(timeout=120)
         remaining -= event is STOP
     return [[task.result() for task in group] for group in groups]
+
+
+def tokens_logprobs_cached(engine, prompt: list[int], params) -> tuple[list[int], list, int]:
+    """One request's tokens, each token's logprob as the engine reports it, and its cached
+    prompt tokens."""
+    import queue
+
+    from astrai.inference import STOP
+
+    events = queue.SimpleQueue()
+    [task] = engine.submit(prompt, params, lambda task, event: events.put(event))
+    logprobs = []
+    while (event := events.get(timeout=120)) is not STOP:
+        logprobs += [entry.logprob for entry in event.logprobs or ()]
+    result = task.result()
+    return result.token_ids, logprobs, result.cached_tokens

@@ -34,11 +34,14 @@ class CacheView:
     """The model's attention backend for one forward pass over a ragged batch of seqs, each
     (task_id, start, n): n new tokens at positions start .. start + n - 1.
 
-    The constructor resolves every index once -- write slots, the decodes' page tables, each
-    prompt chunk's pages -- and the masks are made once per sliding window, so a layer's call
-    is tensor work only: write its new K/V, attend the decodes (one C kernel call that reads
-    their pages in place on the CPU, else one SDPA call per group of gathered pages), then one
-    SDPA call per prompt chunk. The pages of a sliding layer's keys that lie outside its window
+    The constructor resolves every index once -- write slots, page tables, each prompt chunk's
+    pages -- and the masks are made once per sliding window, so a layer's call is tensor work
+    only. Where the C kernel runs (a CPU cache), a layer's call is one kernel call for every
+    row, a prompt's rows too: it stores the step's new K/V, then attends each row over its
+    pages in place, summing in one order whatever shares the step, so greedy output does not
+    depend on chunking, prefix-cache hits or the batch. Elsewhere it writes the new K/V,
+    attends the decodes (one SDPA call per group of gathered pages), then one SDPA call per
+    prompt chunk. The pages of a sliding layer's keys that lie outside its window
     are kept: other layers still read them, and so does the prefix cache. A cache of another
     dtype than the model's (kv_cache_dtype) holds K/V rounded to its dtype, and every path
     attends over those rounded values in the model's dtype, so a prompt's result is the same
@@ -68,15 +71,21 @@ class CacheView:
         decodes = np.flatnonzero(lens == 1)
         self.paged_decode: PagedDecode | None = None
         self.decode_groups: list[DecodeGroup] = []
-        if len(decodes) and PagedDecode.supports(cache.k_cache):
+        self.chunks: list[PromptChunk] = []
+        if PagedDecode.supports(cache.k_cache):
+            # Every row, a prompt's too, on the kernel, which sums a row's scores and values in
+            # one order whatever else is in the step: a token's result is then the same
+            # whether it is prefilled with the whole prompt, in a later chunk, after a prefix
+            # cache hit, alone or in a batch (SDPA's rounding changes with the rows it is given).
             self.paged_decode = PagedDecode(
                 cache.k_cache,
                 cache.v_cache,
-                rows=torch.from_numpy(offsets[decodes]).to(device),
-                block_tables=torch.from_numpy(block_table[decodes]).to(device),
-                context_lens=torch.from_numpy(starts[decodes] + 1).to(device),
+                rows=torch.arange(len(seq_of_row), device=device),
+                block_tables=torch.from_numpy(block_table[seq_of_row]).to(device),
+                context_lens=torch.from_numpy(pos + 1).to(device),
             )
-        elif len(decodes):
+            return
+        if len(decodes):
             for group in group_by_context([len(tables[i]) for i in decodes], decodes.tolist()):
                 n_pages = max(len(tables[i]) for i in group)
                 self.decode_groups.append(

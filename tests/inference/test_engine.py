@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import random
 from dataclasses import replace
 
 import pytest
-from tiny_models import hf_greedy, make_engine, run_ids
+from tiny_models import hf_greedy, make_engine, run_ids, tokens_logprobs_cached
 
 from astrai.inference import GenerationParams, GenerationRequest
 from astrai.inference import scheduler as scheduler_module
+from astrai.inference.constraints import Constraint
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.kernels import native
 
@@ -173,6 +175,43 @@ def test_shared_prefixes_hit_the_cache_and_keep_outputs(model, tokenizer, hf_mod
     # page 0 matches; page 1 differs, so page 2 (the same tokens as prompt 0's) is not reused
     assert rest[7][0].cached_tokens == 16
     assert rest[8][0].cached_tokens == 0
+
+
+@pytest.mark.parametrize("constrained", [False, True], ids=["plain", "json-schema"])
+def test_greedy_does_not_depend_on_what_the_prefix_cache_holds(
+    model, tokenizer, decode_attention, constrained, monkeypatch
+):
+    """16 prompts continue token for token, and logprob for logprob bit for bit, with a cold
+    cache and after another request cached their first 1, 2 or 3 pages: a prompt's tokens after
+    a hit are computed in a shorter chunk than without one, the last of them sometimes alone.
+    Holds where the C kernel attends every row (SDPA's rounding depends on a chunk's rows) and
+    the linears take one path at every row count (here the skinny kernel, forced: the timing
+    may give a dense fp32 linear a GEMM at some row counts; quantized linears keep their kernel
+    by default, tests/model/test_gguf.py)."""
+    if decode_attention != "c-kernel" or native.skinny_linear is None:
+        pytest.skip("only the C kernels compute a row alike in any chunk")
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")
+    rng = random.Random(3)
+    # prompts of 4 pages at most: their prefill too fits the skinny kernel's rows
+    prompts = [[rng.randrange(4, 512) for _ in range(rng.randint(49, 64))] for _ in range(16)]
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    params = GenerationParams(
+        max_tokens=16,
+        temperature=0.0,
+        logprobs=0,
+        ignore_eos=not constrained,
+        constraint=Constraint.json_schema(json.dumps(schema)) if constrained else None,
+    )
+    with make_engine(model, tokenizer, enable_prefix_cache=False) as engine:
+        cold = [tokens_logprobs_cached(engine, prompt, params) for prompt in prompts]
+    assert all(cached == 0 for _, _, cached in cold)
+    for pages in (1, 2, 3):
+        with make_engine(model, tokenizer) as engine:
+            for prompt, (tokens, logprobs, _) in zip(prompts, cold, strict=True):
+                other = prompt[: 16 * pages] + [3] * 5
+                run_ids(engine, [other], [GenerationParams(max_tokens=1, temperature=0.0)])
+                warm = tokens_logprobs_cached(engine, prompt, params)
+                assert warm == (tokens, logprobs, 16 * pages)
 
 
 def test_cached_pages_are_reclaimed_when_memory_is_needed(model, tokenizer):

@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import LLAMA3_ROPE, real_gguf, write_gguf, write_hf_model
+from tiny_models import (
+    LLAMA3_ROPE,
+    make_engine,
+    real_gguf,
+    run_ids,
+    tokens_logprobs_cached,
+    write_gguf,
+    write_hf_model,
+)
 
 from astrai.config import ConfigError
 from astrai.kernels import Arena, Linear, StepGraph, native
@@ -429,6 +437,41 @@ def test_the_readme_question_gets_the_references_answer_on_every_cpu_path(isa):
         finally:
             native.quant_linear.set_isa(before)
     assert answer.startswith("The capital of France is Paris"), answer
+
+
+@pytest.mark.skipif(native.quant_linear is None, reason="the quantized kernel is not built")
+@pytest.mark.parametrize("constrained", [False, True], ids=["plain", "json-schema"])
+def test_quantized_greedy_does_not_depend_on_what_the_prefix_cache_holds(constrained):
+    """16 prompts of the real model continue token for token, and logprob for logprob bit for
+    bit, with a cold cache and after another request cached their first 1, 2 or 3 pages: the
+    quantized kernel and the attention kernel compute a row alike in any chunk. (A served
+    json_schema request once continued otherwise on its first run than on the next two.)"""
+    from astrai.inference import GenerationParams
+    from astrai.inference.constraints import Constraint
+    from astrai.tokenize import AutoTokenizer
+
+    model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
+    text = (Path(__file__).parents[2] / "astrai/assets/demo/heldout.txt").read_text()
+    ids = tokenizer.encode(text)
+    prompts = [ids[i * 97 : i * 97 + 49 + 3 * i] for i in range(16)]  # 49 to 94 tokens
+    schema = {"type": "object", "properties": {"summary": {"type": "string"}}}
+    params = GenerationParams(
+        max_tokens=12,
+        temperature=0.0,
+        logprobs=0,
+        ignore_eos=True,
+        constraint=Constraint.json_schema(schema) if constrained else None,
+    )
+    with make_engine(model, tokenizer, enable_prefix_cache=False) as engine:
+        cold = [tokens_logprobs_cached(engine, prompt, params) for prompt in prompts]
+    for pages in (1, 2, 3):
+        with make_engine(model, tokenizer) as engine:
+            for prompt, (tokens, logprobs, _) in zip(prompts, cold, strict=True):
+                other = prompt[: 16 * pages] + tokenizer.encode(" and so on")
+                run_ids(engine, [other], [GenerationParams(max_tokens=1, temperature=0.0)])
+                warm = tokens_logprobs_cached(engine, prompt, params)
+                assert warm == (tokens, logprobs, 16 * pages)
 
 
 def test_quantized_model_reports_its_bytes_and_refuses_the_native_format(tmp_path):
