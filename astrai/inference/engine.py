@@ -250,7 +250,7 @@ class InferenceEngine:
         sized_by = f"for {use}"
         if budget_pages < usable_pages:
             budget = self.config.kv_cache_memory
-            budget = f"{budget / 1e6:.0f} MB" if budget > 1 else f"{budget:.0%} of free memory"
+            budget = f"{budget / 1e6:.1f} MB" if budget > 1 else f"{budget:.0%} of free memory"
             sized_by = (
                 f"capped by kv_cache_memory, {budget} ({use} would take "
                 f"{usable_pages * page_bytes / 1e6:.0f} MB)"

@@ -27,7 +27,7 @@ from astrai.inference import (
     TaskResult,
     TokenLogprob,
 )
-from astrai.inference.constraints import Constraint
+from astrai.inference.constraints import Constraint, ConstraintError
 from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
 from astrai.server.reasoning import ReasoningParser
@@ -218,6 +218,15 @@ class GenerationService:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    async def compiled(self, name: str, constraint: Constraint) -> Constraint:
+        """constraint, compiled off the event loop (the engine caches it for the submit); one
+        the grammar library refuses is a 400 naming the request field it came from."""
+        try:
+            await asyncio.to_thread(self.engine.compile, constraint)
+        except ConstraintError as exc:
+            raise APIError(400, f"{name}: {exc}", param=name) from exc
+        return constraint
 
     def tool_use(
         self, functions: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool = True

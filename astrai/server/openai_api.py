@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -94,11 +93,7 @@ async def _constraint(
         names = " and ".join(name for name, _ in asked)
         raise APIError(400, f"{names} both constrain the output; give one", param=asked[1][0])
     [(name, constraint)] = asked
-    try:
-        await asyncio.to_thread(service.engine.compile, constraint)
-    except ConstraintError as exc:
-        raise APIError(400, f"{name}: {exc}", param=name) from exc
-    return constraint
+    return await service.compiled(name, constraint)
 
 
 def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> ToolUse:

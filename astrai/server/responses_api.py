@@ -9,7 +9,6 @@ comes back as output items: a message, and a function_call item per call.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import time
@@ -168,11 +167,7 @@ async def _constraint(
             param="text.format",
         )
     [(name, constraint)] = asked
-    try:
-        await asyncio.to_thread(service.engine.compile, constraint)
-    except ConstraintError as exc:
-        raise APIError(400, f"{name}: {exc}", param=name) from exc
-    return constraint
+    return await service.compiled(name, constraint)
 
 
 @router.post("/v1/responses")

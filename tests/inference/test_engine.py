@@ -514,6 +514,6 @@ def test_the_kv_pool_holds_what_the_engine_can_use_within_its_budget(model, toke
     megabytes = 63 * 16 * kv_bytes(model) / 1e6  # 1000 tokens take 63 pages
     assert (
         f"KV cache {budget / 1e6:.1f} MB torch.float32 reserved, touched only as tokens are "
-        f"written: 160 tokens in 10 pages of 16, capped by kv_cache_memory, {budget / 1e6:.0f} "
+        f"written: 160 tokens in 10 pages of 16, capped by kv_cache_memory, {budget / 1e6:.1f} "
         f"MB (max_total_tokens 1000 would take {megabytes:.0f} MB)" in caplog.text
     )
