@@ -262,16 +262,31 @@ struct call {
     const uint8_t *w;
     const struct xblock *x; /* [rows, in / 32] */
     const void *bias;
-    int64_t rows, blocks, n_out, rec_bytes;
-    int qtype, is_bf16;
+    int64_t rows, blocks, n_out, rec_bytes; /* rows of x: output rows times terms */
+    int qtype, is_bf16, terms;
 };
 
-/* x row m's sums over group g's rows (GROUP floats, row r's at r), plus the bias, stored; a
- * padding row of the last group is not. Inlined into each path and compiled with its vectors:
+/* With two terms, the first term's sums over the group a thread is storing, until the second
+ * term's (the next x row, which every path stores right after it) are added to them. */
+static __thread float first_term[GROUP];
+
+/* x row m's sums over group g's rows (GROUP floats, row r's at r), plus the bias, stored (with
+ * two terms, x rows 2 m' and 2 m' + 1 summed into output row m'); a padding row of the last
+ * group is not. Inlined into each path and compiled with its vectors:
  * as a call per group into baseline (SSE) code it cost the AVX-512 tiles up to half their
  * time at a few rows. */
 static inline __attribute__((always_inline)) void store_group(const struct call *c, int64_t m,
                                                               int64_t g, const float *sums) {
+    float both[GROUP];
+    if (c->terms == 2) {
+        if (m % 2 == 0) {
+            memcpy(first_term, sums, sizeof first_term);
+            return;
+        }
+        for (int r = 0; r < GROUP; r++) both[r] = first_term[r] + sums[r];
+        sums = both;
+        m /= 2;
+    }
     const int64_t first = GROUP * g, at = m * c->n_out + first;
     if (c->n_out - first >= GROUP) {
         for (int h = 0; h < GROUP / LANES; h++) {
@@ -929,23 +944,6 @@ static void quantize_terms(quantize_fn quantize_row, struct xblock *xq, const vo
     quantize_row(xq + in / QK, residual, in, c, halves, 0);
 }
 
-/* out row m = the sum of partial's rows m * terms.. (fp32, one per term), plus the bias. */
-static void sum_terms(void *out, const float *partial, const void *bias, int64_t rows,
-                      int64_t n_out, int terms, int is_bf16) {
-#pragma omp parallel for schedule(static) if (rows > 8)
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t n = 0; n < n_out; n++) {
-            float sum = partial[m * terms * n_out + n];
-            for (int t = 1; t < terms; t++) sum += partial[(m * terms + t) * n_out + n];
-            if (bias != NULL)
-                sum += is_bf16 ? bf16_to_float(((const bf16 *)bias)[n]) : ((const float *)bias)[n];
-            if (is_bf16)
-                ((bf16 *)out)[m * n_out + n] = float_to_bf16(sum);
-            else
-                ((float *)out)[m * n_out + n] = sum;
-        }
-}
-
 static PyObject *linear(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, x, w, bias, rows, in_features, n_out;
@@ -960,25 +958,15 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     }
     const int64_t blocks = in_features / QK;
     struct xblock *xq = malloc(sizeof(struct xblock) * (rows * terms * blocks + 1));
-    /* with two terms the tiles write each term's product apart, summed after them */
-    float *partial = terms == 1 ? NULL : malloc(sizeof(float) * (rows * terms * n_out + 1));
     float *residual = terms == 1 ? NULL : malloc(sizeof(float) * (rows * in_features + 1));
-    if (xq == NULL || (terms > 1 && (partial == NULL || residual == NULL))) {
+    if (xq == NULL || (terms > 1 && residual == NULL)) {
         free(xq);
-        free(partial);
         free(residual);
         return PyErr_NoMemory();
     }
-    const struct call c = {terms == 1 ? (void *)out : partial,
-                           (const uint8_t *)w,
-                           xq,
-                           terms == 1 ? (const void *)bias : NULL,
-                           rows * terms,
-                           blocks,
-                           n_out,
-                           layout_of(qtype).bytes,
-                           qtype,
-                           terms == 1 ? is_bf16 : 0};
+    const struct call c = {(void *)out,    (const uint8_t *)w, xq,      (const void *)bias,
+                           rows * terms,   blocks,             n_out,   layout_of(qtype).bytes,
+                           qtype,          is_bf16,            terms};
     void (*group)(const struct call *, int64_t) = group_scalar;
 #if X86
     if (current_isa == AVX512VNNI) group = group_vnni;
@@ -1010,11 +998,8 @@ static PyObject *linear(PyObject *module, PyObject *args) {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         for (int64_t g = groups * t / threads; g < groups * (t + 1) / threads; g++) group(&c, g);
     }
-    if (terms > 1)
-        sum_terms((void *)out, partial, (const void *)bias, rows, n_out, terms, is_bf16);
     Py_END_ALLOW_THREADS;
     free(xq);
-    free(partial);
     free(residual);
     Py_RETURN_NONE;
 }
