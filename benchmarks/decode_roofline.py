@@ -26,11 +26,12 @@ from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
 
 
-def astrai_decode_rate(model, prompt_ids: list[int], new_tokens: int) -> float:
-    """Decode tokens/s of one request: tokens after the first over the time they took."""
+def astrai_decode_rate(model, prompt_ids: list[int], new_tokens: int, **settings) -> float:
+    """Decode tokens/s of one request: tokens after the first over the time they took, on an
+    engine with these EngineConfig settings."""
     stamps: queue.SimpleQueue = queue.SimpleQueue()
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    with InferenceEngine(model, _NoTextTokenizer(), max_batch_size=1) as engine:
+    with InferenceEngine(model, _NoTextTokenizer(), max_batch_size=1, **settings) as engine:
         engine.submit(
             prompt_ids, params, lambda task, event: stamps.put((event, time.perf_counter()))
         )
