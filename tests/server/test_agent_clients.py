@@ -39,7 +39,7 @@ class Capital(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    flags = ["--max-seq-len", "2048", "--kv-cache-memory", "64000000", "--dequantize"]
+    flags = ["--max-seq-len", "2048", "--kv-cache-memory", "64000000"]
     with astrai_serve(real_gguf(), *flags) as (process, url):
         yield f"{url}/v1"
         process.terminate()
