@@ -348,12 +348,14 @@ def test_concurrent_async_consumers_complete(model, tokenizer):
 
 def test_cancelled_async_consumer_frees_pages(model, tokenizer):
     async def main(engine):
+        streaming = asyncio.Event()
+
         async def consume():
             async for _ in engine.generate_async("Hello", max_tokens=500, ignore_eos=True):
-                pass
+                streaming.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
+        await streaming.wait()  # cancelled mid-stream, with hundreds of tokens to go
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -415,7 +415,7 @@ def test_sigterm_drains_running_requests_then_exits_cleanly(llama_dir):
             ("anthropic", "/v1/messages", {**messages, "max_tokens": 900, "stream": True}),
             ("post", "/v1/completions", {**prompt, **long}),
             ("post", "/v1/messages", {**messages, "max_tokens": 900}),
-        ] * 2
+        ] * 5  # 25 of 900 tokens, one at a time: several times the grace period's work
         endings = [{} for _ in requests]
         clients = []
         for (kind, path, body), ending in zip(requests, endings, strict=True):
