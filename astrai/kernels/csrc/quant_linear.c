@@ -14,6 +14,12 @@
  *   Q5_0  u = 5-bit, c = 16
  *   Q4_K  u = 4-bit, d = d_super * sc, m = -dmin_super * mn (6-bit sc, mn per 32-block)
  *
+ * With two terms (linear()'s terms = 2, the default activation precision) a row of x is
+ * quantized twice: its int8 blocks q with scale dx, then the blocks of what they leave,
+ * x - dx q, whose scale is at most dx / 254. The two are rows of their own through the same
+ * tiles, and their sums are added as the second is stored, so a product is about as exact as
+ * one with 15-bit activations, for twice the integer work.
+ *
  * Unsigned codes against signed x are what the CPUs' int8 multiply-adds take (AVX512-VNNI
  * vpdpbusd, AVX2 vpmaddubsw); c sum q depends on x alone and is computed with x's quantization,
  * where it seeds the integer accumulator.
