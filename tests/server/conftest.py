@@ -5,20 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from live_server import API_KEY, MODEL_NAME, RunningServer, make_engine, start_server, stop_server
-
-from astrai.server import create_app
+from live_server import API_KEY, RunningServer, make_engine, serving
 
 
 @pytest.fixture(scope="session")
 def server(llama_dir) -> Iterator[RunningServer]:
     engine = make_engine(llama_dir)
-    running = start_server(create_app(engine, MODEL_NAME, api_key=API_KEY))
-    try:
-        yield RunningServer(f"http://127.0.0.1:{running.port}", engine)
-    finally:
-        stop_server(running)
-        engine.close()
+    with serving(engine) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import uvicorn
@@ -58,6 +60,20 @@ def start_server(app, **options) -> _ServerThread:
 def stop_server(running: _ServerThread) -> None:
     running.server.should_exit = True
     running.thread.join(timeout=30)
+
+
+@contextmanager
+def serving(engine: InferenceEngine, **app_options) -> Iterator[RunningServer]:
+    """The engine served by the app (create_app's app_options) on a loopback port, with the
+    tests' model name and API key; the server stopped and the engine closed after."""
+    from astrai.server import create_app
+
+    running = start_server(create_app(engine, MODEL_NAME, api_key=API_KEY, **app_options))
+    try:
+        yield RunningServer(f"http://127.0.0.1:{running.port}", engine)
+    finally:
+        stop_server(running)
+        engine.close()
 
 
 def make_engine(model_dir, **config) -> InferenceEngine:

@@ -15,13 +15,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live_server import API_KEY, MODEL_NAME, RunningServer, make_engine, start_server, stop_server
+from live_server import API_KEY, MODEL_NAME, make_engine, serving
 from openai.types.responses import Response, ResponseFunctionToolCall, ResponseOutputMessage
 from pydantic import BaseModel, Field
 from serve_process import astrai_serve
 from tiny_models import real_gguf
 
-from astrai.server import create_app
 from astrai.server.errors import APIError
 from astrai.server.responses_api import ResponseStore
 
@@ -49,12 +48,8 @@ SCHEMA = {
 def server(llama_dir):
     """The tiny model with room for the tool definitions astrai writes into its prompt."""
     engine = make_engine(llama_dir, max_seq_len=1024)
-    running = start_server(create_app(engine, MODEL_NAME, api_key=API_KEY))
-    try:
-        yield RunningServer(f"http://127.0.0.1:{running.port}", engine)
-    finally:
-        stop_server(running)
-        engine.close()
+    with serving(engine) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

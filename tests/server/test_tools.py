@@ -17,10 +17,9 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from live_server import API_KEY, MODEL_NAME, make_engine, start_server, stop_server
+from live_server import API_KEY, MODEL_NAME, make_engine, serving
 
 from astrai.inference.constraints import Constraint, ConstraintCompiler
-from astrai.server import create_app
 from astrai.server.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
@@ -212,12 +211,8 @@ def tool_server(tmp_path_factory, llama_dir) -> Iterator[str]:
         (model_dir / file.name).symlink_to(file)
     (model_dir / "chat_template.jinja").write_text(HERMES_TEMPLATE)
     engine = make_engine(model_dir, max_seq_len=1024)
-    running = start_server(create_app(engine, MODEL_NAME, api_key=API_KEY))
-    try:
-        yield f"http://127.0.0.1:{running.port}"
-    finally:
-        stop_server(running)
-        engine.close()
+    with serving(engine) as server:
+        yield server.base_url
 
 
 @pytest.fixture(scope="module")
@@ -358,12 +353,8 @@ SMALL_TOOL = {
 def dropping_server(llama_dir) -> Iterator[str]:
     """A server on the tiny model's own template, with room in its context for the tools."""
     engine = make_engine(llama_dir, max_seq_len=1024)
-    running = start_server(create_app(engine, MODEL_NAME, api_key=API_KEY))
-    try:
-        yield f"http://127.0.0.1:{running.port}"
-    finally:
-        stop_server(running)
-        engine.close()
+    with serving(engine) as server:
+        yield server.base_url
 
 
 @pytest.fixture(scope="module")
@@ -448,13 +439,8 @@ def plain_tools_client(tmp_path_factory, llama_dir) -> Iterator[openai.OpenAI]:
         (model_dir / file.name).symlink_to(file)
     (model_dir / "chat_template.jinja").write_text(PLAIN_TOOLS_TEMPLATE)
     engine = make_engine(model_dir, max_seq_len=1024)
-    running = start_server(create_app(engine, MODEL_NAME, api_key=API_KEY))
-    try:
-        base = f"http://127.0.0.1:{running.port}/v1"
-        yield openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0)
-    finally:
-        stop_server(running)
-        engine.close()
+    with serving(engine) as server:
+        yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def test_forced_calls_need_no_parser_and_auto_needs_one(plain_tools_client):
