@@ -14,12 +14,14 @@ import weakref
 import httpx
 import psutil
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 from serve_process import REPO_ROOT, astrai_serve
 from tiny_models import real_gguf, write_gguf, write_hf_model
 
-from astrai.config import ConfigError
+from astrai.config import ACTIVATION_PRECISIONS, ConfigError
 from astrai.distributed import load_sharded
+from astrai.distributed.executor import KV_POOL, STOP_MESSAGE, serve_steps
 from astrai.distributed.group import free_port
 from astrai.inference import InferenceEngine
 from astrai.kernels.quant_ops import QuantizedLinear
@@ -213,6 +215,36 @@ def test_each_rank_quantizes_its_share_on_load(llama_dir, monkeypatch):
     assert isinstance(w2, QuantizedLinear) and w2.weight.shape == (64, 64)
     with InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
         assert greedy(engine) == expected
+
+
+class RecordedMessages:
+    """A worker's end of the step channel, replaying rank 0's messages."""
+
+    failure = None
+
+    def __init__(self, messages: list[tuple[list[int], torch.Tensor | None]]):
+        self.messages = messages
+
+    def receive_header(self) -> list[int]:
+        header, self.body = self.messages.pop(0)
+        return header
+
+    def receive_body(self, size: int) -> torch.Tensor:
+        assert self.body is not None and self.body.numel() == size
+        return self.body
+
+
+def test_workers_take_rank_zeros_activation_precision(llama_dir):
+    """The KV_POOL message carries the engine's activation precision in its body: a worker's
+    quantized linears round x as rank 0's do (int8 here, against the int8x2 default)."""
+    model = AutoModel.from_pretrained(llama_dir, quantization="q8_0")
+    precision = torch.tensor([ACTIVATION_PRECISIONS.index("int8")])
+    channel = RecordedMessages(
+        [([KV_POOL, 8, 16, 0, 1], precision), ([STOP_MESSAGE, 0, 0, 0, 0], None)]
+    )
+    serve_steps(channel, model)
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.activation_precision == "int8" for m in linears)
 
 
 def test_generate_with_quantized_ranks(llama_dir):
