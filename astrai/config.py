@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -401,8 +402,35 @@ class EngineConfig:
         "processes that each hold 1/N of every layer's weights and KV heads (tensor "
         "parallelism on torch.distributed: gloo on CPU, NCCL on CUDA)",
     )
+    loras: tuple[str, ...] = setting(
+        (),
+        "a LoRA adapter to load: NAME=PATH, or PATH (named after its file or directory); PATH "
+        "is a PEFT adapter directory or a llama.cpp GGUF LoRA file; repeatable; a request "
+        "picks one by name (the API's model field); the Python API also takes a dict",
+        flag="--lora",
+        metavar="NAME=PATH",
+    )
+    max_loras: int | None = setting(
+        None,
+        "most LoRA adapters loaded at once, each a slot that every step computes "
+        "(default: the --lora count; give it to load adapters later through the API)",
+    )
+    max_lora_rank: int | None = setting(
+        None, "largest LoRA rank a slot holds (default: the largest --lora rank, else 16)"
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.loras, Mapping):
+            object.__setattr__(
+                self, "loras", tuple(f"{name}={path}" for name, path in self.loras.items())
+            )
+        names = [name for name, _ in self.adapters]
+        if any(not name for name in names) or len(set(names)) != len(names):
+            raise ConfigError(f"loras need distinct, non-empty names, got {list(self.loras)}")
+        if self.max_loras is not None and self.max_loras < len(self.loras):
+            raise ConfigError(
+                f"max_loras is {self.max_loras}, fewer than the {len(self.loras)} loras given"
+            )
         positive = {
             "tensor_parallel_size": self.tensor_parallel_size,
             "max_batch_size": self.max_batch_size,
@@ -413,7 +441,7 @@ class EngineConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_seq_len", "max_total_tokens"):
+        for name in ("max_seq_len", "max_total_tokens", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -446,11 +474,27 @@ class EngineConfig:
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens!r}"
             )
+        if self.lora_slots and self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters under tensor parallelism are not supported yet")
         if not (self.kv_cache_memory > 0):
             raise ConfigError(
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory "
                 f"in (0, 1], got {self.kv_cache_memory!r}"
             )
+
+    @property
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each LoRA adapter in loras."""
+        pairs = []
+        for item in self.loras:
+            name, _, path = item.rpartition("=")
+            pairs.append((name or Path(path).stem, path))
+        return pairs
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters loaded at once; 0 runs the model without LoRA's per-step products."""
+        return len(self.loras) if self.max_loras is None else self.max_loras
 
 
 LOAD_DTYPES = ("auto", "float32", "bfloat16", "float16")

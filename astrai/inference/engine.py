@@ -37,6 +37,7 @@ from astrai.inference.task import (
     TaskResult,
 )
 from astrai.model.automodel import resolve_dtype
+from astrai.model.lora import AdapterTable, LoraAdapter, read_adapter
 
 log = logging.getLogger(__name__)
 
@@ -283,12 +284,14 @@ class InferenceEngine:
                 f"loaded for {group_size} ranks; load it with "
                 "astrai.distributed.load_sharded(path, tensor_parallel_size)"
             )
+        self.adapters = self._adapters()
         if self._group is None:
             executor = ModelExecutor(
                 model,
                 self.cache,
                 max_batch_size=rows,
                 cuda_graphs=self.config.cuda_graphs,
+                adapters=self.adapters,
                 max_seq_len=self.max_seq_len,
                 batch_invariant=self.config.batch_invariant,
                 activation_precision=self.config.activation_precision,
@@ -309,6 +312,44 @@ class InferenceEngine:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astrai-scheduler", daemon=True)
         self._thread.start()
+
+    def _adapters(self) -> AdapterTable | None:
+        """The config's LoRA adapters, read and checked against the model, in a table with
+        room for config.lora_slots; None when the config asks for no adapter."""
+        slots = self.config.lora_slots
+        if not slots:
+            return None
+        adapters = [read_adapter(name, path, self.model) for name, path in self.config.adapters]
+        rank = self.config.max_lora_rank or max((a.rank for a in adapters), default=16)
+        table = AdapterTable(self.model, slots, rank)
+        for adapter in adapters:
+            table.add(adapter)
+        log.info(
+            "LoRA adapters %s loaded, %d slots of rank up to %d",
+            [a.name for a in adapters],
+            slots,
+            rank,
+        )
+        return table
+
+    def load_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read the LoRA adapter at path and serve it as name (LoraError if it cannot be)."""
+        if self.adapters is None:
+            raise ConfigError(
+                "this engine holds no LoRA adapter slots; start it with max_loras (--max-loras)"
+            )
+        adapter = read_adapter(name, path, self.model)
+        self.adapters.add(adapter)
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving the adapter called name; requests already running under it finish."""
+        if self.adapters is None:
+            raise ConfigError("this engine holds no LoRA adapters")
+        self.adapters.remove(name)
+
+    def adapter_names(self) -> list[str]:
+        return [] if self.adapters is None else self.adapters.names()
 
     def _speculator(self) -> Speculator | None:
         """The speculative decoding the config asks for; a draft model is loaded here, in the
@@ -394,6 +435,8 @@ class InferenceEngine:
         self._thread.join()
         if self._group is not None:
             self._group.close()
+        if self.adapters is not None:
+            self.adapters.close()
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
 
@@ -422,7 +465,17 @@ class InferenceEngine:
         self._check_token_ids(params)
         compiled = None if params.constraint is None else self.compile(params.constraint)
         groups = [self._sample_tasks(ids, params, callback, compiled) for ids in prompts]
-        self.manager.add_tasks([task for group in groups for task in group])
+        tasks = [task for group in groups for task in group]
+        if params.lora is not None:
+            if self.adapters is None:
+                raise RequestError(
+                    f"lora {params.lora!r}: this engine serves no LoRA adapters; load them with "
+                    "loras (--lora NAME=PATH)"
+                )
+            adapter = self.adapters.acquire(params.lora, tasks)
+            for task in tasks:
+                task.adapter = adapter
+        self.manager.add_tasks(tasks)
         return groups
 
     def submit(

@@ -29,6 +29,7 @@ from astrai.kernels.quant_ops import (
     quantized_linears,
     tune_quant_linears,
 )
+from astrai.model.lora import AdapterTable, row_adapters
 
 log = logging.getLogger("astrai.executor")
 
@@ -308,12 +309,15 @@ class ModelExecutor:
         max_seq_len: int | None = None,
         batch_invariant: bool = True,
         activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
+        adapters: AdapterTable | None = None,
     ) -> None:
         """On CUDA, cuda_graphs replays decode steps from CUDA graphs (CudaSteps), whose page
-        tables have room for max_seq_len tokens (default: the model's context). On the CPU,
-        batch_invariant keeps quantized linears on their kernel at every batch size, and the
-        kernel quantizes their x at activation_precision."""
+        tables have room for max_seq_len tokens (default: the model's context); with LoRA
+        adapters steps run eagerly. On the CPU, batch_invariant keeps quantized linears on
+        their kernel at every batch size, and the kernel quantizes their x at
+        activation_precision. Each step tells adapters which rows use which adapter."""
         self.model = model
+        self.adapters = adapters
         self.cache = cache
         self.pipeline = pipeline or SamplingPipeline()
         self.max_batch_size = max_batch_size  # the most rows a step samples
@@ -323,7 +327,8 @@ class ModelExecutor:
         self.cuda_steps: CudaSteps | None = None
         if self.device.type == "cuda":
             max_seq_len = max_seq_len or model.config.max_len
-            self.cuda_steps = CudaSteps(model, cache, max_batch_size, max_seq_len, cuda_graphs)
+            graphs = cuda_graphs and adapters is None
+            self.cuda_steps = CudaSteps(model, cache, max_batch_size, max_seq_len, graphs)
         if self.device.type == "cpu":
             dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
             if dense:
@@ -388,6 +393,10 @@ class ModelExecutor:
                 else [(c.task.id, c.start, c.length)]
             )
         ]
+        if self.adapters is not None:
+            self.adapters.begin_step(
+                *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
+            )
         logits = self.forward(seqs, token_ids, rows)
         if not sampling:
             return []

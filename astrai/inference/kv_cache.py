@@ -140,6 +140,9 @@ class TaskPages:
     pages: list[int] = field(default_factory=list)  # position p lives in pages[p // page_size]
     keys: list[bytes] = field(default_factory=list)  # prefix keys of its leading full pages
     num_cached: int = 0  # tokens whose KV is in its pages, as of the last match, fork or commit
+    # What the task's KV depends on besides its tokens (its LoRA adapter): the parent key of
+    # its first page, so only tasks under the same one share pages.
+    root: bytes | None = None
 
 
 class TaskTable:
@@ -247,8 +250,9 @@ class PagedCache:
             )
         return budget // page_bytes
 
-    def match_prefix(self, task_id: int, tokens: Sequence[int]) -> int:
-        """Give a new task the cached pages of its longest known prefix; return tokens covered.
+    def match_prefix(self, task_id: int, tokens: Sequence[int], root: bytes | None = None) -> int:
+        """Give a new task the cached pages of its longest known prefix computed under root
+        (TaskPages.root); return tokens covered.
 
         The last token is never covered, so the page that receives new KV is the task's own.
         The hit counts toward the hit rate only through count_hit, once the task is admitted.
@@ -256,7 +260,7 @@ class PagedCache:
         if not self.enable_prefix_cache:
             return 0
         entry = self.tasks.open_empty(task_id)
-        parent = None
+        entry.root = parent = root
         for i in range((len(tokens) - 1) // self.page_size):
             page_tokens = tokens[i * self.page_size : (i + 1) * self.page_size]
             key = self.prefix.page_key(parent, page_tokens)
@@ -317,7 +321,7 @@ class PagedCache:
         if not self.enable_prefix_cache:
             return
         for i in range(len(entry.keys), num_computed // self.page_size):
-            parent = entry.keys[-1] if entry.keys else None
+            parent = entry.keys[-1] if entry.keys else entry.root
             page_tokens = tokens[i * self.page_size : (i + 1) * self.page_size]
             key = self.prefix.page_key(parent, page_tokens)
             self.prefix.add(key, parent, page_tokens, entry.pages[i])
@@ -350,6 +354,7 @@ class PagedCache:
             self.pool.incref(page)
         dst.pages = src.pages[:n_shared]
         dst.keys = src.keys[:n_shared]
+        dst.root = src.root
         dst.num_cached = n_shared * self.page_size
         return dst.num_cached
 

@@ -62,7 +62,8 @@ def schedule(
         if forks:
             covered = cache.fork(parent.id, task.id, len(task.prompt_ids))
         else:
-            covered = cache.match_prefix(task.id, task.all_ids)
+            root = None if task.adapter is None else task.adapter.prefix_key
+            covered = cache.match_prefix(task.id, task.all_ids, root)
         if not cache.can_allocate(cache.pages_needed(task.id, task.num_tokens)):
             cache.free(task.id)
             break  # first come, first served: nobody overtakes the head of the queue

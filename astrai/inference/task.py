@@ -10,11 +10,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from astrai.config import setting
 from astrai.inference.constraints import Constraint, ConstraintState
 from astrai.inference.stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from astrai.model.lora import LoraAdapter
 
 
 class RequestError(ValueError):
@@ -225,6 +228,12 @@ class GenerationParams:
         metavar="N:ID[,ID...]",
         parse=ThinkingBudget.parse,
     )
+    lora: str | None = setting(
+        None,
+        "the LoRA adapter (a --lora NAME) that generates; with one --lora, that one",
+        flag="--use-lora",
+        metavar="NAME",
+    )
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
@@ -273,6 +282,8 @@ class GenerationParams:
                 f".choice(...), .grammar(...), .json_object()), got {self.constraint!r}"
             )
 
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise InvalidParamsError(f"lora must be an adapter's name, got {self.lora!r}")
         if self.thinking_budget is not None:
             if not isinstance(self.thinking_budget, ThinkingBudget):
                 raise InvalidParamsError(
@@ -379,6 +390,7 @@ class Task:
         stop_token_ids: frozenset[int] = frozenset(),
         parent: Task | None = None,
         constraint: ConstraintState | None = None,
+        adapter: LoraAdapter | None = None,
     ) -> None:
         self.id = next(_task_ids)
         self.prompt_ids = list(prompt_ids)
@@ -396,6 +408,7 @@ class Task:
         # preempted task recomputes its K/V and keeps its state, and a step that is rerun
         # samples from the same masks.
         self.constraint = constraint
+        self.adapter = adapter  # the LoRA adapter it generates under, None for the base model
         self._detokenizer = detokenizer
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else stop_token_ids

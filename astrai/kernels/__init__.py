@@ -13,7 +13,7 @@ from astrai.kernels.fused_ops import (
     rms_norm,
     silu_and_mul,
 )
-from astrai.kernels.graph import Arena, StepGraph, data_addresses
+from astrai.kernels.graph import Arena, StepGraph, data_addresses, launch_opaque
 from astrai.kernels.linear_ops import (
     SKINNY_MAX_ROWS,
     Linear,
@@ -32,6 +32,7 @@ __all__ = [
     "StepGraph",
     "add_rms_norm",
     "data_addresses",
+    "launch_opaque",
     "apply_rope",
     "gelu_tanh_and_mul",
     "linear",

@@ -38,6 +38,17 @@ def launch(fn: Callable[..., object], *args, **kwargs) -> None:
         graph.calls.append(partial(fn, *args, **kwargs))
 
 
+def launch_opaque(fn: Callable[..., object], *args) -> None:
+    """launch for a call of plain torch ops that is part of the step by design, which the
+    recording's check must not count as ops outside the kernels (LoRA's low-rank products:
+    fn reads which rows use which adapter when it is called, so a replay follows the step)."""
+    with _disable_current_modes():
+        fn(*args)
+    graph = getattr(_recording, "graph", None)
+    if graph is not None:
+        graph.calls.append(partial(fn, *args))
+
+
 def data_addresses(tensors: Sequence[Tensor]) -> list[int]:
     """Where each tensor's data lies: recorded calls hold these addresses, so a tensor that
     moved (.to(), .data = ..., new parameters) voids them."""
