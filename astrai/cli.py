@@ -254,6 +254,12 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         "/v1/chat/completions)",
     )
     limits.add_argument(
+        "--lora-dir",
+        metavar="DIR",
+        help="allow POST /v1/load_lora_adapter to load LoRA adapters found below DIR (with "
+        "--max-loras slots to hold them); off by default, since it reads files on the server",
+    )
+    limits.add_argument(
         "--docs",
         action="store_true",
         help="serve the API docs at /docs, /redoc and /openapi.json (behind --api-key if set)",
@@ -421,6 +427,13 @@ def _model_sampling(params: GenerationParams, given: set[str], model_dir: Path):
     return params
 
 
+def _adapter_params(params: GenerationParams, config: EngineConfig) -> GenerationParams:
+    """params generating under the one --lora adapter given, unless --use-lora names one."""
+    if params.lora is None and len(config.loras) == 1:
+        return dataclasses.replace(params, lora=config.adapters[0][0])
+    return params
+
+
 def _load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
     from astrai.inference import InferenceEngine
 
@@ -511,6 +524,7 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
             webui=args.webui,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            lora_dir=args.lora_dir,
         )
     except BaseException:
         engine.close()
@@ -572,7 +586,9 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
     from astrai.inference import GenerationRequest, InferenceEngine
 
     model_dir = _model_path(args)
-    params = _model_sampling(params, given_flags(GenerationParams, args), model_dir)
+    params = _adapter_params(
+        _model_sampling(params, given_flags(GenerationParams, args), model_dir), config
+    )
     model, tokenizer = _load_model(args, config, model_dir)
     prompt = args.prompt
     if args.chat:
@@ -596,7 +612,9 @@ def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationPara
     from astrai.chat_repl import ChatSession
 
     model_dir = _model_path(args)
-    params = _model_sampling(params, given_flags(GenerationParams, args), model_dir)
+    params = _adapter_params(
+        _model_sampling(params, given_flags(GenerationParams, args), model_dir), config
+    )
     if "max_batch_size" not in given_flags(EngineConfig, args):
         # One request at a time: a batch of one sizes the KV pool for one conversation.
         config = dataclasses.replace(config, max_batch_size=1)

@@ -187,6 +187,7 @@ async def messages(body: MessagesRequest, request: Request):
     params = service.params(
         [prompt],
         body.max_tokens,
+        body.model,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
@@ -199,7 +200,7 @@ async def messages(body: MessagesRequest, request: Request):
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",
         "role": "assistant",
-        "model": service.model_name,
+        "model": params.lora or service.model_name,
     }
     parser = service.reasoning_parser
     opened = parser is not None and parser.opened_by(service.tokenizer, prompt)

@@ -17,7 +17,14 @@ from starlette.exceptions import HTTPException
 
 import astrai
 from astrai.inference import InferenceEngine
-from astrai.server import anthropic_api, defaults, openai_api, responses_api, tokenizer_api
+from astrai.server import (
+    anthropic_api,
+    defaults,
+    lora_api,
+    openai_api,
+    responses_api,
+    tokenizer_api,
+)
 from astrai.server.auth import APIKeyAuth
 from astrai.server.errors import APIError, error_response
 from astrai.server.generation import GenerationService
@@ -45,6 +52,7 @@ def create_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     webui: bool = True,
+    lora_dir: str | None = None,
 ) -> FastAPI:
     """An app serving one loaded engine under model_name.
 
@@ -57,6 +65,7 @@ def create_app(
     model's think blocks (astrai.server.reasoning.PARSERS), which answers give apart from the
     text; without it a chat template that mentions <think> picks the think parser. webui
     serves the chat page (astrai/server/webui) at /, behind the key when there is one.
+    lora_dir allows POST /v1/load_lora_adapter to load adapters found below it.
     """
     doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
@@ -72,10 +81,12 @@ def create_app(
     app.state.service = service
     app.state.drain = Drain(service)
     app.state.responses = responses_api.ResponseStore()
+    app.state.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
     app.include_router(tokenizer_api.router)
+    app.include_router(lora_api.router)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -133,6 +144,7 @@ def create_app(
         anthropic_api.router,
         responses_api.router,
         tokenizer_api.router,
+        lora_api.router,
         app.router,
     )
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]

@@ -28,6 +28,7 @@ from astrai.inference import (
     TokenLogprob,
 )
 from astrai.inference.constraints import Constraint, ConstraintError
+from astrai.model.lora import UnknownAdapterError
 from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
 from astrai.server.reasoning import ReasoningParser
@@ -280,14 +281,18 @@ class GenerationService:
             )
         return self.tool_parser
 
+    def served_models(self) -> list[str]:
+        """The names a request's model field may take: the base model's, then its adapters'."""
+        return [self.model_name, *self.engine.adapter_names()]
+
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise APIError(
-                404,
-                f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        """A 404 naming what is served, unless requested is the base model or an adapter."""
+        if requested is not None and requested not in self.served_models():
+            raise _unknown_model(requested, self.served_models())
+
+    def adapter_for(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's model field names (None: the base model)."""
+        return None if requested in (None, self.model_name) else requested
 
     @property
     def vocab_size(self) -> int:
@@ -377,9 +382,10 @@ class GenerationService:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     def params(
-        self, prompts: Sequence[list[int]], max_tokens: int | None, **fields
+        self, prompts: Sequence[list[int]], max_tokens: int | None, model: str | None, **fields
     ) -> GenerationParams:
-        """GenerationParams from request fields (None means the engine's default).
+        """GenerationParams from request fields (None means the engine's default); model, the
+        request's model field, picks the LoRA adapter.
 
         Without max_tokens a request may generate up to the end of the context.
         """
@@ -388,7 +394,7 @@ class GenerationService:
             max_tokens = max(1, limit - max(len(p) for p in prompts))
         settings = {k: v for k, v in fields.items() if v is not None}
         try:
-            return GenerationParams(max_tokens=max_tokens, **settings)
+            return GenerationParams(max_tokens=max_tokens, lora=self.adapter_for(model), **settings)
         except RequestError as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -399,6 +405,8 @@ class GenerationService:
         arrival = time.perf_counter()
         try:
             stream = self.engine.submit_all_async(prompts, params)
+        except UnknownAdapterError as exc:  # unloaded since the request's model was checked
+            raise _unknown_model(params.lora, self.served_models()) from exc
         except (RequestError, RuntimeError) as exc:
             raise _api_error(exc) from exc
         prompt_tokens = sum(len(p) for p in prompts)
@@ -420,6 +428,15 @@ def _template_shows_tools(tokenizer) -> bool:
     except ChatTemplateError:
         return True
     return name in text
+
+
+def _unknown_model(requested: str, served: list[str]) -> APIError:
+    return APIError(
+        404,
+        f"the model {requested!r} does not exist; this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _api_error(exc: RequestError | RuntimeError) -> APIError:

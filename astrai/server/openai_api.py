@@ -202,23 +202,26 @@ def _check_request(
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(_service(request))]}
+    service = _service(request)
+    return {"object": "list", "data": [_model_card(service, m) for m in service.served_models()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict:
     service = _service(request)
     service.check_model(model_id)
-    return _model_card(service)
+    return _model_card(service, model_id)
 
 
-def _model_card(service: GenerationService) -> dict:
+def _model_card(service: GenerationService, model_id: str) -> dict:
+    """The base model's card, or a LoRA adapter's: its parent is the base model (vLLM's)."""
     parser = service.tool_parser
     return {
-        "id": service.model_name,
+        "id": model_id,
         "object": "model",
         "created": service.created,
         "owned_by": "astrai",
+        "parent": service.adapter_for(model_id) and service.model_name,
         "max_model_len": service.engine.max_seq_len,
         # astrai's: the format tool calls are read in under tool_choice auto (null: only forced
         # calls), and who shows the model its tools: its chat template, or astrai.
@@ -263,13 +266,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = service.params(
         [prompt],
         max_tokens,
+        body.model,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         constraint=await _constraint(service, body, tools.constraint),
         **_sampling(body),
     )
     generation = service.submit([prompt], params)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
-    head["model"] = service.model_name
+    head["model"] = params.lora or service.model_name
     if body.stream:
         return EventStreamResponse(_chat_chunks(generation, head, service, body, tools, opened))
     outputs = await generation.collect(request)
@@ -522,12 +526,12 @@ async def completions(body: CompletionRequest, request: Request):
     sampling = {**_sampling(body), "n": best_of}
     constraint = await _constraint(service, body)
     params = service.params(
-        prompts, body.max_tokens, logprobs=logprobs, constraint=constraint, **sampling
+        prompts, body.max_tokens, body.model, logprobs=logprobs, constraint=constraint, **sampling
     )
     generation = service.submit(prompts, params)
     echoes = _echoes(service, body, encoded, prompts, texts)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time())}
-    head["model"] = service.model_name
+    head["model"] = params.lora or service.model_name
     want_logprobs = body.logprobs is not None
     if body.stream:
         return EventStreamResponse(

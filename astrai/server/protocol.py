@@ -510,6 +510,18 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+# vLLM's LoRA adapter routes
+
+
+class LoadLoraAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 # OpenAI Responses
 
 # Keys of a Responses text part: input_text's, and what output_text carries when a client sends

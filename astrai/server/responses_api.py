@@ -189,6 +189,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     params = service.params(
         [prompt],
         body.max_output_tokens,
+        body.model,
         temperature=body.temperature,
         top_p=body.top_p,
         constraint=await _constraint(service, body, tools),
@@ -242,7 +243,7 @@ class _Answer:
             ),
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "model": self.service.model_name,
+            "model": self.service.adapter_for(body.model) or self.service.model_name,
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
