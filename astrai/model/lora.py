@@ -230,7 +230,7 @@ def _read_gguf(
             values = np.asarray(tensor.data, dtype=np.float32)
         else:
             values = decode_blocks(tensor.data, tensor.tensor_type)
-        values = torch.from_numpy(np.ascontiguousarray(values.reshape(shape)))
+        values = torch.from_numpy(np.array(values.reshape(shape), dtype=np.float32))
         if (
             match[3] == "b"
             and family.permuted_rotary_rows
