@@ -299,6 +299,29 @@ def write_gguf(
     return path
 
 
+def write_lora_adapter(base_dir, directory, targets, rank, seed, use_rslora=False):
+    """A PEFT LoRA adapter of base_dir with random A and B (PEFT starts B at 0: a no-op)."""
+    import peft
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        use_rslora=use_rslora,
+    )
+    model = peft.get_peft_model(hf, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_" in name:
+                weight.normal_(0.0, 0.4)
+    model.save_pretrained(directory)
+    return directory
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """A native config small enough for a forward in milliseconds, every kernel still taken."""
     settings = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)

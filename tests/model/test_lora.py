@@ -19,6 +19,7 @@ from tiny_models import (
     run_ids,
     write_gguf,
     write_hf_model,
+    write_lora_adapter,
 )
 
 from astrai.inference import STOP, GenerationParams
@@ -31,26 +32,6 @@ transformers = pytest.importorskip("transformers")
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def write_adapter(base_dir, directory, targets, rank, seed, use_rslora=False):
-    """A PEFT LoRA adapter of base_dir with random A and B (PEFT starts B at 0: a no-op)."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        target_modules=list(targets),
-        lora_dropout=0.0,
-        use_rslora=use_rslora,
-    )
-    model = peft.get_peft_model(hf, config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "lora_" in name:
-                weight.normal_(0.0, 0.4)
-    model.save_pretrained(directory)
-    return directory
 
 
 def peft_model(base_dir, adapter_dir):
@@ -82,9 +63,11 @@ def adapters(base, tmp_path_factory):
     """Three adapters of the base: all linears rank 4, attention rank 16 (rsLoRA), MLP rank 8."""
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "all": write_adapter(base, root / "all", ATTENTION + MLP, 4, seed=1),
-        "attention": write_adapter(base, root / "attention", ATTENTION, 16, 2, use_rslora=True),
-        "mlp": write_adapter(base, root / "mlp", MLP, 8, seed=3),
+        "all": write_lora_adapter(base, root / "all", ATTENTION + MLP, 4, seed=1),
+        "attention": write_lora_adapter(
+            base, root / "attention", ATTENTION, 16, 2, use_rslora=True
+        ),
+        "mlp": write_lora_adapter(base, root / "mlp", MLP, 8, seed=3),
     }
 
 
@@ -257,7 +240,7 @@ def test_bad_adapters_are_refused_by_name(base, adapters, model, tokenizer, tmp_
     with pytest.raises(LoraError, match="rank 16, above the largest this server holds, 8"):
         make_engine(model, tokenizer, loras=loras, max_lora_rank=8)
     other = write_hf_model(tmp_path / "wide", "llama", hidden_size=96, intermediate_size=128)
-    wide = write_adapter(other, tmp_path / "wide-adapter", ("q_proj",), 4, seed=5)
+    wide = write_lora_adapter(other, tmp_path / "wide-adapter", ("q_proj",), 4, seed=5)
     with pytest.raises(LoraError, match=r"layers.0.self_attn.q_proj: lora_A has shape \[4, 96\]"):
         make_engine(model, tokenizer, loras={"wide": str(wide)})
     saved = tmp_path / "saved"
