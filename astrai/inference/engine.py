@@ -325,8 +325,9 @@ class InferenceEngine:
         for adapter in adapters:
             table.add(adapter)
         log.info(
-            "LoRA adapters %s loaded, %d slots of rank up to %d",
+            "LoRA adapters %s loaded: %d of %d slots taken, rank up to %d",
             [a.name for a in adapters],
+            len(adapters),
             slots,
             rank,
         )
