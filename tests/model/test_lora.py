@@ -94,6 +94,25 @@ def test_each_adapter_equals_peft_and_the_merged_model(base, adapters, model, to
     assert base_out != peft_out
 
 
+@pytest.mark.parametrize(
+    ("arch", "targets"),
+    [("qwen2", ATTENTION + MLP), ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))],
+)
+def test_other_families_equal_peft(arch, targets, tmp_path):
+    """Qwen2's q/k/v carry biases; Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters
+    do too."""
+    # Phi-3's config pads with token 32000 unless told otherwise: past the tiny vocabulary
+    family_base = write_hf_model(tmp_path / arch, arch, pad_token_id=0)
+    adapter = write_lora_adapter(family_base, tmp_path / "adapter", targets, 8, seed=7)
+    ids = prompts()
+    expected = reference(peft_model(family_base, adapter), ids)
+    model = AutoModel.from_pretrained(family_base)
+    tokenizer = AutoTokenizer.from_pretrained(family_base)
+    with make_engine(model, tokenizer, loras={"a": str(adapter)}) as engine:
+        assert greedy(engine, ids, "a") == expected
+        assert greedy(engine, ids) != expected
+
+
 def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(adapters, model, tokenizer):
     """The products of every slot run for every row; each row keeps only its own adapter's.
     Small pages and a small token budget put prompt chunks and decodes of every adapter in one
