@@ -119,6 +119,8 @@ class LoraAdapter:
 def read_adapter(name: str, path: str | Path, model: Transformer) -> LoraAdapter:
     """The adapter at path (a PEFT directory or a GGUF LoRA file), checked against model."""
     path = Path(path)
+    if not path.exists():
+        raise LoraError(f"adapter {name!r}: {path} does not exist")
     if path.is_dir():
         rank, scaling, pairs = _read_peft(path)
     elif path.suffix == ".gguf" and path.is_file():
@@ -214,7 +216,10 @@ def _read_gguf(
             "expected ('adapter', 'lora')"
         )
     architecture = metadata_value(reader, "general.architecture", None)
-    family = gguf_family(architecture)
+    try:
+        family = gguf_family(architecture)
+    except ValueError as exc:
+        raise LoraError(f"{path}: {exc}") from None
     hf_names = {gguf: hf.removesuffix(".weight") for hf, gguf in family.gguf_layer_names.items()}
     pairs: dict[tuple[int, str], dict[str, Tensor]] = {}
     for tensor in reader.tensors:
@@ -240,11 +245,12 @@ def _read_gguf(
         pairs.setdefault((int(match[1]), hf_name), {})[match[3].upper()] = values
     paired = _paired(pairs, path, "a", "b")
     ranks = {a.shape[0] for a, _ in paired.values()}
-    alpha = metadata_value(reader, "adapter.lora.alpha", None)
-    if len(ranks) != 1 or not isinstance(alpha, int | float):
-        raise LoraError(f"{path}: expected one rank for every tensor and adapter.lora.alpha")
+    if len(ranks) != 1:
+        raise LoraError(f"{path}: its tensors have ranks {sorted(ranks)}; expected one rank")
     (rank,) = ranks
-    return rank, alpha / rank, paired
+    # Without alpha llama.cpp scales the products by 1.
+    alpha = metadata_value(reader, "adapter.lora.alpha", None)
+    return rank, 1.0 if not alpha else float(alpha) / rank, paired
 
 
 def _unpermuted_rows(b: Tensor, n_heads: int) -> Tensor:
@@ -337,7 +343,7 @@ class AdapterTable:
         self.slots: list[LoraAdapter | None] = [None] * max_loras
         self.lock = threading.Lock()
         weight = model.tok_embeddings.weight
-        self.dtype = weight.dtype
+        self.dtype, self.device = weight.dtype, weight.device
         self.stacks: dict[tuple[int, str], Stack] = {}
         self.hooks = []
         for layer in range(len(model.layers)):
@@ -441,14 +447,11 @@ class AdapterTable:
         scaling[torch.arange(rows), torch.from_numpy(row_slots)] = torch.from_numpy(row_scaling).to(
             self.dtype
         )
-        per_slot = scaling[:, : self.max_loras].to(self.stacks_device())
+        per_slot = scaling[:, : self.max_loras].to(self.device)
         self.masks = {
             width: per_slot.repeat_interleave(width, dim=1)
             for width in {stack.width for stack in self.stacks.values()}
         }
-
-    def stacks_device(self) -> torch.device:
-        return self.model.tok_embeddings.weight.device
 
     def _hook(self, stack: Stack):
         def add_products(module, args, out: Tensor) -> None:
