@@ -71,7 +71,11 @@ class TensorParallelExecutor(ModelExecutor):
         )
 
     def forward(
-        self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
+        self,
+        seqs: Sequence[tuple[int, int, int]],
+        token_ids: list[int],
+        rows: np.ndarray,
+        spans: Sequence[int],
     ) -> torch.Tensor:
         page_size = self.cache.page_size
         tables = [
@@ -81,8 +85,8 @@ class TensorParallelExecutor(ModelExecutor):
         # The ranks run each step in lockstep: a rank that fails one leaves the others waiting
         # in a collective, so no step can follow it.
         try:
-            self.group.send(*pack_step(seqs, token_ids, tables, rows))
-            return gathered_logits(self.group, super().forward(seqs, token_ids, rows))
+            self.group.send(*pack_step(seqs, token_ids, tables, rows, spans))
+            return gathered_logits(self.group, super().forward(seqs, token_ids, rows, spans))
         except Exception as exc:
             # Noted on the group, so close() does not wait on workers stuck in this step.
             self.group.failure = self.group.failure or f"a tensor-parallel step failed: {exc}"
@@ -102,15 +106,17 @@ def pack_step(
     token_ids: list[int],
     tables: list[list[int]],
     rows: np.ndarray,
+    spans: Sequence[int],
 ) -> tuple[list[int], torch.Tensor]:
-    """(header, body) of a step: the body holds token ids, seqs, each table's length, the
-    tables and the logits rows back to back, as int64."""
+    """(header, body) of a step: the body holds token ids, seqs, their spans, each table's
+    length, the tables and the logits rows back to back, as int64."""
     n_pages = sum(len(table) for table in tables)
     header = [STEP, len(token_ids), len(seqs), n_pages, len(rows)]
     body = np.concatenate(
         [
             np.asarray(token_ids, dtype=np.int64),
             np.asarray(seqs, dtype=np.int64).reshape(-1),
+            np.asarray(spans, dtype=np.int64),
             np.asarray([len(table) for table in tables], dtype=np.int64),
             np.asarray([page for table in tables for page in table], dtype=np.int64),
             rows.astype(np.int64),
@@ -120,23 +126,24 @@ def pack_step(
 
 
 def unpack_step(header: list[int], body: torch.Tensor):
-    """pack_step's inverse: (seqs, token_ids, tables, rows)."""
+    """pack_step's inverse: (seqs, token_ids, tables, rows, spans)."""
     _, n_tokens, n_seqs, _, _ = header
     values = body.numpy()
     token_ids, values = values[:n_tokens].tolist(), values[n_tokens:]
     seqs = [tuple(seq) for seq in values[: 3 * n_seqs].reshape(n_seqs, 3).tolist()]
-    lengths, values = values[3 * n_seqs : 4 * n_seqs], values[4 * n_seqs :]
+    spans, values = values[3 * n_seqs : 4 * n_seqs].tolist(), values[4 * n_seqs :]
+    lengths, values = values[:n_seqs], values[n_seqs:]
     ends = np.cumsum(lengths)
     tables = [
         values[end - length : end].tolist() for end, length in zip(ends, lengths, strict=True)
     ]
     rows = values[ends[-1] if len(ends) else 0 :]
-    return seqs, token_ids, tables, rows
+    return seqs, token_ids, tables, rows, spans
 
 
 def step_body_size(header: list[int]) -> int:
     _, n_tokens, n_seqs, n_pages, n_rows = header
-    return n_tokens + 4 * n_seqs + n_pages + n_rows
+    return n_tokens + 5 * n_seqs + n_pages + n_rows
 
 
 class PlannedPages:
@@ -178,10 +185,10 @@ def serve_steps(group: StepChannel, model: torch.nn.Module) -> None:
                 activation_precision=precision,
             )
             continue
-        seqs, token_ids, tables, rows = unpack_step(
+        seqs, token_ids, tables, rows, spans = unpack_step(
             header, group.receive_body(step_body_size(header))
         )
         executor.cache.tasks.tables = {
             task_id: table for (task_id, _, _), table in zip(seqs, tables, strict=True)
         }
-        gathered_logits(group, executor.forward(seqs, token_ids, rows))
+        gathered_logits(group, executor.forward(seqs, token_ids, rows, spans))

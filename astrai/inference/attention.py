@@ -313,13 +313,15 @@ def ragged_layout(
     block_q: int,
     pad_seqs: int = 0,
     table_width: int | None = None,
+    spans: Sequence[int] = (),
 ) -> dict[str, np.ndarray]:
     """A ragged batch as the int64 arrays a CUDA step uploads, built on the host (a recorded
     step refills its buffer with them in this order).
 
-    seqs are (task_id, start, n) as CacheView takes them. pad_seqs sequences of no tokens
-    follow them, each owning one row (a recorded step's padding: token 0, slot -1, nothing
-    stored, output zeros); table_width pads every page table to that many pages.
+    seqs are (task_id, start, n) as CacheView takes them, spans their prompts' lengths (each
+    row rotates for max(position + 1, span) tokens, astrai.model.rope). pad_seqs sequences
+    of no tokens follow them, each owning one row (a recorded step's padding: token 0, slot
+    -1, nothing stored, output zeros); table_width pads every page table to that many pages.
     """
     page_size = cache.page_size
     starts = np.array([start for _, start, _ in seqs] + [0] * pad_seqs, dtype=np.int64)
@@ -342,9 +344,12 @@ def ragged_layout(
     block_first = (np.arange(len(block_seq)) - np.repeat(first_block, blocks_per_seq)) * block_q
     tokens = np.zeros(len(seq_of_row), dtype=np.int64)
     tokens[: len(token_ids)] = token_ids
+    seq_spans = np.zeros(len(starts), dtype=np.int64)
+    seq_spans[: len(spans)] = spans
     return {
         "token_ids": tokens,
         "positions": positions,
+        "rope_lengths": np.maximum(positions + 1, seq_spans[seq_of_row]),
         "slot_mapping": slots,
         "seq_starts": starts,
         "seq_rows": rows,
@@ -370,6 +375,7 @@ class DeviceCacheView:
         self.fields = fields
         self.block_q = block_q
         self.positions = fields["positions"]
+        self.rope_lengths = fields["rope_lengths"]
         self.token_ids = fields["token_ids"]
 
     @classmethod
@@ -380,13 +386,14 @@ class DeviceCacheView:
         token_ids: Sequence[int],
         n_heads: int,
         upload: Callable[[dict[str, np.ndarray]], dict[str, torch.Tensor]],
+        spans: Sequence[int] = (),
         **extra: np.ndarray,
     ) -> DeviceCacheView:
         """The view of one eager step: its layout built on the host and uploaded at once, with
         any extra arrays the step needs on the device (in view.fields)."""
         group = n_heads // cache.k_cache.shape[3]
         block_q = query_block(group, max(n for _, _, n in seqs))
-        layout = ragged_layout(cache, seqs, token_ids, block_q)
+        layout = ragged_layout(cache, seqs, token_ids, block_q, spans=spans)
         return cls(cache, upload({**layout, **extra}), block_q)
 
     def __call__(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import queue
 import threading
@@ -476,6 +477,8 @@ class InferenceEngine:
             adapter = self.adapters.acquire(params.lora, tasks)
             for task in tasks:
                 task.adapter = adapter
+        for task in tasks:
+            task.kv_root = self._kv_root(task)
         self.manager.add_tasks(tasks)
         return groups
 
@@ -498,6 +501,16 @@ class InferenceEngine:
             if self._compiler is None:
                 self._compiler = ConstraintCompiler(self.tokenizer, self.model.config.vocab_size)
         return self._compiler.compile(constraint)
+
+    def _kv_root(self, task: Task) -> bytes | None:
+        """The key the prefix cache files task's pages under (TaskPages.root): its adapter's,
+        and the rotation a long prompt's tokens take (astrai.model.rope), None if neither."""
+        parts = [
+            None if task.adapter is None else task.adapter.prefix_key,
+            self.model.rope.length_key(len(task.prompt_ids)),
+        ]
+        parts = [part for part in parts if part is not None]
+        return hashlib.blake2b(b"|".join(parts), digest_size=16).digest() if parts else None
 
     def _check_token_ids(self, params: GenerationParams) -> None:
         """Token ids in the params must be the model's, or indexing its logits would fail."""

@@ -243,14 +243,18 @@ class CudaSteps:
             )
 
     def forward(
-        self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
+        self,
+        seqs: Sequence[tuple[int, int, int]],
+        token_ids: list[int],
+        rows: np.ndarray,
+        spans: Sequence[int],
     ) -> torch.Tensor:
         """ModelExecutor.forward's logits; from a graph, valid until the next step."""
         if self.graphs and len(seqs) <= self.buckets[-1] and all(n == 1 for *_, n in seqs):
             bucket = next(b for b in self.buckets if b >= len(seqs))
             captured = self.graphs[bucket]
             layout = ragged_layout(
-                self.cache, seqs, token_ids, 1, bucket - len(seqs), self.table_width
+                self.cache, seqs, token_ids, 1, bucket - len(seqs), self.table_width, spans
             )
             self.upload(layout, out=captured.inputs)
             captured.graph.replay()
@@ -258,13 +262,13 @@ class CudaSteps:
                 return captured.logits[: len(seqs)]
             return captured.logits[torch.from_numpy(rows).to(captured.logits.device)]
         view = DeviceCacheView.build(
-            self.cache, seqs, token_ids, self.n_heads, self.upload, logit_rows=rows
+            self.cache, seqs, token_ids, self.n_heads, self.upload, spans, logit_rows=rows
         )
         return self._run(view, view.fields["logit_rows"])
 
     def _run(self, view: DeviceCacheView, rows: torch.Tensor | None) -> torch.Tensor:
         model = self.model
-        h, cos, signed_sin = model.embed(view.token_ids, view.positions)
+        h, cos, signed_sin = model.embed(view.token_ids, view.positions, view.rope_lengths)
         h, residual = model.run_layers(h, cos, signed_sin, view)
         return model.logits(h, residual, rows)
 
@@ -346,16 +350,25 @@ class ModelExecutor:
 
     @torch.inference_mode()
     def forward(
-        self, seqs: Sequence[tuple[int, int, int]], token_ids: list[int], rows: np.ndarray
+        self,
+        seqs: Sequence[tuple[int, int, int]],
+        token_ids: list[int],
+        rows: np.ndarray,
+        spans: Sequence[int],
     ) -> torch.Tensor:
         """float32 logits [len(rows), vocab] of the given rows of one ragged batch: seqs are
-        (task_id, start, n) as CacheView takes them, token_ids their tokens back to back."""
+        (task_id, start, n) as CacheView takes them, token_ids their tokens back to back, spans
+        each sequence's prompt length (what a token's rope may depend on, astrai.model.rope)."""
         if self.cuda_steps is not None:
-            return self.cuda_steps.forward(seqs, token_ids, rows)
+            return self.cuda_steps.forward(seqs, token_ids, rows, spans)
         view = CacheView(self.cache, seqs)
         model = self.model
+        lengths = None
+        if model.rope.length_dependent:
+            per_row = np.repeat(np.asarray(spans, dtype=np.int64), [n for *_, n in seqs])
+            lengths = torch.maximum(view.positions + 1, torch.from_numpy(per_row).to(self.device))
         h, cos, signed_sin = model.embed(
-            torch.tensor(token_ids, dtype=torch.long, device=self.device), view.positions
+            torch.tensor(token_ids, dtype=torch.long, device=self.device), view.positions, lengths
         )
         if self.recorded is not None:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
@@ -393,11 +406,12 @@ class ModelExecutor:
                 else [(c.task.id, c.start, c.length)]
             )
         ]
+        spans = [len(c.task.prompt_ids) for c in chunks for _ in range(c.length if c.draft else 1)]
         if self.adapters is not None:
             self.adapters.begin_step(
                 *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
             )
-        logits = self.forward(seqs, token_ids, rows)
+        logits = self.forward(seqs, token_ids, rows, spans)
         if not sampling:
             return []
         # Row i of a speculative chunk samples as plain decoding would after its first i

@@ -62,8 +62,7 @@ def schedule(
         if forks:
             covered = cache.fork(parent.id, task.id, len(task.prompt_ids))
         else:
-            root = None if task.adapter is None else task.adapter.prefix_key
-            covered = cache.match_prefix(task.id, task.all_ids, root)
+            covered = cache.match_prefix(task.id, task.all_ids, task.kv_root)
         if not cache.can_allocate(cache.pages_needed(task.id, task.num_tokens)):
             cache.free(task.id)
             break  # first come, first served: nobody overtakes the head of the queue

@@ -94,16 +94,18 @@ class DraftModelProposer:
         for i in active:
             self.computed[tasks[i].id] = tasks[i].num_tokens
         while active:
-            seqs, token_ids = [], []
+            seqs, token_ids, spans = [], [], []
             for i in active:
                 task = tasks[i]
                 # First the real tokens the cache lacks, then each guess as it is made.
                 new = drafts[i][-1:] if drafts[i] else task.all_ids[fed[i] :]
                 seqs.append((task.id, fed[i], len(new)))
+                spans.append(len(task.prompt_ids))
                 token_ids += new
                 fed[i] += len(new)
             rows = np.cumsum([n for _, _, n in seqs]) - 1
-            guesses = self.executor.forward(seqs, token_ids, rows).argmax(dim=-1).tolist()
+            logits = self.executor.forward(seqs, token_ids, rows, spans)
+            guesses = logits.argmax(dim=-1).tolist()
             for i, guess in zip(active, guesses, strict=True):
                 drafts[i].append(guess)
             active = [i for i in active if len(drafts[i]) < lengths[i]]

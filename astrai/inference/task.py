@@ -409,6 +409,9 @@ class Task:
         # samples from the same masks.
         self.constraint = constraint
         self.adapter = adapter  # the LoRA adapter it generates under, None for the base model
+        # What its KV depends on besides its tokens (its adapter, its rope's regime), which the
+        # prefix cache keys its pages under: None for the base model's plain rotation.
+        self.kv_root: bytes | None = None
         self._detokenizer = detokenizer
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else stop_token_ids

@@ -3,16 +3,14 @@
 Every function uses the same float ops in the same order as transformers' rope init functions,
 so the angles (and hence the logits) match bit for bit rather than to a tolerance.
 
-A token's rotation depends on its own position only, never on the batch or on how long its
-sequence has grown: a served engine caches each token's K once, rotated, so that rotation
-cannot change later, and the prefix cache hands one request's K to another. transformers picks
-the frequencies of the dynamic and longrope types from the longest position in each forward
-call; with its KV cache and one new token per step that is the token's own position, which is
-the rule here. So astrai matches transformers' generate token for token whenever the prompt
-fits in the original context, also while the output goes past it. A prompt longer than the
-original context that transformers prefills in one call is rotated there with the long-context
-frequencies throughout; here its first tokens keep the original ones, as they would if
-transformers had prefilled them in shorter steps.
+The dynamic and longrope types choose their frequencies from a sequence length: transformers
+takes the longest position of each forward call, which in its generate is the whole prompt
+for the prompt's tokens (one call) and the token's own position for each new token. A served
+engine caches each token's K once, rotated, so here the length is fixed per token by the same
+rule: a token at position p of a sequence whose prompt has S tokens rotates for a sequence of
+max(p + 1, S) tokens, in whatever chunks its prompt is computed. A prompt longer than the
+original context so takes the long-context frequencies throughout, as in transformers; one
+that fits keeps the original ones, and each token past the original context its own.
 """
 
 from __future__ import annotations
@@ -101,16 +99,16 @@ def _yarn_inv_freq(base: float, dim: int, scaling: dict) -> Tensor:
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
-def dynamic_ntk_inv_freq(config: ModelConfig, positions: Tensor) -> Tensor:
-    """[num_tokens, rotary_dim // 2] fp32: dynamic NTK's frequencies for a token at each
-    position past the original context, its base grown for a sequence of position + 1 tokens
-    (in fp32 tensors, as transformers computes it during generation)."""
+def dynamic_ntk_inv_freq(config: ModelConfig, lengths: Tensor) -> Tensor:
+    """[num_tokens, rotary_dim // 2] fp32: dynamic NTK's frequencies for tokens rotated for
+    sequences of these lengths past the original context, the base grown to each (in fp32
+    tensors, as transformers computes it during generation)."""
     scaling = config.rope_scaling
     factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
     dim = rotary_dim(config)
-    seq_len = (positions + 1).clamp(min=original)
+    seq_len = lengths.clamp(min=original)
     base = config.rope_theta * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / (base[:, None] ** _exponents(dim, positions.device))
+    return 1.0 / (base[:, None] ** _exponents(dim, lengths.device))
 
 
 def rope_inv_freqs(config: ModelConfig) -> Tensor:
@@ -152,18 +150,36 @@ class RotaryEmbedding(nn.Module):
             setattr(self, name, freqs.to(self.inv_freq.device))
         return self
 
-    def token_inv_freq(self, positions: Tensor) -> Tensor:
-        """[n_ropes or 1, num_tokens or 1, rotary_dim // 2] fp32: each token's frequencies."""
-        if self.rope_type not in ("longrope", "dynamic"):
+    @property
+    def length_dependent(self) -> bool:
+        """Whether a token's rotation depends on its sequence's length, not only its position."""
+        return self.rope_type in ("longrope", "dynamic")
+
+    def length_key(self, prompt_tokens: int) -> bytes | None:
+        """What a prompt of this many tokens rotates its tokens by beyond their positions, for
+        the prefix cache's keys: None where that is nothing (the prompt fits the original
+        context, or the type does not look at lengths)."""
+        if not self.length_dependent or prompt_tokens <= self.original_context:
+            return None
+        # longrope: the long factors, whatever the length; dynamic: a base for each length
+        return b"longrope" if self.rope_type == "longrope" else b"dynamic:%d" % prompt_tokens
+
+    def token_inv_freq(self, lengths: Tensor) -> Tensor:
+        """[n_ropes or 1, num_tokens or 1, rotary_dim // 2] fp32: the frequencies of tokens
+        rotated for sequences of these lengths."""
+        if not self.length_dependent:
             return self.inv_freq[:, None, :]
         # One rope (ModelConfig refuses a local one beside these types); [num_tokens, 1]
-        past_original = positions[:, None] >= self.original_context
+        past_original = lengths[:, None] > self.original_context
         if self.rope_type == "longrope":
             return torch.where(past_original, self.long_inv_freq, self.inv_freq)[None]
-        dynamic = dynamic_ntk_inv_freq(self.config, positions)
+        dynamic = dynamic_ntk_inv_freq(self.config, lengths)
         return torch.where(past_original, dynamic, self.inv_freq)[None]
 
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        # [n_ropes, num_tokens, rotary_dim // 2], fp32
-        freqs = positions[None, :, None].float() * self.token_inv_freq(positions)
+    def forward(self, positions: Tensor, lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin [n_ropes, num_tokens, rotary_dim // 2] of tokens at positions, each
+        rotated for a sequence of lengths tokens (default: position + 1, see the module)."""
+        if lengths is None:
+            lengths = positions + 1
+        freqs = positions[None, :, None].float() * self.token_inv_freq(lengths)
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor

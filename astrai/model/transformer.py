@@ -297,16 +297,19 @@ class Transformer(nn.Module):
         h, residual = self.run_layers(h, cos, signed_sin, attention)
         return self.logits(h, residual, logits_indices)
 
-    def embed(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def embed(
+        self, input_ids: Tensor, positions: Tensor, rope_lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """(embeddings [num_tokens, dim], cos, signed_sin [n_ropes, num_tokens, 1, head_dim]):
-        what the layers read, rope's angles built once for all of them."""
+        what the layers read, rope's angles built once for all of them; rope_lengths [num_tokens]
+        are the sequence lengths the tokens rotate for (RotaryEmbedding.forward)."""
         h = self.tok_embeddings(input_ids)
         if self.config.scale_embeddings:
             # Gemma: sqrt(dim) rounded to the model dtype first, as transformers does
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
         if self.config.embedding_multiplier != 1.0:  # Granite
             h = h * self.config.embedding_multiplier
-        cos, sin = (t.to(h.dtype)[:, :, None, :] for t in self.rope(positions))
+        cos, sin = (t.to(h.dtype)[:, :, None, :] for t in self.rope(positions, rope_lengths))
         return h, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def run_layers(

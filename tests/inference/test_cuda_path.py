@@ -70,7 +70,7 @@ def prefilled(model, contexts: list[int], device: str) -> tuple[PagedCache, Cuda
         assert cache.allocate(task_id, n + 1)
         seqs.append((task_id, 0, n))
         tokens += rng.integers(4, config.vocab_size, n).tolist()
-    steps.forward(seqs, tokens, np.cumsum(contexts) - 1)
+    steps.forward(seqs, tokens, np.cumsum(contexts) - 1, contexts)
     return cache, steps
 
 
@@ -79,7 +79,7 @@ def test_a_padded_decode_step_computes_what_the_unpadded_one_does(model):
     Its real rows' logits are the eager step's, and its padding stores nothing."""
     cache, steps = prefilled(model, [5, 17, 9], "cpu")
     decodes, tokens = [(0, 5, 1), (1, 17, 1), (2, 9, 1)], [11, 12, 13]
-    eager = steps.forward(decodes, tokens, np.arange(3))
+    eager = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
     stored = cache.k_cache.clone(), cache.v_cache.clone()
     layout = ragged_layout(cache, decodes, tokens, block_q=1, pad_seqs=5, table_width=24)
     assert layout["slot_mapping"].tolist()[3:] == [-1] * 5
@@ -152,7 +152,7 @@ def test_a_graph_replayed_step_does_not_wait_for_the_gpu(llama_dir):
     try:
         replayed = steps.forward(decodes, tokens, np.arange(3)).clone()
         steps.graphs.clear()
-        eager = steps.forward(decodes, tokens, np.arange(3))
+        eager = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(replayed, eager, atol=0, rtol=0)

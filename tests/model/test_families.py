@@ -16,7 +16,15 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-from tiny_models import TINY, hf_greedy_outputs, make_engine, run_ids, write_gguf, write_hf_model
+from tiny_models import (
+    TINY,
+    hf_greedy_outputs,
+    make_engine,
+    run_ids,
+    tokens_logprobs_cached,
+    write_gguf,
+    write_hf_model,
+)
 
 from astrai.config import ConfigError, ModelConfig
 from astrai.inference import GenerationParams
@@ -229,6 +237,45 @@ def test_greedy_batch_with_prefix_hits_equals_transformers(variant, reference_ou
     assert [result[0].token_ids for result in batch] == expected
     assert all(result[0].cached_tokens >= 32 for result in batch[-3:])
     assert max(len(p) + len(out) for p, out in zip(prompts, expected, strict=True)) > ORIGINAL
+
+
+def test_prompts_longer_than_the_original_context_equal_transformers(variant):
+    """Prompts of 1.5x and 3x the original context: transformers prefills each in one call, so
+    every prompt token rotates for the prompt's length (longrope's long factors, dynamic NTK's
+    base grown to it); astrai does the same in whatever chunks it computes them. Two long
+    prompts sharing their first 3 pages share those pages' K under longrope (both long), but
+    not under dynamic NTK, where each length has its own base."""
+    if not variant.model.rope.length_dependent:
+        pytest.skip("this rope rotates a token by its position alone")
+    rng = random.Random(5)
+    shared = [rng.randrange(4, 512) for _ in range(ORIGINAL)]
+    prompts = [shared + [rng.randrange(4, 512) for _ in range(n)] for n in (24, 2 * ORIGINAL)]
+    assert [len(p) for p in prompts] == [3 * ORIGINAL // 2, 3 * ORIGINAL]
+    reference = variant.reference
+
+    def reset() -> None:
+        """transformers' dynamic NTK keeps the base of the longest sequence it has seen until
+        a call shorter than the original context resets it: each prompt starts afresh."""
+        with torch.no_grad():
+            reference(torch.tensor([[5]]))
+
+    expected, first_logprobs = [], []
+    for prompt in prompts:
+        reset()
+        expected += hf_greedy_outputs(reference, [prompt], [8], set())
+        reset()
+        with torch.no_grad():  # the first token's logprob, from transformers' one prefill call
+            logits = reference(torch.tensor([prompt])).logits[0, -1]
+        first_logprobs.append(logits.log_softmax(-1).max().item())
+    params = GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    for config in ({}, {"max_num_batched_tokens": 24, "page_size": 4}):
+        with make_engine(variant.model, variant.tokenizer, **config) as engine:
+            results = [tokens_logprobs_cached(engine, prompt, params) for prompt in prompts]
+        assert [tokens for tokens, _, _ in results] == expected
+        logprobs = [logprobs[0] for _, logprobs, _ in results]
+        assert logprobs == pytest.approx(first_logprobs, abs=1e-4)
+        shares = variant.model.rope.rope_type == "longrope"
+        assert results[1][2] == (ORIGINAL if shares else 0)
 
 
 def test_phi3_su_rope_is_read_as_longrope():

@@ -63,12 +63,12 @@ def test_dynamic_frequencies_grow_with_the_position_as_transformers_computes_the
     hf = hf_config(ROPES["dynamic"])
     rope = RotaryEmbedding(astrai_config(hf))
     positions = torch.tensor([0, 1023, 1024, 1500, 2559])
-    freqs = rope.token_inv_freq(positions)[0]
+    freqs = rope.token_inv_freq(positions + 1)[0]
     assert torch.equal(freqs[0], freqs[1])  # within the original context: the plain ones
     for row, position in enumerate(positions.tolist()[1:], 1):
         grown, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=torch.tensor(position + 1))
         assert torch.equal(freqs[row], grown if position >= 1024 else rope.inv_freq[0])
-    assert torch.equal(dynamic_ntk_inv_freq(rope.config, positions[2:3])[0], freqs[2])
+    assert torch.equal(dynamic_ntk_inv_freq(rope.config, positions[2:3] + 1)[0], freqs[2])
 
 
 def test_longrope_switches_to_long_factors_past_the_original_context():
@@ -83,7 +83,7 @@ def test_longrope_switches_to_long_factors_past_the_original_context():
     rope = RotaryEmbedding(astrai_config(hf))
     short, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
     long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=65)
-    freqs = rope.token_inv_freq(torch.tensor([0, 63, 64, 900]))[0]
+    freqs = rope.token_inv_freq(torch.tensor([0, 63, 64, 900]) + 1)[0]
     assert [torch.equal(f, short) for f in freqs] == [True, True, False, False]
     assert [torch.equal(f, long) for f in freqs] == [False, False, True, True]
     assert rope.attention_factor == attention_factor > 1.0
