@@ -79,6 +79,9 @@ class Generation:
         self.metrics = metrics
         self.arrival = arrival
         self.stopped_by_shutdown = False
+        # When the first token and the last result came (perf_counter), for Ollama's durations.
+        self.first_token_time: float | None = None
+        self.end_time: float | None = None
         # What the events so far added up to, for usage reported while streaming.
         self._completion_tokens = [0] * self.num_choices
         self._cached_tokens = [0] * self.num_choices
@@ -101,7 +104,6 @@ class Generation:
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """The events in arrival order; closing it early aborts every sample."""
-        first_token_seen = False
         last_output: dict[int, float] = {}
         async with aclosing(self.stream) as stream:
             async for event in stream:
@@ -110,13 +112,14 @@ class Generation:
                     self._cached_tokens[event.index] = event.delta.cached_tokens
                 if event.delta is not None and event.delta.token_ids:
                     now = time.perf_counter()
-                    if not first_token_seen:
-                        first_token_seen = True
+                    if self.first_token_time is None:
+                        self.first_token_time = now
                         self.metrics.time_to_first_token.observe(now - self.arrival)
                     if event.index in last_output:
                         self.metrics.inter_token_latency.observe(now - last_output[event.index])
                     last_output[event.index] = now
                 if event.result is not None:
+                    self.end_time = time.perf_counter()
                     self.metrics.generation_tokens.inc(event.result.completion_tokens)
                 yield event
 
