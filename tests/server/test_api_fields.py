@@ -126,7 +126,27 @@ def request_with(server, model: str, name: str, value) -> tuple[str, dict, str]:
         return "/v1/responses", body, f"tools.0.{name}"
     if model == "ResponsesText":
         return "/v1/responses", {**responses, "text": {name: value}}, f"text.{name}"
+    ollama = {**name_of, "stream": False, "options": {"num_predict": 1}}
+    if model == "OllamaOptions":
+        body = {**ollama, "prompt": "Hi", "options": {"num_predict": 1, name: value}}
+        return "/api/generate", body, f"options.{name}"
+    ollama_call = {"function": {"name": "f", "arguments": {}}}
+    if model in ("OllamaMessage", "OllamaToolCall", "OllamaFunctionCall"):
+        message = {"role": "assistant", "content": "Hi", "tool_calls": [ollama_call]}
+        where = "messages.0"
+        if model == "OllamaMessage":
+            message[name] = value
+        elif model == "OllamaToolCall":
+            message["tool_calls"] = [{**ollama_call, name: value}]
+            where = "messages.0.tool_calls.0"
+        else:
+            message["tool_calls"] = [{"function": {**ollama_call["function"], name: value}}]
+            where = "messages.0.tool_calls.0.function"
+        return "/api/chat", {**ollama, "messages": [message, *USER]}, f"{where}.{name}"
     path, body = {
+        "OllamaChatRequest": ("/api/chat", {**ollama, "messages": USER}),
+        "OllamaGenerateRequest": ("/api/generate", {**ollama, "prompt": "Hi"}),
+        "OllamaShowRequest": ("/api/show", name_of),
         "ResponsesRequest": ("/v1/responses", responses),
         "ChatCompletionRequest": ("/v1/chat/completions", chat),
         "CompletionRequest": ("/v1/completions", {**name_of, "prompt": "Hi", "max_tokens": 1}),
@@ -144,7 +164,9 @@ def post(server, path: str, body: dict, **kwargs) -> httpx.Response:
 
 
 def error_message(response: httpx.Response) -> str:
-    return response.json()["error"]["message"]
+    """The message of an error in any API's shape (Ollama's is the bare string)."""
+    error = response.json()["error"]
+    return error if isinstance(error, str) else error["message"]
 
 
 # The table against the code
@@ -188,7 +210,7 @@ def test_a_refused_field_gets_400_naming_it(server, model, name):
     assert response.status_code == 400
     message = error_message(response)
     assert message.startswith(reported), message
-    if not path.startswith("/v1/messages"):
+    if not path.startswith(("/v1/messages", "/api/")):  # their errors name no param
         assert response.json()["error"]["param"] == reported
 
 
