@@ -157,7 +157,9 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
 
 
 def _continuous_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
-    return body.stream_options is not None and body.stream_options.continuous_usage_stats
+    """vLLM's: the usage include_usage adds, on every chunk; without include_usage there is
+    none to add, as in vLLM."""
+    return _include_usage(body) and body.stream_options.continuous_usage_stats
 
 
 # Variables of the chat template that astrai sets itself.
@@ -191,12 +193,6 @@ def _check_request(
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options needs stream set to true; leave it out", param="stream_options"
-        )
-    if _continuous_usage(body) and not _include_usage(body):
-        raise APIError(
-            400,
-            "stream_options.continuous_usage_stats needs stream_options.include_usage set to true",
-            param="stream_options.continuous_usage_stats",
         )
 
 
@@ -308,7 +304,9 @@ async def _stream_chunks(
 
     The choice entries, one a chunk, come from the endpoint's renderers; this owns the usage of
     every chunk under include_usage (null, or the counts so far under continuous_usage_stats),
-    the final usage chunk, errors and the closing [DONE].
+    the final usage chunk, errors and the closing [DONE]. A sample's finish_reason rides on the
+    chunk of its last token's text, as vLLM sends it, not on an empty chunk after it: once a
+    sample has ended, its entries wait for its result (already on its way) to be merged with.
     """
     include_usage, continuous_usage = _include_usage(body), _continuous_usage(body)
 
@@ -321,11 +319,16 @@ async def _stream_chunks(
     for entry in opening:
         yield chunk(entry)
     results = {}
+    held: dict[int, list[dict]] = {}  # the entries of ended samples, until their result
     async with aclosing(generation.events()) as events:
         async for event in events:
             if event.delta is not None:
-                for entry in render_delta(event.index, event.delta):
-                    yield chunk(entry)
+                entries = render_delta(event.index, event.delta)
+                if generation.finished(event.index):
+                    held.setdefault(event.index, []).extend(entries)
+                else:
+                    for entry in entries:
+                        yield chunk(entry)
             if event.result is not None:
                 try:
                     generation.check(event.result)
@@ -334,12 +337,23 @@ async def _stream_chunks(
                     yield sse_data("[DONE]")
                     return
                 results[event.index] = event.result
-                for entry in render_finish(event.index, event.result):
+                entries = held.pop(event.index, []) + render_finish(event.index, event.result)
+                for entry in _finish_on_last_text(entries):
                     yield chunk(entry)
     if include_usage:
         usage = generation.usage([results[i] for i in range(generation.num_choices)])
         yield sse_data({**head, "object": obj, "choices": [], "usage": _usage(usage)})
     yield sse_data("[DONE]")
+
+
+def _finish_on_last_text(entries: list[dict]) -> list[dict]:
+    """A sample's last entries with the closing one's finish_reason moved onto the entry
+    before it when the closing one carries nothing else (no text, delta or logprobs)."""
+    *rest, closing = entries
+    empty = closing.get("delta", {}) == {} and not closing.get("text")
+    if rest and empty and closing["logprobs"] is None:
+        return [*rest[:-1], {**rest[-1], "finish_reason": closing["finish_reason"]}]
+    return entries
 
 
 def _chat_chunks(

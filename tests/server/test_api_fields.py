@@ -500,7 +500,8 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(openai_client, serv
         max_tokens=6,
         stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={"ignore_eos": True},
+        # Letters: no token's text waits for the rest of a character.
+        extra_body={"ignore_eos": True, "guided_regex": "[a-z ]+"},
     )
     if endpoint == "chat":
         chunks = list(openai_client.chat.completions.create(messages=CHAT, **kwargs))
@@ -511,8 +512,12 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(openai_client, serv
     assert final.completion_tokens == 6
     assert {c.usage.prompt_tokens for c in chunks} == {final.prompt_tokens}
     counts = [c.usage.completion_tokens for c in chunks]
-    # Counts so far: they only grow, from none before the first token (chat's opening chunk).
-    assert counts == sorted(counts) and counts[-1] == 6
+    # Counts so far: they grow with every chunk of text (vLLM's test: no chunk repeats the count
+    # before it), from none before the first token (chat's opening chunk), and the usage chunk
+    # after the last text repeats it.
+    assert counts[-1] == counts[-2] == 6 and not chunks[-1].choices
+    texts = counts[1:-1] if endpoint == "chat" else counts[:-1]
+    assert texts == sorted(set(texts))
     if endpoint == "chat":
         assert counts[0] == 0
     assert all(
@@ -520,16 +525,16 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(openai_client, serv
     )
 
 
-def test_continuous_usage_stats_need_include_usage(openai_client, server):
-    with pytest.raises(openai.BadRequestError) as caught:
-        openai_client.completions.create(
-            model=server.model_name,
-            prompt="Hi",
-            max_tokens=1,
-            stream=True,
-            stream_options={"continuous_usage_stats": True},
-        )
-    assert "continuous_usage_stats" in caught.value.message
+def test_continuous_usage_stats_without_include_usage_add_no_usage(openai_client, server):
+    # vLLM's reading: continuous_usage_stats spreads the usage include_usage adds.
+    chunks = openai_client.completions.create(
+        model=server.model_name,
+        prompt="Hi",
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True},
+    )
+    assert all(chunk.usage is None for chunk in chunks)
 
 
 def test_add_special_tokens_false_leaves_out_the_bos(openai_client, server):
