@@ -12,12 +12,13 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
 
 from astrai.inference import TaskResult
 from astrai.inference.constraints import Constraint, ConstraintError
@@ -34,7 +35,23 @@ from astrai.server.reasoning import ReasoningStream
 from astrai.server.sse import NDJSONResponse, ndjson_line
 from astrai.server.tool_parsers import ToolCallStream, ToolChoice, ToolUse
 
-router = APIRouter()
+
+class _JSONBodyRoute(APIRoute):
+    """A route that reads its body as JSON whatever its Content-Type says, as Ollama does: its
+    own curl examples send none, so curl sends its form default."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request):
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            scope = {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}
+            return await handler(Request(scope, request.receive))
+
+        return handle
+
+
+router = APIRouter(route_class=_JSONBodyRoute)
 
 # The Ollama release whose API this follows (thinking, tool_name, capabilities): clients compare
 # /api/version with the release a feature came in. astrai's own version is at /version.

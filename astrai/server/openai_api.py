@@ -244,6 +244,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             param="continue_final_message",
         )
     tools = _tool_use(service, body)
+    service.check_message_extras(body.messages)
     messages = [m.template_message() for m in body.messages]
     prompt = await service.chat_prompt(
         messages,
@@ -310,25 +311,26 @@ async def _stream_chunks(
     """
     include_usage, continuous_usage = _include_usage(body), _continuous_usage(body)
 
-    def chunk(entry: dict) -> str:
+    def chunk(entry: dict) -> dict:
+        """The chunk of one entry, with the usage as of now (held chunks keep theirs)."""
         data = {**head, "object": obj, "choices": [entry]}
         if include_usage:
             data["usage"] = _usage(generation.usage_so_far()) if continuous_usage else None
-        return sse_data(data)
+        return data
 
     for entry in opening:
-        yield chunk(entry)
+        yield sse_data(chunk(entry))
     results = {}
-    held: dict[int, list[dict]] = {}  # the entries of ended samples, until their result
+    held: dict[int, list[dict]] = {}  # the chunks of ended samples, until their result
     async with aclosing(generation.events()) as events:
         async for event in events:
             if event.delta is not None:
-                entries = render_delta(event.index, event.delta)
+                chunks = [chunk(entry) for entry in render_delta(event.index, event.delta)]
                 if generation.finished(event.index):
-                    held.setdefault(event.index, []).extend(entries)
+                    held.setdefault(event.index, []).extend(chunks)
                 else:
-                    for entry in entries:
-                        yield chunk(entry)
+                    for data in chunks:
+                        yield sse_data(data)
             if event.result is not None:
                 try:
                     generation.check(event.result)
@@ -337,23 +339,28 @@ async def _stream_chunks(
                     yield sse_data("[DONE]")
                     return
                 results[event.index] = event.result
-                entries = held.pop(event.index, []) + render_finish(event.index, event.result)
-                for entry in _finish_on_last_text(entries):
-                    yield chunk(entry)
+                closing = [chunk(entry) for entry in render_finish(event.index, event.result)]
+                for data in _finish_on_last_text(held.pop(event.index, []) + closing):
+                    yield sse_data(data)
     if include_usage:
         usage = generation.usage([results[i] for i in range(generation.num_choices)])
         yield sse_data({**head, "object": obj, "choices": [], "usage": _usage(usage)})
     yield sse_data("[DONE]")
 
 
-def _finish_on_last_text(entries: list[dict]) -> list[dict]:
-    """A sample's last entries with the closing one's finish_reason moved onto the entry
-    before it when the closing one carries nothing else (no text, delta or logprobs)."""
-    *rest, closing = entries
-    empty = closing.get("delta", {}) == {} and not closing.get("text")
-    if rest and empty and closing["logprobs"] is None:
-        return [*rest[:-1], {**rest[-1], "finish_reason": closing["finish_reason"]}]
-    return entries
+def _finish_on_last_text(chunks: list[dict]) -> list[dict]:
+    """A sample's last chunks with the closing one's finish_reason moved onto the chunk before
+    it when the closing one carries nothing else (no text, delta or logprobs)."""
+    *rest, closing = chunks
+    [entry] = closing["choices"]
+    empty = entry.get("delta", {}) == {} and not entry.get("text") and entry["logprobs"] is None
+    if not (rest and empty):
+        return chunks
+    [last] = rest[-1]["choices"]
+    return [
+        *rest[:-1],
+        {**rest[-1], "choices": [{**last, "finish_reason": entry["finish_reason"]}]},
+    ]
 
 
 def _chat_chunks(

@@ -100,7 +100,13 @@ class MessageToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["developer", "system", "user", "assistant", "tool"]
+    """A chat message. A role other than OpenAI's goes to the chat template as it is, and a key
+    astrai does not know goes to it as one of the message's variables, as vLLM hands them;
+    GenerationService refuses what the template would drop."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(min_length=1)
     content: str | list[Any] | None = None
     name: Any = None
     tool_calls: list[MessageToolCall] | None = None
@@ -109,6 +115,8 @@ class ChatMessage(_Request):
     refusal: Any = None
     audio: Any = None
     annotations: Any = None
+
+    _role_text = field_validator("role")(_unicode_strings)
 
     @field_validator("content")
     @classmethod
@@ -132,6 +140,7 @@ class ChatMessage(_Request):
         """The message as chat templates take it, as transformers hands it: OpenAI's developer
         role is their system, and a call's arguments are an object, not JSON text."""
         message: dict[str, Any] = {
+            **(self.model_extra or {}),
             "role": "system" if self.role == "developer" else self.role,
             "content": self.content,
         }

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from live_server import make_engine, serving
 from pydantic import BaseModel
 
 import astrai
@@ -675,3 +676,72 @@ def test_the_new_endpoints_need_the_key(server, path):
     method = "GET" if path == "/version" else "POST"
     response = httpx.request(method, f"{server.base_url}{path}", json={"prompt": "Hi"})
     assert response.status_code == 401
+
+
+# Custom roles and message keys astrai does not know reach the chat template, which must show
+# them; the tests' template shows any role, this one only its own and a `mood` it reads.
+PICKY_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] in ['system', 'user', 'assistant'] %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% if message.mood is defined %}{{ ' (' + message.mood + ')' }}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'narrator' %}{{ raise_exception('no narrators here') }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def picky_server(tmp_path_factory, llama_dir):
+    model_dir = tmp_path_factory.mktemp("picky")
+    for file in llama_dir.iterdir():
+        (model_dir / file.name).symlink_to(file)
+    (model_dir / "chat_template.jinja").write_text(PICKY_TEMPLATE)
+    with serving(make_engine(model_dir)) as server:
+        yield server
+
+
+def tokenized(server, messages: list[dict]) -> httpx.Response:
+    return post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+
+
+def test_a_custom_role_reaches_a_template_that_shows_it(openai_client, server):
+    custom = [{"role": "my-custom-role", "content": "what is 1+1?"}]
+    rendered = "<s><|im_start|>my-custom-role\nwhat is 1+1?<|im_end|>\n"
+    expected = server.engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenized(server, custom).json()["tokens"] == expected
+    # vLLM's test: text parts and a string are the same message.
+    parts = [{**custom[0], "content": [{"type": "text", "text": "what is 1+1?"}]}]
+    kwargs = dict(model=server.model_name, max_tokens=6, temperature=0)
+    replies = [openai_client.chat.completions.create(messages=m, **kwargs) for m in (custom, parts)]
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+def test_a_custom_role_the_template_drops_or_refuses_is_a_400(picky_server):
+    for role, said in (
+        ("my-custom-role", "leaves out messages of role 'my-custom-role'"),
+        ("narrator", "no narrators here"),
+    ):
+        response = tokenized(picky_server, [{"role": role, "content": "Hi"}, *USER])
+        assert response.status_code == 400 and said in error_message(response)
+        chat = post(
+            picky_server, "/v1/chat/completions", {"messages": [{"role": role, "content": "Hi"}]}
+        )
+        assert chat.status_code == 400 and said in error_message(chat)
+
+
+def test_a_message_key_reaches_a_template_that_reads_it(picky_server):
+    message = {**USER[0], "mood": "cheerful"}
+    rendered = "<s><|im_start|>user\nHello (cheerful)<|im_end|>\n"
+    expected = picky_server.engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenized(picky_server, [message]).json()["tokens"] == expected
+    chat = post(picky_server, "/v1/chat/completions", {"messages": [message], "max_tokens": 1})
+    assert chat.status_code == 200
+    for path in ("/tokenize", "/v1/chat/completions"):
+        body = {"messages": [{**USER[0], "extra_field": "0"}], "max_tokens": 1}
+        if path == "/tokenize":
+            body = {"messages": body["messages"]}
+        response = post(picky_server, path, body)
+        assert response.status_code == 400, path
+        assert error_message(response).startswith("messages.0.extra_field"), path

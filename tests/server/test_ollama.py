@@ -353,3 +353,16 @@ def test_unknown_model_key_and_body_errors_are_ollama_s_shape(client, server):
     assert caught.value.status_code == 401 and "API key" in caught.value.error
     response = post(server, "/api/show", {})
     assert response.status_code == 400 and "model" in response.json()["error"]
+
+
+def test_a_body_is_json_whatever_its_content_type(server):
+    # Ollama's curl examples send no Content-Type, so curl sends its form default.
+    body = {"model": MODEL_NAME, "prompt": "Hi", "stream": False, "options": GREEDY}
+    headers = {
+        "Authorization": f"Bearer {API_KEY}",
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
+    response = httpx.post(
+        f"{server.base_url}/api/generate", content=json.dumps(body), headers=headers
+    )
+    assert response.status_code == 200 and response.json()["done"] is True
