@@ -74,7 +74,10 @@ TOOLS = "is not supported by astrai's Anthropic API yet (the OpenAI API's tools 
 FUNCTIONS = "is OpenAI's deprecated form of tools and is not supported; send tools instead"
 TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
 HOSTED = "is a feature of the hosted API that a local server does not have; leave it out"
-BEAM = "is not supported: astrai has no beam search; leave it out"
+BEAM = (
+    "is not supported: astrai has no beam search (its beams would fork and drop sequences' KV "
+    "pages every step, which the scheduler and the page tables do not do); leave it out"
+)
 PROMPT = "is not supported by astrai yet: it cannot echo the chat's last message; leave it out"
 LOAD = (
     "is a setting of how the model is loaded, which astrai serve fixes when it starts (its "

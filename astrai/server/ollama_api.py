@@ -144,7 +144,9 @@ def _sampling(options: OllamaOptions | None) -> dict:
     }
 
 
-def _max_tokens(service: GenerationService, prompt: list[int], options: OllamaOptions | None):
+def _max_tokens(
+    service: GenerationService, prompt: list[int], options: OllamaOptions | None
+) -> int | None:
     """num_predict (-1, no limit, and -2, fill the context: to the end of the context), held
     within num_ctx when it is given; num_ctx past the server's context is a 400, as is a
     prompt and num_predict that do not fit in it (Ollama would shift the context)."""
@@ -292,7 +294,7 @@ async def _records(
     generation: Generation,
     head: dict,
     pieces: _StreamedMessage,
-    render: Any,
+    render: Callable[[dict], dict],
     received: float,
 ) -> AsyncIterator[str]:
     """The NDJSON lines of a streamed answer: one per piece, then the final record (with an

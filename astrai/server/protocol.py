@@ -1,6 +1,7 @@
-"""Request bodies of the OpenAI, Anthropic and vLLM-extension APIs; unknown fields are refused.
+"""Request bodies of the OpenAI, Anthropic, Ollama and vLLM-extension APIs; unknown fields are
+refused.
 
-Every field of OpenAI's, Anthropic's and the known vLLM request schemas is declared here.
+Every field of OpenAI's, Anthropic's, Ollama's and the known vLLM request schemas is declared here.
 Fields typed Any are ones astrai does not honour: astrai.server.fields says which of their values
 ask for nothing and refuses the rest, and docs/api.md lists every field's status.
 
@@ -895,5 +896,5 @@ class OllamaShowRequest(_Request):
     @model_validator(mode="after")
     def _one_name(self) -> OllamaShowRequest:
         if (self.model is None) == (self.name is None):
-            raise ValueError("give the model's name as 'model'")
+            raise ValueError("give the model's name once, as 'model' (or Ollama's older 'name')")
         return self
