@@ -74,11 +74,13 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _check_model(service: GenerationService, name: str | None) -> None:
-    """Ollama's names carry a tag, latest when left out: the served model answers to both."""
+def _served_name(service: GenerationService, name: str | None) -> str | None:
+    """The served model (or LoRA adapter) a request names, checked (a 404 otherwise). Ollama's
+    names carry a tag, latest when left out: a served model answers to both."""
     if name is not None and name.endswith(":latest"):
         name = name.removesuffix(":latest")
     service.check_model(name)
+    return name
 
 
 def _check_keep_alive(keep_alive: float | str | None) -> None:
@@ -330,7 +332,7 @@ def _loaded(head: dict, body: dict) -> dict:
 async def chat(body: OllamaChatRequest, request: Request):
     received = time.perf_counter()
     service = _service(request)
-    _check_model(service, body.model)
+    model = _served_name(service, body.model)
     refuse_unsupported(body)
     _check_keep_alive(body.keep_alive)
     head = {"model": body.model}
@@ -347,6 +349,7 @@ async def chat(body: OllamaChatRequest, request: Request):
     params = service.params(
         [prompt],
         _max_tokens(service, prompt, body.options),
+        model,
         constraint=await _constraint(service, body.format, tools),
         **_sampling(body.options),
     )
@@ -402,7 +405,7 @@ async def _generate_prompt(
 async def generate(body: OllamaGenerateRequest, request: Request):
     received = time.perf_counter()
     service = _service(request)
-    _check_model(service, body.model)
+    model = _served_name(service, body.model)
     refuse_unsupported(body)
     _check_keep_alive(body.keep_alive)
     head = {"model": body.model}
@@ -413,6 +416,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
     params = service.params(
         [prompt],
         _max_tokens(service, prompt, body.options),
+        model,
         constraint=await _constraint(service, body.format, ToolUse()),
         **_sampling(body.options),
     )
@@ -438,17 +442,17 @@ def _size(service: GenerationService) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _model_entry(service: GenerationService) -> dict:
-    """What Ollama's lists say of a model. astrai keeps no Ollama blobs: the digest is a hash of
-    the served name, and details that only a Modelfile would say are empty."""
-    name = service.model_name
+def _model_entry(service: GenerationService, name: str) -> dict:
+    """What Ollama's lists say of a served model or LoRA adapter (whose parent is the base
+    model). astrai keeps no Ollama blobs: the digest is a hash of the served name, and details
+    that only a Modelfile would say are empty."""
     return {
         "name": name,
         "model": name,
         "size": _size(service),
         "digest": hashlib.sha256(name.encode()).hexdigest(),
         "details": {
-            "parent_model": "",
+            "parent_model": service.model_name if service.adapter_for(name) else "",
             "format": "",
             "family": "",
             "families": None,
@@ -466,14 +470,16 @@ def _modified_at(service: GenerationService) -> str:
 @router.get("/api/tags")
 async def tags(request: Request) -> dict:
     service = _service(request)
-    return {"models": [{**_model_entry(service), "modified_at": _modified_at(service)}]}
+    modified_at = _modified_at(service)
+    entries = [_model_entry(service, name) for name in service.served_models()]
+    return {"models": [{**entry, "modified_at": modified_at} for entry in entries]}
 
 
 @router.get("/api/ps")
 async def running(request: Request) -> dict:
     service = _service(request)
-    entry = _model_entry(service)
     on_gpu = next(service.engine.model.parameters()).device.type != "cpu"
+    entries = [_model_entry(service, name) for name in service.served_models()]
     return {
         "models": [
             {
@@ -482,6 +488,7 @@ async def running(request: Request) -> dict:
                 "size_vram": entry["size"] if on_gpu else 0,
                 "context_length": service.engine.max_seq_len,
             }
+            for entry in entries
         ]
     }
 
@@ -489,7 +496,7 @@ async def running(request: Request) -> dict:
 @router.post("/api/show")
 async def show(body: OllamaShowRequest, request: Request) -> dict:
     service = _service(request)
-    _check_model(service, body.model or body.name)
+    model = _served_name(service, body.model or body.name)
     refuse_unsupported(body)
     config = service.engine.model.config
     # Clients read the context length as model_info[f"{general.architecture}.context_length"].
@@ -505,7 +512,7 @@ async def show(body: OllamaShowRequest, request: Request) -> dict:
         "modelfile": "",
         "parameters": "",
         "template": templates.get("default", next(iter(templates.values()), "")),
-        "details": _model_entry(service)["details"],
+        "details": _model_entry(service, model)["details"],
         "model_info": {
             "general.architecture": arch,
             f"{arch}.context_length": service.engine.max_seq_len,
