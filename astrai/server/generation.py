@@ -96,11 +96,6 @@ class Generation:
         self.stopped_by_shutdown = True
         self.stream.abort()
 
-    def finished(self, index: int) -> bool:
-        """Whether sample index has ended: its result is then on its way, after the deltas
-        already sent (a task ends before the delta of its last token goes out)."""
-        return self.stream.tasks[index].is_finished
-
     def check(self, result: TaskResult) -> None:
         """Raise the API error of a sample that ended without finishing."""
         try:

@@ -306,8 +306,9 @@ async def _stream_chunks(
     The choice entries, one a chunk, come from the endpoint's renderers; this owns the usage of
     every chunk under include_usage (null, or the counts so far under continuous_usage_stats),
     the final usage chunk, errors and the closing [DONE]. A sample's finish_reason rides on the
-    chunk of its last token's text, as vLLM sends it, not on an empty chunk after it: once a
-    sample has ended, its entries wait for its result (already on its way) to be merged with.
+    chunk of its last token's text, as vLLM sends it, not on an empty chunk after it: the
+    entries of a sample's last delta wait for its result, which comes right after, to be merged
+    with.
     """
     include_usage, continuous_usage = _include_usage(body), _continuous_usage(body)
 
@@ -321,13 +322,13 @@ async def _stream_chunks(
     for entry in opening:
         yield sse_data(chunk(entry))
     results = {}
-    held: dict[int, list[dict]] = {}  # the chunks of ended samples, until their result
+    held: dict[int, list[dict]] = {}  # the chunks of samples' last deltas, until their result
     async with aclosing(generation.events()) as events:
         async for event in events:
             if event.delta is not None:
                 chunks = [chunk(entry) for entry in render_delta(event.index, event.delta)]
-                if generation.finished(event.index):
-                    held.setdefault(event.index, []).extend(chunks)
+                if event.delta.last:
+                    held[event.index] = chunks
                 else:
                     for data in chunks:
                         yield sse_data(data)
