@@ -23,7 +23,6 @@ from astrai.server.protocol import (
     CountTokensRequest,
     DetokenizeRequest,
     MessagesRequest,
-    OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaMessage,
     OllamaOptions,
@@ -84,14 +83,6 @@ LOAD = (
     "flags, --help); leave it out"
 )
 IMAGES = "is not supported: astrai takes text only; leave it out"
-OLLAMA_LOGPROBS = (
-    "is not supported by astrai's Ollama API yet (the OpenAI API's logprobs are); leave it out"
-)
-
-_OLLAMA = {
-    "logprobs": Refused(OLLAMA_LOGPROBS, noop=(False,)),
-    "top_logprobs": Refused(OLLAMA_LOGPROBS, noop=(0,)),
-}
 
 _OPENAI = {
     "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
@@ -280,9 +271,7 @@ RULES.update(
             },
         },
         OllamaMessage: {"images": Refused(IMAGES, noop=([],))},
-        OllamaChatRequest: _OLLAMA,
         OllamaGenerateRequest: {
-            **_OLLAMA,
             "suffix": Refused("is not supported: astrai has no fill-in-the-middle", noop=("",)),
             "template": Refused(TEMPLATE, noop=("",)),
             "context": Refused(

@@ -12,7 +12,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from datetime import UTC, datetime
 from typing import Any
@@ -20,11 +20,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 
-from astrai.inference import TaskResult
+from astrai.inference import TaskResult, TokenLogprob
 from astrai.inference.constraints import Constraint, ConstraintError
 from astrai.server.errors import APIError
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import Generation, GenerationService
+from astrai.server.logprobs import chat_logprobs
 from astrai.server.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
@@ -292,22 +293,42 @@ def _whole_message(
     return message
 
 
+def _logprobs(body: OllamaChatRequest | OllamaGenerateRequest) -> int | None:
+    """logprobs and top_logprobs as GenerationParams.logprobs: None (off), or how many of the
+    likeliest tokens each token comes with."""
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _token_logprobs(service: GenerationService, entries: Sequence[TokenLogprob]) -> list[dict]:
+    """Ollama's logprobs: each token's text, logprob and bytes, with its top_logprobs."""
+    return chat_logprobs(service.tokenizer, entries)["content"]
+
+
 async def _records(
+    service: GenerationService,
     generation: Generation,
     head: dict,
     pieces: _StreamedMessage,
     render: Callable[[dict], dict],
     received: float,
+    logprobs: bool,
 ) -> AsyncIterator[str]:
-    """The NDJSON lines of a streamed answer: one per piece, then the final record (with an
-    empty piece), or an error line."""
+    """The NDJSON lines of a streamed answer: one per piece (a token's logprobs on the first
+    piece of its text, or on an empty one), then the final record (with an empty piece), or an
+    error line."""
+    empty = {"role": "assistant", "content": ""}
     async with aclosing(generation.events()) as events:
         async for event in events:
             if event.delta is not None:
-                for piece in pieces.feed(event.delta.text):
-                    yield ndjson_line(
-                        {**head, "created_at": _now(), **render(piece), "done": False}
-                    )
+                records = [render(piece) for piece in pieces.feed(event.delta.text)]
+                if logprobs and event.delta.logprobs:
+                    records = records or [render(empty)]
+                    tokens = _token_logprobs(service, event.delta.logprobs)
+                    records[0] = {**records[0], "logprobs": tokens}
+                for record in records:
+                    yield ndjson_line({**head, "created_at": _now(), **record, "done": False})
             if event.result is None:
                 continue
             try:
@@ -317,7 +338,7 @@ async def _records(
                 return
             for piece in pieces.finish():
                 yield ndjson_line({**head, "created_at": _now(), **render(piece), "done": False})
-            final = {**head, "created_at": _now(), **render({"role": "assistant", "content": ""})}
+            final = {**head, "created_at": _now(), **render(empty)}
             yield ndjson_line(
                 {**final, **_done(event.result), **_metrics(generation, event.result, received)}
             )
@@ -350,6 +371,7 @@ async def chat(body: OllamaChatRequest, request: Request):
         [prompt],
         _max_tokens(service, prompt, body.options),
         model,
+        logprobs=_logprobs(body),
         constraint=await _constraint(service, body.format, tools),
         **_sampling(body.options),
     )
@@ -359,18 +381,19 @@ async def chat(body: OllamaChatRequest, request: Request):
     if body.stream:
         pieces = _StreamedMessage(tools, parser and parser.stream(opened))
         return NDJSONResponse(
-            _records(generation, head, pieces, lambda piece: {"message": piece}, received)
+            _records(service, generation, head, pieces, _chat_piece, received, body.logprobs)
         )
     [output] = await generation.collect(request)
     result = output.result
-    message = _whole_message(service, result.text, tools, opened)
-    return {
-        **head,
-        "created_at": _now(),
-        "message": message,
-        **_done(result),
-        **_metrics(generation, result, received),
-    }
+    reply = {**head, "created_at": _now()}
+    reply["message"] = _whole_message(service, result.text, tools, opened)
+    if body.logprobs:
+        reply["logprobs"] = _token_logprobs(service, output.logprobs)
+    return {**reply, **_done(result), **_metrics(generation, result, received)}
+
+
+def _chat_piece(piece: dict) -> dict:
+    return {"message": piece}
 
 
 def _generate_piece(piece: dict) -> dict:
@@ -417,6 +440,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
         [prompt],
         _max_tokens(service, prompt, body.options),
         model,
+        logprobs=_logprobs(body),
         constraint=await _constraint(service, body.format, ToolUse()),
         **_sampling(body.options),
     )
@@ -425,13 +449,17 @@ async def generate(body: OllamaGenerateRequest, request: Request):
     opened = not body.raw and parser is not None and parser.opened_by(service.tokenizer, prompt)
     if body.stream:
         pieces = _StreamedMessage(ToolUse(), parser and parser.stream(opened))
-        return NDJSONResponse(_records(generation, head, pieces, _generate_piece, received))
+        return NDJSONResponse(
+            _records(service, generation, head, pieces, _generate_piece, received, body.logprobs)
+        )
     [output] = await generation.collect(request)
     result = output.result
     message = _whole_message(service, result.text, ToolUse(), opened)
     reply = {**head, "created_at": _now(), "response": message["content"]}
     if "thinking" in message:
         reply["thinking"] = message["thinking"]
+    if body.logprobs:
+        reply["logprobs"] = _token_logprobs(service, output.logprobs)
     return {**reply, **_done(result), **_metrics(generation, result, received)}
 
 

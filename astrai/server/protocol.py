@@ -862,8 +862,8 @@ class _OllamaGeneration(_Request):
     stream: bool = True  # Ollama streams unless told not to
     keep_alive: float | str | None = None
     think: bool | str | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     _text = field_validator("model")(_unicode_strings)
 

@@ -199,6 +199,26 @@ def test_format_holds_the_answer_to_json_or_a_schema(client):
     assert caught.value.status_code == 400 and caught.value.error.startswith("format")
 
 
+def test_logprobs_are_the_openai_api_s(client, server):
+    reply = client.chat(MODEL_NAME, messages=USER, options=GREEDY, logprobs=True, top_logprobs=2)
+    expected = openai_client(server).chat.completions.create(
+        model=MODEL_NAME, messages=USER, temperature=0, max_tokens=8, logprobs=True, top_logprobs=2
+    )
+    wanted = [entry.model_dump(exclude={"bytes"}) for entry in expected.choices[0].logprobs.content]
+    for entry in wanted:
+        entry["top_logprobs"] = [
+            {"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]
+        ]
+    assert [entry.model_dump() for entry in reply.logprobs] == wanted
+    streamed = client.chat(
+        MODEL_NAME, messages=USER, options=GREEDY, logprobs=True, top_logprobs=2, stream=True
+    )
+    assert [e for part in streamed for e in part.logprobs or ()] == list(reply.logprobs)
+    generated = client.generate(MODEL_NAME, "Hi", options=GREEDY, logprobs=True)
+    assert len(generated.logprobs) == generated.eval_count
+    assert all(entry.top_logprobs == [] for entry in generated.logprobs)
+
+
 # Tools: a random-weight model writes no call by itself, so a format schema makes it write a
 # Llama 3 JSON call, which the llama3_json parser reads.
 
@@ -308,7 +328,7 @@ def test_think_is_the_template_s_switch_and_thinking_comes_apart(thinker, think)
         ({"think": True}, "think"),
         ({"think": "high"}, "think"),
         ({"messages": [{**USER[0], "images": ["aGk="]}]}, "messages.0.images"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
     ],
 )
 def test_what_astrai_cannot_honour_is_a_400_naming_it(server, fields, named):
