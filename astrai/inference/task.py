@@ -339,6 +339,8 @@ class TaskDelta:
     # Prompt tokens the prefix cache served; fixed from the first delta on, so a stream can
     # report its input usage before the result arrives.
     cached_tokens: int = 0
+    # This token ended the task: the delta is its last, and its result comes next.
+    last: bool = False
 
 
 @dataclass
@@ -462,7 +464,7 @@ class Task:
         piece = self._text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         logprobs = None if logprob is None else [logprob]
-        return TaskDelta(piece, [token_id], logprobs, self.cached_tokens)
+        return TaskDelta(piece, [token_id], logprobs, self.cached_tokens, self.is_finished)
 
     def _cut_at_stop_string(self, text: str) -> bool:
         """Finish at the earliest stop string that the new text completes, if there is one.

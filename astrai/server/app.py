@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI, Responses, Anthropic and tokenizer routers, auth, errors, /health,
-/metrics and /version."""
+"""The FastAPI app: OpenAI, Responses, Anthropic, Ollama and tokenizer routers, auth, errors,
+/health, /metrics and /version."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from astrai.server import (
     anthropic_api,
     defaults,
     lora_api,
+    ollama_api,
     openai_api,
     responses_api,
     tokenizer_api,
@@ -85,6 +86,7 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
+    app.include_router(ollama_api.router)
     app.include_router(tokenizer_api.router)
     app.include_router(lora_api.router)
 
@@ -143,6 +145,7 @@ def create_app(
         openai_api.router,
         anthropic_api.router,
         responses_api.router,
+        ollama_api.router,
         tokenizer_api.router,
         lora_api.router,
         app.router,

@@ -1,4 +1,5 @@
-"""API-key check for every endpoint but the probes; accepts OpenAI's and Anthropic's header."""
+"""API-key check for every endpoint but the probes; accepts OpenAI's header (which Ollama's
+clients send too) and Anthropic's."""
 
 from __future__ import annotations
 

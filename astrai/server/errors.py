@@ -48,6 +48,14 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
+def ollama_error_body(message: str) -> dict:
+    return {"error": message}
+
+
 def openai_error_body(status: int, message: str, param: str | None, code: str | None) -> dict:
     kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -62,6 +70,8 @@ def error_response(path: str, error: APIError) -> JSONResponse:
     """The JSON error response for an API error, in the shape of the API the path belongs to."""
     if is_anthropic_path(path):
         body = anthropic_error_body(error.status, error.message)
+    elif is_ollama_path(path):
+        body = ollama_error_body(error.message)
     else:
         body = openai_error_body(error.status, error.message, error.param, error.code)
     headers = {}

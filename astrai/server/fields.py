@@ -23,6 +23,10 @@ from astrai.server.protocol import (
     CountTokensRequest,
     DetokenizeRequest,
     MessagesRequest,
+    OllamaGenerateRequest,
+    OllamaMessage,
+    OllamaOptions,
+    OllamaShowRequest,
     ResponsesFunctionCall,
     ResponsesFunctionCallOutput,
     ResponsesFunctionTool,
@@ -69,8 +73,16 @@ TOOLS = "is not supported by astrai's Anthropic API yet (the OpenAI API's tools 
 FUNCTIONS = "is OpenAI's deprecated form of tools and is not supported; send tools instead"
 TEMPLATE = "is not supported: astrai applies the model's own chat template as it is"
 HOSTED = "is a feature of the hosted API that a local server does not have; leave it out"
-BEAM = "is not supported: astrai has no beam search; leave it out"
+BEAM = (
+    "is not supported: astrai has no beam search (its beams would fork and drop sequences' KV "
+    "pages every step, which the scheduler and the page tables do not do); leave it out"
+)
 PROMPT = "is not supported by astrai yet: it cannot echo the chat's last message; leave it out"
+LOAD = (
+    "is a setting of how the model is loaded, which astrai serve fixes when it starts (its "
+    "flags, --help); leave it out"
+)
+IMAGES = "is not supported: astrai takes text only; leave it out"
 
 _OPENAI = {
     "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
@@ -222,6 +234,65 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         ),
     },
 }
+RULES.update(
+    {
+        OllamaOptions: {
+            "num_keep": Refused(
+                "is not supported: a prompt too long for the context is a 400, never shifted, "
+                "so no tokens need keeping; leave it out"
+            ),
+            "typical_p": Refused(ENGINE, noop=(1, 1.0)),
+            "repeat_last_n": Refused(
+                "is not supported: repeat_penalty looks at the whole context (Ollama's -1); "
+                "leave it out",
+                noop=(-1,),
+            ),
+            "tfs_z": Refused(ENGINE, noop=(1, 1.0)),
+            "mirostat": Refused(ENGINE, noop=(0,)),
+            "mirostat_tau": Refused(ENGINE, noop=(5, 5.0)),
+            "mirostat_eta": Refused(ENGINE, noop=(0.1,)),
+            "penalize_newline": Refused(ENGINE, noop=(False,)),
+            **{
+                name: Refused(LOAD)
+                for name in (
+                    "numa",
+                    "num_batch",
+                    "num_gpu",
+                    "main_gpu",
+                    "low_vram",
+                    "f16_kv",
+                    "logits_all",
+                    "vocab_only",
+                    "use_mmap",
+                    "use_mlock",
+                    "embedding_only",
+                    "num_thread",
+                )
+            },
+        },
+        OllamaMessage: {"images": Refused(IMAGES, noop=([],))},
+        OllamaGenerateRequest: {
+            "suffix": Refused("is not supported: astrai has no fill-in-the-middle", noop=("",)),
+            "template": Refused(TEMPLATE, noop=("",)),
+            "context": Refused(
+                "is not supported: it is Ollama's deprecated conversation memory; send the "
+                "conversation to /api/chat instead",
+                noop=([],),
+            ),
+            "images": Refused(IMAGES, noop=([],)),
+            **{
+                name: Refused("is not supported: astrai generates text, not images")
+                for name in ("width", "height", "steps")
+            },
+        },
+        OllamaShowRequest: {
+            "verbose": Refused(
+                "is not supported: astrai's model_info holds no tokenizer tables to add",
+                noop=(False,),
+            )
+        },
+    }
+)
 RULES[CountTokensRequest] = {
     name: rule
     for name, rule in RULES[MessagesRequest].items()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,10 @@ from astrai.server.tool_parsers import HermesParser, ToolCallParser, ToolChoice,
 from astrai.tokenize import ChatTemplateError
 
 log = logging.getLogger(__name__)
+
+# The roles every chat template is written for; another is a custom role, which the template
+# must show.
+STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 SHUTTING_DOWN = (
     "the server is shutting down and stopped this request before it finished; "
@@ -79,6 +84,9 @@ class Generation:
         self.metrics = metrics
         self.arrival = arrival
         self.stopped_by_shutdown = False
+        # When the first token and the last result came (perf_counter), for Ollama's durations.
+        self.first_token_time: float | None = None
+        self.end_time: float | None = None
         # What the events so far added up to, for usage reported while streaming.
         self._completion_tokens = [0] * self.num_choices
         self._cached_tokens = [0] * self.num_choices
@@ -101,7 +109,6 @@ class Generation:
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """The events in arrival order; closing it early aborts every sample."""
-        first_token_seen = False
         last_output: dict[int, float] = {}
         async with aclosing(self.stream) as stream:
             async for event in stream:
@@ -110,13 +117,14 @@ class Generation:
                     self._cached_tokens[event.index] = event.delta.cached_tokens
                 if event.delta is not None and event.delta.token_ids:
                     now = time.perf_counter()
-                    if not first_token_seen:
-                        first_token_seen = True
+                    if self.first_token_time is None:
+                        self.first_token_time = now
                         self.metrics.time_to_first_token.observe(now - self.arrival)
                     if event.index in last_output:
                         self.metrics.inter_token_latency.observe(now - last_output[event.index])
                     last_output[event.index] = now
                 if event.result is not None:
+                    self.end_time = time.perf_counter()
                     self.metrics.generation_tokens.inc(event.result.completion_tokens)
                 yield event
 
@@ -325,6 +333,21 @@ class GenerationService:
             )
         return [p[-keep:] for p in prompts]
 
+    def check_message_extras(self, messages: Sequence[Any]) -> None:
+        """A 400 naming a message key astrai does not know (a request model's extra) that no
+        chat template of the model mentions: the template would drop it, unread."""
+        templates = "\n".join(self.tokenizer.chat_templates.values())
+        for i, message in enumerate(messages):
+            for key in message.model_extra or {}:
+                if not re.search(rf"\b{re.escape(key)}\b", templates):
+                    where = f"messages.{i}.{key}"
+                    raise APIError(
+                        400,
+                        f"{where}: astrai does not know this field and the chat template does not "
+                        "read it; leave it out (docs/api.md)",
+                        param=where,
+                    )
+
     async def chat_prompt(
         self,
         messages: list[dict[str, Any]],
@@ -359,8 +382,8 @@ class GenerationService:
                 )
             add_generation_prompt = False
 
-        def encode() -> list[int]:
-            text = tokenizer.apply_chat_template(
+        def render(messages: list[dict[str, Any]]) -> str:
+            return tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt,
                 tokenize=False,
@@ -368,6 +391,10 @@ class GenerationService:
                 continue_final_message=continue_final_message,
                 **(template_kwargs or {}),
             )
+
+        def encode() -> list[int]:
+            text = render(messages)
+            _check_custom_roles(render, messages)
             return tokenizer.encode(text, add_special_tokens)
 
         try:
@@ -414,6 +441,26 @@ class GenerationService:
         generation = Generation(stream, params.n, prompt_tokens, self.metrics, arrival)
         self._running.add(generation)
         return generation
+
+
+def _check_custom_roles(render: Callable[[list[dict]], str], messages: list[dict]) -> None:
+    """A 400 when the chat template leaves out the messages of a custom role: rendered with a
+    marker for the content of each, a marker is missing. (A template that refuses the role
+    raises instead, which is a 400 too.)"""
+    custom = [i for i, m in enumerate(messages) if m["role"] not in STANDARD_ROLES]
+    if not custom:
+        return
+    markers = {i: f"astraiprobe{i}x" for i in custom}
+    text = render([{**m, "content": markers.get(i, m["content"])} for i, m in enumerate(messages)])
+    for i in custom:
+        if markers[i] not in text:
+            role = messages[i]["role"]
+            raise APIError(
+                400,
+                f"the chat template leaves out messages of role {role!r}, so the model would "
+                "never see them; send them as system, user or assistant messages",
+                param="messages",
+            )
 
 
 def _template_shows_tools(tokenizer) -> bool:

@@ -157,7 +157,9 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
 
 
 def _continuous_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
-    return body.stream_options is not None and body.stream_options.continuous_usage_stats
+    """vLLM's: the usage include_usage adds, on every chunk; without include_usage there is
+    none to add, as in vLLM."""
+    return _include_usage(body) and body.stream_options.continuous_usage_stats
 
 
 # Variables of the chat template that astrai sets itself.
@@ -191,12 +193,6 @@ def _check_request(
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options needs stream set to true; leave it out", param="stream_options"
-        )
-    if _continuous_usage(body) and not _include_usage(body):
-        raise APIError(
-            400,
-            "stream_options.continuous_usage_stats needs stream_options.include_usage set to true",
-            param="stream_options.continuous_usage_stats",
         )
 
 
@@ -248,6 +244,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             param="continue_final_message",
         )
     tools = _tool_use(service, body)
+    service.check_message_extras(body.messages)
     messages = [m.template_message() for m in body.messages]
     prompt = await service.chat_prompt(
         messages,
@@ -308,24 +305,33 @@ async def _stream_chunks(
 
     The choice entries, one a chunk, come from the endpoint's renderers; this owns the usage of
     every chunk under include_usage (null, or the counts so far under continuous_usage_stats),
-    the final usage chunk, errors and the closing [DONE].
+    the final usage chunk, errors and the closing [DONE]. A sample's finish_reason rides on the
+    chunk of its last token's text, as vLLM sends it, not on an empty chunk after it: the
+    entries of a sample's last delta wait for its result, which comes right after, to be merged
+    with.
     """
     include_usage, continuous_usage = _include_usage(body), _continuous_usage(body)
 
-    def chunk(entry: dict) -> str:
+    def chunk(entry: dict) -> dict:
+        """The chunk of one entry, with the usage as of now (held chunks keep theirs)."""
         data = {**head, "object": obj, "choices": [entry]}
         if include_usage:
             data["usage"] = _usage(generation.usage_so_far()) if continuous_usage else None
-        return sse_data(data)
+        return data
 
     for entry in opening:
-        yield chunk(entry)
+        yield sse_data(chunk(entry))
     results = {}
+    held: dict[int, list[dict]] = {}  # the chunks of samples' last deltas, until their result
     async with aclosing(generation.events()) as events:
         async for event in events:
             if event.delta is not None:
-                for entry in render_delta(event.index, event.delta):
-                    yield chunk(entry)
+                chunks = [chunk(entry) for entry in render_delta(event.index, event.delta)]
+                if event.delta.last:
+                    held[event.index] = chunks
+                else:
+                    for data in chunks:
+                        yield sse_data(data)
             if event.result is not None:
                 try:
                     generation.check(event.result)
@@ -334,12 +340,28 @@ async def _stream_chunks(
                     yield sse_data("[DONE]")
                     return
                 results[event.index] = event.result
-                for entry in render_finish(event.index, event.result):
-                    yield chunk(entry)
+                closing = [chunk(entry) for entry in render_finish(event.index, event.result)]
+                for data in _finish_on_last_text(held.pop(event.index, []) + closing):
+                    yield sse_data(data)
     if include_usage:
         usage = generation.usage([results[i] for i in range(generation.num_choices)])
         yield sse_data({**head, "object": obj, "choices": [], "usage": _usage(usage)})
     yield sse_data("[DONE]")
+
+
+def _finish_on_last_text(chunks: list[dict]) -> list[dict]:
+    """A sample's last chunks with the closing one's finish_reason moved onto the chunk before
+    it when the closing one carries nothing else (no text, delta or logprobs)."""
+    *rest, closing = chunks
+    [entry] = closing["choices"]
+    empty = entry.get("delta", {}) == {} and not entry.get("text") and entry["logprobs"] is None
+    if not (rest and empty):
+        return chunks
+    [last] = rest[-1]["choices"]
+    return [
+        *rest[:-1],
+        {**rest[-1], "choices": [{**last, "finish_reason": entry["finish_reason"]}]},
+    ]
 
 
 def _chat_chunks(

@@ -1,6 +1,7 @@
-"""Request bodies of the OpenAI, Anthropic and vLLM-extension APIs; unknown fields are refused.
+"""Request bodies of the OpenAI, Anthropic, Ollama and vLLM-extension APIs; unknown fields are
+refused.
 
-Every field of OpenAI's, Anthropic's and the known vLLM request schemas is declared here.
+Every field of OpenAI's, Anthropic's, Ollama's and the known vLLM request schemas is declared here.
 Fields typed Any are ones astrai does not honour: astrai.server.fields says which of their values
 ask for nothing and refuses the rest, and docs/api.md lists every field's status.
 
@@ -100,7 +101,13 @@ class MessageToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["developer", "system", "user", "assistant", "tool"]
+    """A chat message. A role other than OpenAI's goes to the chat template as it is, and a key
+    astrai does not know goes to it as one of the message's variables, as vLLM hands them;
+    GenerationService refuses what the template would drop."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(min_length=1)
     content: str | list[Any] | None = None
     name: Any = None
     tool_calls: list[MessageToolCall] | None = None
@@ -109,6 +116,8 @@ class ChatMessage(_Request):
     refusal: Any = None
     audio: Any = None
     annotations: Any = None
+
+    _role_text = field_validator("role")(_unicode_strings)
 
     @field_validator("content")
     @classmethod
@@ -132,6 +141,7 @@ class ChatMessage(_Request):
         """The message as chat templates take it, as transformers hands it: OpenAI's developer
         role is their system, and a call's arguments are an object, not JSON text."""
         message: dict[str, Any] = {
+            **(self.model_extra or {}),
             "role": "system" if self.role == "developer" else self.role,
             "content": self.content,
         }
@@ -750,3 +760,141 @@ class ResponsesRequest(_Request):
     def _text_is_a_user_message(cls, input: Any) -> Any:
         """A string input is one user message, as OpenAI reads it."""
         return [{"role": "user", "content": input}] if isinstance(input, str) else input
+
+
+# Ollama
+
+
+class OllamaOptions(_Request):
+    """options of Ollama's /api/chat and /api/generate: its Modelfile parameters. astrai's own
+    sampling defaults hold for those left out, as on its other APIs."""
+
+    num_predict: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    num_ctx: int | None = Field(default=None, ge=1)
+    num_keep: Any = None
+    typical_p: Any = None
+    repeat_last_n: Any = None
+    tfs_z: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+    penalize_newline: Any = None
+    numa: Any = None
+    num_batch: Any = None
+    num_gpu: Any = None
+    main_gpu: Any = None
+    low_vram: Any = None
+    f16_kv: Any = None
+    logits_all: Any = None
+    vocab_only: Any = None
+    use_mmap: Any = None
+    use_mlock: Any = None
+    embedding_only: Any = None
+    num_thread: Any = None
+
+    _text = field_validator("stop")(_unicode_strings)
+
+
+class OllamaFunctionCall(_Request):
+    name: str
+    arguments: dict[str, Any]
+    index: int | None = None  # the call's place in the message, as Ollama numbers them
+
+
+class OllamaToolCall(_Request):
+    """A call an assistant message made, as Ollama gives it: arguments are an object."""
+
+    function: OllamaFunctionCall
+
+
+class OllamaMessage(_Request):
+    role: str
+    content: str = ""
+    thinking: str | None = None
+    images: Any = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+
+    _text = field_validator("role", "content", "thinking", "tool_name")(_unicode_strings)
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> OllamaMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may carry tool_calls")
+        if self.tool_name is not None and self.role != "tool":
+            raise ValueError("only a tool message names the tool it answers (tool_name)")
+        return self
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it, as transformers hands them: a tool message's
+        tool_name is its name, an assistant's thinking its reasoning_content."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.thinking is not None:
+            message["reasoning_content"] = self.thinking
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_name is not None:
+            message["name"] = self.tool_name
+        return message
+
+
+class _OllamaGeneration(_Request):
+    """Fields /api/chat and /api/generate share."""
+
+    model: str
+    format: Literal["", "json"] | dict[str, Any] | None = None
+    options: OllamaOptions | None = None
+    stream: bool = True  # Ollama streams unless told not to
+    keep_alive: float | str | None = None
+    think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    _text = field_validator("model")(_unicode_strings)
+
+
+class OllamaChatRequest(_OllamaGeneration):
+    messages: list[OllamaMessage] = Field(default_factory=list)  # none: load the model
+    tools: list[ChatTool] | None = None
+
+
+class OllamaGenerateRequest(_OllamaGeneration):
+    prompt: str | None = None  # none: load the model
+    system: str | None = None
+    raw: bool = False
+    suffix: Any = None
+    template: Any = None
+    context: Any = None
+    images: Any = None
+    width: Any = None
+    height: Any = None
+    steps: Any = None
+
+    _prompt_text = field_validator("prompt", "system")(_unicode_strings)
+
+
+class OllamaShowRequest(_Request):
+    model: str | None = None
+    name: str | None = None  # Ollama's older spelling of model
+    verbose: Any = None
+
+    @model_validator(mode="after")
+    def _one_name(self) -> OllamaShowRequest:
+        if (self.model is None) == (self.name is None):
+            raise ValueError("give the model's name once, as 'model' (or Ollama's older 'name')")
+        return self

@@ -1,4 +1,5 @@
-"""Server-sent events responses that always close their event source."""
+"""Streamed responses (server-sent events, Ollama's NDJSON) that always close their event
+source."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ def sse_data(body: dict | str) -> str:
 def sse_event(kind: str, data: dict) -> str:
     """One named event whose data carries its type too (Anthropic style)."""
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+def ndjson_line(body: dict) -> str:
+    """One line of a newline-delimited JSON stream (Ollama style)."""
+    return json.dumps(body) + "\n"
 
 
 class EventStreamResponse(StreamingResponse):
@@ -34,3 +40,9 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+class NDJSONResponse(EventStreamResponse):
+    """A newline-delimited JSON stream, closed like an event stream."""
+
+    media_type = "application/x-ndjson"

@@ -25,6 +25,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = await service.text_prompt(body.prompt, add_special)
     else:
+        service.check_message_extras(body.messages)
         messages = [m.template_message() for m in body.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
         tokens = await service.chat_prompt(

@@ -436,22 +436,31 @@ def test_merged_stream_gives_each_choice_its_deltas_then_one_result(model, token
     params = GenerationParams(max_tokens=6, n=2, temperature=0.0, ignore_eos=True)
 
     async def collect(engine):
-        texts, results, after_result = ["", "", "", ""], {}, []
+        texts, results, after_result, order = ["", "", "", ""], {}, [], []
         async for event in engine.submit_all_async(prompts, params):
             if event.result is None:
                 after_result.append(event.index in results)
                 texts[event.index] += event.delta.text
+                order.append((event.index, "last" if event.delta.last else "delta"))
             else:
                 assert event.index not in results
                 results[event.index] = event.result
-        return texts, results, after_result
+                order.append((event.index, "result"))
+        return texts, results, after_result, order
 
     with make_engine(model, tokenizer) as engine:
-        texts, results, after_result = asyncio.run(collect(engine))
+        texts, results, after_result, order = asyncio.run(collect(engine))
         expected = engine.generate(["Hello", "The quick brown"], params)
         assert engine.get_stats().pages_owned == 0
     assert sorted(results) == [0, 1, 2, 3]
     assert not any(after_result)
+    # Each choice's last delta says so, and its result comes right after it (no other event
+    # between), so a stream can send the last text with the finish.
+    for i in range(4):
+        kinds = [kind for index, kind in order if index == i]
+        assert kinds == ["delta"] * 5 + ["last", "result"]
+        at = order.index((i, "last"))
+        assert order[at + 1] == (i, "result")
     # index i is sample i % n of prompt i // n
     assert texts == [text for group in expected for text in group]
     assert [results[i].text for i in range(4)] == texts

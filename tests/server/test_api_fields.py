@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from live_server import make_engine, serving
 from pydantic import BaseModel
 
 import astrai
@@ -126,7 +127,27 @@ def request_with(server, model: str, name: str, value) -> tuple[str, dict, str]:
         return "/v1/responses", body, f"tools.0.{name}"
     if model == "ResponsesText":
         return "/v1/responses", {**responses, "text": {name: value}}, f"text.{name}"
+    ollama = {**name_of, "stream": False, "options": {"num_predict": 1}}
+    if model == "OllamaOptions":
+        body = {**ollama, "prompt": "Hi", "options": {"num_predict": 1, name: value}}
+        return "/api/generate", body, f"options.{name}"
+    ollama_call = {"function": {"name": "f", "arguments": {}}}
+    if model in ("OllamaMessage", "OllamaToolCall", "OllamaFunctionCall"):
+        message = {"role": "assistant", "content": "Hi", "tool_calls": [ollama_call]}
+        where = "messages.0"
+        if model == "OllamaMessage":
+            message[name] = value
+        elif model == "OllamaToolCall":
+            message["tool_calls"] = [{**ollama_call, name: value}]
+            where = "messages.0.tool_calls.0"
+        else:
+            message["tool_calls"] = [{"function": {**ollama_call["function"], name: value}}]
+            where = "messages.0.tool_calls.0.function"
+        return "/api/chat", {**ollama, "messages": [message, *USER]}, f"{where}.{name}"
     path, body = {
+        "OllamaChatRequest": ("/api/chat", {**ollama, "messages": USER}),
+        "OllamaGenerateRequest": ("/api/generate", {**ollama, "prompt": "Hi"}),
+        "OllamaShowRequest": ("/api/show", name_of),
         "ResponsesRequest": ("/v1/responses", responses),
         "ChatCompletionRequest": ("/v1/chat/completions", chat),
         "CompletionRequest": ("/v1/completions", {**name_of, "prompt": "Hi", "max_tokens": 1}),
@@ -144,7 +165,9 @@ def post(server, path: str, body: dict, **kwargs) -> httpx.Response:
 
 
 def error_message(response: httpx.Response) -> str:
-    return response.json()["error"]["message"]
+    """The message of an error in any API's shape (Ollama's is the bare string)."""
+    error = response.json()["error"]
+    return error if isinstance(error, str) else error["message"]
 
 
 # The table against the code
@@ -188,7 +211,7 @@ def test_a_refused_field_gets_400_naming_it(server, model, name):
     assert response.status_code == 400
     message = error_message(response)
     assert message.startswith(reported), message
-    if not path.startswith("/v1/messages"):
+    if not path.startswith(("/v1/messages", "/api/")):  # their errors name no param
         assert response.json()["error"]["param"] == reported
 
 
@@ -478,7 +501,8 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(openai_client, serv
         max_tokens=6,
         stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={"ignore_eos": True},
+        # Letters: no token's text waits for the rest of a character.
+        extra_body={"ignore_eos": True, "guided_regex": "[a-z ]+"},
     )
     if endpoint == "chat":
         chunks = list(openai_client.chat.completions.create(messages=CHAT, **kwargs))
@@ -489,8 +513,12 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(openai_client, serv
     assert final.completion_tokens == 6
     assert {c.usage.prompt_tokens for c in chunks} == {final.prompt_tokens}
     counts = [c.usage.completion_tokens for c in chunks]
-    # Counts so far: they only grow, from none before the first token (chat's opening chunk).
-    assert counts == sorted(counts) and counts[-1] == 6
+    # Counts so far: they grow with every chunk of text (vLLM's test: no chunk repeats the count
+    # before it), from none before the first token (chat's opening chunk), and the usage chunk
+    # after the last text repeats it.
+    assert counts[-1] == counts[-2] == 6 and not chunks[-1].choices
+    texts = counts[1:-1] if endpoint == "chat" else counts[:-1]
+    assert texts == sorted(set(texts))
     if endpoint == "chat":
         assert counts[0] == 0
     assert all(
@@ -498,16 +526,16 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(openai_client, serv
     )
 
 
-def test_continuous_usage_stats_need_include_usage(openai_client, server):
-    with pytest.raises(openai.BadRequestError) as caught:
-        openai_client.completions.create(
-            model=server.model_name,
-            prompt="Hi",
-            max_tokens=1,
-            stream=True,
-            stream_options={"continuous_usage_stats": True},
-        )
-    assert "continuous_usage_stats" in caught.value.message
+def test_continuous_usage_stats_without_include_usage_add_no_usage(openai_client, server):
+    # vLLM's reading: continuous_usage_stats spreads the usage include_usage adds.
+    chunks = openai_client.completions.create(
+        model=server.model_name,
+        prompt="Hi",
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True},
+    )
+    assert all(chunk.usage is None for chunk in chunks)
 
 
 def test_add_special_tokens_false_leaves_out_the_bos(openai_client, server):
@@ -648,3 +676,72 @@ def test_the_new_endpoints_need_the_key(server, path):
     method = "GET" if path == "/version" else "POST"
     response = httpx.request(method, f"{server.base_url}{path}", json={"prompt": "Hi"})
     assert response.status_code == 401
+
+
+# Custom roles and message keys astrai does not know reach the chat template, which must show
+# them; the tests' template shows any role, this one only its own and a `mood` it reads.
+PICKY_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] in ['system', 'user', 'assistant'] %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% if message.mood is defined %}{{ ' (' + message.mood + ')' }}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'narrator' %}{{ raise_exception('no narrators here') }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def picky_server(tmp_path_factory, llama_dir):
+    model_dir = tmp_path_factory.mktemp("picky")
+    for file in llama_dir.iterdir():
+        (model_dir / file.name).symlink_to(file)
+    (model_dir / "chat_template.jinja").write_text(PICKY_TEMPLATE)
+    with serving(make_engine(model_dir)) as server:
+        yield server
+
+
+def tokenized(server, messages: list[dict]) -> httpx.Response:
+    return post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+
+
+def test_a_custom_role_reaches_a_template_that_shows_it(openai_client, server):
+    custom = [{"role": "my-custom-role", "content": "what is 1+1?"}]
+    rendered = "<s><|im_start|>my-custom-role\nwhat is 1+1?<|im_end|>\n"
+    expected = server.engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenized(server, custom).json()["tokens"] == expected
+    # vLLM's test: text parts and a string are the same message.
+    parts = [{**custom[0], "content": [{"type": "text", "text": "what is 1+1?"}]}]
+    kwargs = dict(model=server.model_name, max_tokens=6, temperature=0)
+    replies = [openai_client.chat.completions.create(messages=m, **kwargs) for m in (custom, parts)]
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+def test_a_custom_role_the_template_drops_or_refuses_is_a_400(picky_server):
+    for role, said in (
+        ("my-custom-role", "leaves out messages of role 'my-custom-role'"),
+        ("narrator", "no narrators here"),
+    ):
+        response = tokenized(picky_server, [{"role": role, "content": "Hi"}, *USER])
+        assert response.status_code == 400 and said in error_message(response)
+        chat = post(
+            picky_server, "/v1/chat/completions", {"messages": [{"role": role, "content": "Hi"}]}
+        )
+        assert chat.status_code == 400 and said in error_message(chat)
+
+
+def test_a_message_key_reaches_a_template_that_reads_it(picky_server):
+    message = {**USER[0], "mood": "cheerful"}
+    rendered = "<s><|im_start|>user\nHello (cheerful)<|im_end|>\n"
+    expected = picky_server.engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenized(picky_server, [message]).json()["tokens"] == expected
+    chat = post(picky_server, "/v1/chat/completions", {"messages": [message], "max_tokens": 1})
+    assert chat.status_code == 200
+    for path in ("/tokenize", "/v1/chat/completions"):
+        body = {"messages": [{**USER[0], "extra_field": "0"}], "max_tokens": 1}
+        if path == "/tokenize":
+            body = {"messages": body["messages"]}
+        response = post(picky_server, path, body)
+        assert response.status_code == 400, path
+        assert error_message(response).startswith("messages.0.extra_field"), path

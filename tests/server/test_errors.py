@@ -57,7 +57,8 @@ CHAT_CASES = [
     ({"messages": USER, "logprobs": True, "top_logprobs": 50}, "logprobs"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role"),  # custom roles are text
+    ({"messages": [{"role": 5, "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "tool", "content": "hi"}]}, "needs a tool_call_id"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),

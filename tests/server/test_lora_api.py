@@ -1,5 +1,6 @@
-"""LoRA adapters over HTTP: the model field picks one on every route, /v1/models lists them,
-vLLM's load and unload routes (below --lora-dir only, behind the key), under load."""
+"""LoRA adapters over HTTP: the model field picks one on every route, /v1/models and Ollama's
+lists list them, vLLM's load and unload routes (below --lora-dir only, behind the key), under
+load."""
 
 from __future__ import annotations
 
@@ -71,6 +72,22 @@ def test_the_model_field_picks_the_adapter_on_every_route(server):
     assert completion.choices[0].text == server.engine.generate("The fox", params)
     with pytest.raises(openai.NotFoundError, match=r"serves \['tiny-llama', 'first'\]"):
         client.chat.completions.create(model="third", messages=CHAT, max_tokens=2)
+
+
+def test_ollama_s_model_picks_the_adapter_and_its_lists_show_it(server):
+    import ollama
+
+    client = ollama.Client(host=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"})
+    listed = client.list().models
+    assert [m.model for m in listed] == [MODEL_NAME, "first"]
+    assert [m.details.parent_model for m in listed] == ["", MODEL_NAME]
+    assert [m.model for m in client.ps().models] == [MODEL_NAME, "first"]
+    options = {"temperature": 0, "num_predict": 12}
+    reply = client.chat("first:latest", messages=CHAT, options=options)
+    assert (reply.model, reply.message.content) == (
+        "first:latest",
+        engine_chat(server.engine, "first"),
+    )
 
 
 def test_adapters_load_and_unload_below_the_lora_dir_only(server, lora_dir, tmp_path):

@@ -69,6 +69,23 @@ def test_completion_stream_adds_up_to_the_non_streamed_text(openai_client, serve
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_the_finish_reason_rides_on_the_last_text(openai_client, server, endpoint):
+    # vLLM's streaming tests: the chunk that finishes carries text, and only one finishes. A
+    # random model's last token may hold half a character, whose text waits: letters have none.
+    kwargs = dict(model=server.model_name, max_tokens=10, temperature=0, stream=True)
+    kwargs["extra_body"] = {"guided_regex": "[a-z ]+"}
+    if endpoint == "chat":
+        chunks = list(openai_client.chat.completions.create(messages=CHAT, **kwargs))
+        last_text = chunks[-1].choices[0].delta.content
+    else:
+        chunks = list(openai_client.completions.create(prompt="Paged attention", **kwargs))
+        last_text = chunks[-1].choices[0].text
+    finishing = [c for c in chunks if c.choices[0].finish_reason is not None]
+    assert finishing == [chunks[-1]] and chunks[-1].choices[0].finish_reason == "length"
+    assert last_text
+
+
 def test_n_samples_and_a_list_of_prompts(openai_client, server):
     chat = openai_client.chat.completions.create(
         model=server.model_name, messages=CHAT, max_tokens=6, n=3, seed=1, extra_body=FIXED_LENGTH

@@ -1,5 +1,5 @@
-"""`astrai serve` on the real SmolLM2-135M-Instruct GGUF file, asked by the real openai and
-anthropic clients what the capital of France is."""
+"""`astrai serve` on the real SmolLM2-135M-Instruct GGUF file, asked by the real openai,
+anthropic and ollama clients what the capital of France is."""
 
 from __future__ import annotations
 
@@ -56,3 +56,19 @@ def test_anthropic_message_says_paris(base_url):
         extra_body={"temperature": 0},  # this SDK no longer takes temperature as an argument
     )
     assert "Paris" in reply.content[0].text
+
+
+@pytest.mark.slow
+def test_ollama_chat_and_generate_say_paris(base_url):
+    import ollama
+
+    client = ollama.Client(host=base_url)  # what OLLAMA_HOST sets, as the README has it
+    kwargs = dict(
+        model="SmolLM2-135M-Instruct.Q4_1.gguf", options={"temperature": 0, "num_predict": 24}
+    )
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = client.chat(messages=messages, **kwargs)
+    assert "Paris" in reply.message.content
+    streamed = client.chat(messages=messages, stream=True, **kwargs)
+    assert "".join(part.message.content for part in streamed) == reply.message.content
+    assert client.generate(prompt=QUESTION, **kwargs).response == reply.message.content
