@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+from offline_throughput import _NoTextTokenizer
 from safetensors.torch import save_file
-from workload import SMOLLM2_135M, Request, offline_workload, write_random_model
+from workload import SMOLLM2_135M, Request, left_padded, offline_workload, write_random_model
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
@@ -97,12 +98,7 @@ def run_peft(peft_model, requests: list[Request], names: list[str], batch_size: 
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
-        width = max(len(r.prompt_ids) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, request in enumerate(batch):
-            ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            mask[row, width - len(request.prompt_ids) :] = 1
+        ids, mask = left_padded(batch)
         new = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             peft_model.generate(
@@ -115,18 +111,6 @@ def run_peft(peft_model, requests: list[Request], names: list[str], batch_size: 
                 adapter_names=names[first : first + batch_size],
             )
     return sum(r.max_tokens for r in requests) / (time.perf_counter() - start)
-
-
-class _NoTextTokenizer:
-    """The workload is token ids only; text is not part of what is measured."""
-
-    stop_token_ids = frozenset()
-
-    def detokenizer(self):
-        return self
-
-    def add(self, token_id: int) -> str:
-        return ""
 
 
 def main() -> None:

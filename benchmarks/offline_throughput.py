@@ -14,7 +14,7 @@ import queue
 import time
 
 import torch
-from workload import Request, offline_workload, write_random_model
+from workload import Request, left_padded, offline_workload, write_random_model
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
@@ -43,12 +43,7 @@ def run_transformers(hf_model, requests: list[Request], batch_size: int) -> tupl
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
-        width = max(len(r.prompt_ids) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, request in enumerate(batch):
-            ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            mask[row, width - len(request.prompt_ids) :] = 1
+        ids, mask = left_padded(batch)
         with torch.inference_mode():
             hf_model.generate(
                 ids,

@@ -73,3 +73,15 @@ def write_random_model(directory: Path | None = None, seed: int = 0, **overrides
     model.generation_config.eos_token_id = None  # the workload ignores EOS
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def left_padded(batch: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) [len(batch), longest prompt] of a static batch, left padded
+    with 0s, as transformers' generate takes it."""
+    width = max(len(r.prompt_ids) for r in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, request in enumerate(batch):
+        ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+        mask[row, width - len(request.prompt_ids) :] = 1
+    return ids, mask
