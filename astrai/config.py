@@ -311,6 +311,9 @@ KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 # the default
 ACTIVATION_PRECISIONS = ("int8x2", "int8")
 MAX_SPECULATIVE_TOKENS = 16
+# What an engine serves: text (and embeddings besides), or embeddings only.
+ENGINE_TASKS = ("generate", "embed")
+POOLINGS = ("last", "mean")
 
 
 @dataclass(frozen=True)
@@ -418,6 +421,18 @@ class EngineConfig:
     max_lora_rank: int | None = setting(
         None, "largest LoRA rank a slot holds (default: the largest --lora rank, else 16)"
     )
+    task: str = setting(
+        "generate",
+        "generate: text, and embeddings besides; embed: embeddings only (an embedding model "
+        "such as Qwen3-Embedding): the LM head never runs and generation requests are refused",
+        choices=ENGINE_TASKS,
+    )
+    pooling: str | None = setting(
+        None,
+        "how an embedding pools the final hidden states of its tokens: the last token's or "
+        "their mean (default: the checkpoint's sentence-transformers pooling config, else last)",
+        choices=POOLINGS,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.loras, Mapping):
@@ -454,6 +469,12 @@ class EngineConfig:
             raise ConfigError(
                 f"activation_precision must be one of {list(ACTIVATION_PRECISIONS)}, got "
                 f"{self.activation_precision!r}"
+            )
+        if self.task not in ENGINE_TASKS:
+            raise ConfigError(f"task must be one of {list(ENGINE_TASKS)}, got {self.task!r}")
+        if self.pooling not in (None, *POOLINGS):
+            raise ConfigError(
+                f"pooling must be one of {list(POOLINGS)} or None, got {self.pooling!r}"
             )
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ConfigError(

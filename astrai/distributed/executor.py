@@ -76,7 +76,10 @@ class TensorParallelExecutor(ModelExecutor):
         token_ids: list[int],
         rows: np.ndarray,
         spans: Sequence[int],
-    ) -> torch.Tensor:
+        hidden_rows: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ModelExecutor.forward's; the hidden states are rank 0's own (its norm and residual
+        stream are the whole model's), so the workers compute only the logits."""
         page_size = self.cache.page_size
         tables = [
             self.cache.tasks.pages(task_id)[: -(-(start + n) // page_size)]
@@ -86,7 +89,8 @@ class TensorParallelExecutor(ModelExecutor):
         # in a collective, so no step can follow it.
         try:
             self.group.send(*pack_step(seqs, token_ids, tables, rows, spans))
-            return gathered_logits(self.group, super().forward(seqs, token_ids, rows, spans))
+            logits, hidden = super().forward(seqs, token_ids, rows, spans, hidden_rows)
+            return gathered_logits(self.group, logits), hidden
         except Exception as exc:
             # Noted on the group, so close() does not wait on workers stuck in this step.
             self.group.failure = self.group.failure or f"a tensor-parallel step failed: {exc}"
@@ -191,4 +195,4 @@ def serve_steps(group: StepChannel, model: torch.nn.Module) -> None:
         executor.cache.tasks.tables = {
             task_id: table for (task_id, _, _), table in zip(seqs, tables, strict=True)
         }
-        gathered_logits(group, executor.forward(seqs, token_ids, rows, spans))
+        gathered_logits(group, executor.forward(seqs, token_ids, rows, spans)[0])

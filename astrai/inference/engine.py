@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from astrai.config import ConfigError, EngineConfig
+from astrai.config import POOLINGS, ConfigError, EngineConfig
 from astrai.inference.constraints import CompiledConstraint, Constraint, ConstraintCompiler
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
@@ -43,6 +44,8 @@ from astrai.model.lora import AdapterTable, LoraAdapter, read_adapter
 log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant")
+# An embedding task computes its prompt and samples nothing.
+EMBEDDING_PARAMS = GenerationParams(max_tokens=0)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class EngineStats:
 
 
 Prompt = str | GenerationRequest
+# What embed takes: a text or token-id list, or a list of either.
+EmbeddingInput = str | Sequence[int] | Sequence[str | Sequence[int]]
 
 
 class _MergedStream:
@@ -118,9 +123,12 @@ class _MergedStream:
         prompts: Sequence[Sequence[int]],
         params: GenerationParams,
         put: Callable[[tuple[Task, TaskDelta | object]], None],
+        pooling: str | None = None,
     ) -> None:
         self._engine = engine
-        groups = engine.submit_all(prompts, params, lambda task, event: put((task, event)))
+        groups = engine.submit_all(
+            prompts, params, lambda task, event: put((task, event)), pooling=pooling
+        )
         self.tasks = [task for group in groups for task in group]
         self._index = {task.id: i for i, task in enumerate(self.tasks)}
         self._open = len(self.tasks)
@@ -149,9 +157,11 @@ class _MergedStream:
 class SyncRequestStream(_MergedStream):
     """A request's events as a blocking iterator; close() or dropping it aborts the request."""
 
-    def __init__(self, engine: InferenceEngine, prompts, params: GenerationParams) -> None:
+    def __init__(
+        self, engine: InferenceEngine, prompts, params: GenerationParams, pooling: str | None = None
+    ) -> None:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        super().__init__(engine, prompts, params, self._events.put)
+        super().__init__(engine, prompts, params, self._events.put, pooling)
 
     def __iter__(self) -> SyncRequestStream:
         return self
@@ -169,7 +179,9 @@ class RequestStream(_MergedStream):
     request. Events cross from the loop thread with call_soon_threadsafe, never by polling.
     """
 
-    def __init__(self, engine: InferenceEngine, prompts, params: GenerationParams) -> None:
+    def __init__(
+        self, engine: InferenceEngine, prompts, params: GenerationParams, pooling: str | None = None
+    ) -> None:
         loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         super().__init__(
@@ -177,6 +189,7 @@ class RequestStream(_MergedStream):
             prompts,
             params,
             lambda item: loop.call_soon_threadsafe(self._events.put_nowait, item),
+            pooling,
         )
 
     def __aiter__(self) -> RequestStream:
@@ -270,6 +283,7 @@ class InferenceEngine:
             page_size,
             sized_by,
         )
+        self.pooling = self.config.pooling or "last"  # an embedding's, unless it names one
         self.manager = TaskManager(self.config.max_waiting)
         speculator = self._speculator()
         # A speculating task samples a row for each guess besides its own.
@@ -452,21 +466,28 @@ class InferenceEngine:
         return self.tokenizer.encode(prompt)
 
     def submit_all(
-        self, prompts: Sequence[Sequence[int]], params: GenerationParams, callback: TaskCallback
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: GenerationParams,
+        callback: TaskCallback,
+        pooling: str | None = None,
     ) -> list[list[Task]]:
         """Queue params.n tasks of every prompt, all or none; callback(task, TaskDelta | STOP)
         runs on the loop.
 
         Every prompt is checked, params.constraint compiled (ConstraintError) and the tasks go
         into the queue in one step, so a refused prompt, a bad constraint or a queue without
-        room for all of them raises before any task could run.
+        room for all of them raises before any task could run. pooling ("last" or "mean")
+        makes embedding tasks (params EMBEDDING_PARAMS), which end once their prompt is
+        computed with TaskResult.embedding; an engine of task "embed" takes no other.
         """
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
+        self._check_task(params, pooling)
         prompts = [self._checked(ids, params) for ids in prompts]
         self._check_token_ids(params)
         compiled = None if params.constraint is None else self.compile(params.constraint)
-        groups = [self._sample_tasks(ids, params, callback, compiled) for ids in prompts]
+        groups = [self._sample_tasks(ids, params, callback, compiled, pooling) for ids in prompts]
         tasks = [task for group in groups for task in group]
         if params.lora is not None:
             if self.adapters is None:
@@ -512,6 +533,22 @@ class InferenceEngine:
         parts = [part for part in parts if part is not None]
         return hashlib.blake2b(b"|".join(parts), digest_size=16).digest() if parts else None
 
+    def _check_task(self, params: GenerationParams, pooling: str | None) -> None:
+        """A generation request to an embedding engine, or an embedding with sampling
+        settings, is refused."""
+        if pooling is None:
+            if self.config.task == "embed":
+                raise RequestError(
+                    "this engine serves embeddings only (task embed, astrai serve --task "
+                    "embed) and generates no text; ask for embeddings, or serve the model "
+                    "without --task embed"
+                )
+            return
+        if pooling not in POOLINGS:
+            raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        if params != EMBEDDING_PARAMS:
+            raise RequestError("an embedding samples nothing: give it EMBEDDING_PARAMS")
+
     def _check_token_ids(self, params: GenerationParams) -> None:
         """Token ids in the params must be the model's, or indexing its logits would fail."""
         vocab = self.model.config.vocab_size
@@ -550,6 +587,7 @@ class InferenceEngine:
         params: GenerationParams,
         callback: TaskCallback,
         compiled: CompiledConstraint | None,
+        pooling: str | None = None,
     ) -> list[Task]:
         """The n tasks of one prompt; each sample has its own constraint state."""
         tasks: list[Task] = []
@@ -566,6 +604,7 @@ class InferenceEngine:
                     self.tokenizer.stop_token_ids,
                     parent=tasks[0] if tasks else None,
                     constraint=None if compiled is None else compiled.new_state(),
+                    pooling=pooling,
                 )
             )
         return tasks
@@ -622,6 +661,29 @@ class InferenceEngine:
         shaped = [results[i] if n == 1 else results[i : i + n] for i in range(0, len(results), n)]
         return shaped[0] if single else shaped
 
+    def embed(self, inputs: EmbeddingInput, pooling: str | None = None) -> torch.Tensor:
+        """L2-normalized embeddings, float32: [dim] for one text or token-id list, [n, dim] for
+        a list of them. Each is the model's final hidden states (after the final norm) of the
+        input's tokens pooled by pooling, "last" or "mean" (default: self.pooling). A text is
+        encoded as generate encodes it, with the tokenizer's special tokens."""
+        single = isinstance(inputs, str) or (
+            bool(inputs) and all(isinstance(t, int) for t in inputs)
+        )
+        items = [inputs] if single else list(inputs)
+        if not items:
+            raise RequestError("embed needs at least one input")
+        prompts = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in items]
+        stream = SyncRequestStream(self, prompts, EMBEDDING_PARAMS, pooling or self.pooling)
+        results: list[TaskResult | None] = [None] * len(prompts)
+        with closing(stream):
+            for event in stream:
+                if event.result is not None:
+                    results[event.index] = event.result
+        for result in results:
+            result.raise_for_status()
+        vectors = F.normalize(torch.stack([r.embedding for r in results]), dim=-1)
+        return vectors[0] if single else vectors
+
     @staticmethod
     def _stream_text(stream: SyncRequestStream, single: bool) -> Iterator:
         with closing(stream):
@@ -652,6 +714,14 @@ class InferenceEngine:
         consuming task or calling abort() ends the request and frees its pages.
         """
         return RequestStream(self, prompts, params)
+
+    def embed_async(
+        self, prompts: Sequence[Sequence[int]], pooling: str | None = None
+    ) -> RequestStream:
+        """Queue an embedding task of every token-id prompt, all or none (errors raise here),
+        and return their events: each ends with a TaskResult whose embedding is the pooled
+        final hidden states, not normalized (pooling as embed takes it)."""
+        return RequestStream(self, prompts, EMBEDDING_PARAMS, pooling or self.pooling)
 
     def submit_async(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestStream:
         """submit_all_async for one prompt: its n samples' events as an async iterator."""

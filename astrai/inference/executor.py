@@ -49,11 +49,38 @@ class ScheduledChunk:
     # A constrained task's grammar state after each draft token, for the masks of its rows.
     draft_states: list[ConstraintState] | None = None
     accepted: int = 0
+    # Set by the executor too: the logprobs of the prompt tokens the chunk's rows predict (None
+    # when the task wants none), and an embedding task's pooled final hidden states.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    pooled: torch.Tensor | None = None
+
+    @property
+    def reaches_end(self) -> bool:
+        """Whether the chunk feeds the task's last token (a prompt-only task's last chunk)."""
+        return self.start + self.length == self.task.num_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
-        """A chunk that reaches the task's last token yields the logits of its next token."""
-        return self.start + self.length == self.task.num_tokens + len(self.draft)
+        """A chunk that reaches the task's last token yields the logits of its next token,
+        unless the task computes its prompt only."""
+        return self.reaches_end and not self.task.prompt_only
+
+    @property
+    def scored_rows(self) -> int:
+        """How many of the chunk's rows predict a prompt token whose logprob the task wants:
+        every row before the prompt's last token."""
+        if not self.task.needs_prompt_logprobs:
+            return 0
+        return max(0, min(self.start + self.length, len(self.task.prompt_ids) - 1) - self.start)
+
+    def pooled_rows(self) -> range:
+        """The rows (0 is the chunk's first) whose final hidden states an embedding task
+        pools: every row for a mean, the prompt's last for "last"."""
+        if self.task.pooling == "mean":
+            return range(self.length)
+        if self.task.pooling == "last" and self.reaches_end:
+            return range(self.length - 1, self.length)
+        return range(0)
 
     def token_ids(self) -> list[int]:
         """The chunk's token ids, sliced without building the task's whole prompt + output."""
@@ -248,9 +275,12 @@ class CudaSteps:
         token_ids: list[int],
         rows: np.ndarray,
         spans: Sequence[int],
-    ) -> torch.Tensor:
-        """ModelExecutor.forward's logits; from a graph, valid until the next step."""
-        if self.graphs and len(seqs) <= self.buckets[-1] and all(n == 1 for *_, n in seqs):
+        hidden_rows: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ModelExecutor.forward's logits and hidden states; logits from a graph are valid
+        until the next step."""
+        decodes = all(n == 1 for *_, n in seqs) and (hidden_rows is None or not len(hidden_rows))
+        if self.graphs and len(seqs) <= self.buckets[-1] and decodes:
             bucket = next(b for b in self.buckets if b >= len(seqs))
             captured = self.graphs[bucket]
             layout = ragged_layout(
@@ -258,19 +288,31 @@ class CudaSteps:
             )
             self.upload(layout, out=captured.inputs)
             captured.graph.replay()
+            hidden = None if hidden_rows is None else captured.logits.new_empty(0)
             if np.array_equal(rows, np.arange(len(seqs))):
-                return captured.logits[: len(seqs)]
-            return captured.logits[torch.from_numpy(rows).to(captured.logits.device)]
+                return captured.logits[: len(seqs)], hidden
+            return captured.logits[torch.from_numpy(rows).to(captured.logits.device)], hidden
         view = DeviceCacheView.build(
             self.cache, seqs, token_ids, self.n_heads, self.upload, spans, logit_rows=rows
         )
-        return self._run(view, view.fields["logit_rows"])
+        if hidden_rows is None:
+            return self._run(view, view.fields["logit_rows"]), None
+        return self._run(view, view.fields["logit_rows"], torch.from_numpy(hidden_rows))
 
-    def _run(self, view: DeviceCacheView, rows: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self,
+        view: DeviceCacheView,
+        rows: torch.Tensor | None,
+        hidden_rows: torch.Tensor | None = None,
+    ):
+        """The logits of rows; with hidden_rows, (logits, final hidden states of those)."""
         model = self.model
         h, cos, signed_sin = model.embed(view.token_ids, view.positions, view.rope_lengths)
         h, residual = model.run_layers(h, cos, signed_sin, view)
-        return model.logits(h, residual, rows)
+        logits = model.logits(h, residual, rows)
+        if hidden_rows is None:
+            return logits
+        return logits, model.final_hidden(h, residual, hidden_rows.to(h.device))
 
     def _capture(self, bucket: int) -> CapturedDecode | None:
         """Record the decode step of bucket rows (all padding while it records: nothing is
@@ -355,12 +397,15 @@ class ModelExecutor:
         token_ids: list[int],
         rows: np.ndarray,
         spans: Sequence[int],
-    ) -> torch.Tensor:
-        """float32 logits [len(rows), vocab] of the given rows of one ragged batch: seqs are
-        (task_id, start, n) as CacheView takes them, token_ids their tokens back to back, spans
-        each sequence's prompt length (what a token's rope may depend on, astrai.model.rope)."""
+        hidden_rows: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits [len(rows), vocab] of the given rows of one ragged batch, and the
+        final hidden states [len(hidden_rows), dim] of hidden_rows (None without them): seqs
+        are (task_id, start, n) as CacheView takes them, token_ids their tokens back to back,
+        spans each sequence's prompt length (what a token's rope may depend on,
+        astrai.model.rope)."""
         if self.cuda_steps is not None:
-            return self.cuda_steps.forward(seqs, token_ids, rows, spans)
+            return self.cuda_steps.forward(seqs, token_ids, rows, spans, hidden_rows)
         view = CacheView(self.cache, seqs)
         model = self.model
         lengths = None
@@ -374,26 +419,42 @@ class ModelExecutor:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         else:
             h, residual = model.run_layers(h, cos, signed_sin, view)
-        return model.logits(h, residual, torch.from_numpy(rows).to(self.device))
+        logits = model.logits(h, residual, torch.from_numpy(rows).to(self.device))
+        if hidden_rows is None:
+            return logits, None
+        indices = torch.from_numpy(hidden_rows).to(self.device)
+        return logits, model.final_hidden(h, residual, indices)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
         """Run the chunks as one forward pass and sample each sampling chunk's next token; a
-        speculative chunk yields its kept draft tokens and then the target's own, in order."""
+        speculative chunk yields its kept draft tokens and then the target's own, in order.
+
+        Prompt chunks that owe prompt logprobs or pool an embedding get them set on the chunk
+        (ScheduledChunk.prompt_logprobs, .pooled) from the same pass."""
         token_ids: list[int] = []
         for chunk in chunks:
             token_ids.extend(chunk.token_ids())
-        ends = np.cumsum([chunk.length for chunk in chunks])
+        starts = np.cumsum([0] + [chunk.length for chunk in chunks])[:-1]
+        ends = starts + [chunk.length for chunk in chunks]
         sampling = [chunk for chunk in chunks if chunk.samples]
-        # A row of logits for a chunk's last token, and for each token before its draft ones.
-        rows = np.concatenate(
+        # A row of logits for a chunk's last token, and for each token before its draft ones;
+        # after them, the rows that score prompt tokens.
+        scored = [(c, start) for c, start in zip(chunks, starts, strict=True) if c.scored_rows]
+        rows = _concatenated(
             [
                 np.arange(end - 1 - len(chunk.draft), end)
                 for chunk, end in zip(chunks, ends, strict=True)
                 if chunk.samples
             ]
-            or [np.zeros(0, dtype=np.int64)]
+            + [np.arange(start, start + chunk.scored_rows) for chunk, start in scored]
         )
+        pooling = [(c, start) for c, start in zip(chunks, starts, strict=True) if c.task.pooling]
+        hidden_rows = None
+        if pooling:
+            hidden_rows = _concatenated(
+                [start + np.array(chunk.pooled_rows()) for chunk, start in pooling]
+            )
 
         # A speculative chunk runs as one decode row per token, so each row attends exactly
         # as plain decoding would at its position (the same kernel, the same sums).
@@ -411,9 +472,15 @@ class ModelExecutor:
             self.adapters.begin_step(
                 *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
             )
-        logits = self.forward(seqs, token_ids, rows, spans)
+        logits, hidden = self.forward(seqs, token_ids, rows, spans, hidden_rows)
+        if pooling:
+            self._pool(hidden, [chunk for chunk, _ in pooling])
+        n_sampled = len(rows) - sum(chunk.scored_rows for chunk, _ in scored)
+        if scored:
+            self._score_prompts(logits[n_sampled:], [chunk for chunk, _ in scored])
         if not sampling:
             return []
+        logits = logits[:n_sampled]
         # Row i of a speculative chunk samples as plain decoding would after its first i
         # draft tokens: its own output so far, grammar state and seeded draw.
         row_tasks = [c.task for c in sampling for _ in range(len(c.draft) + 1)]
@@ -454,6 +521,42 @@ class ModelExecutor:
             row += len(chunk.draft) + 1
         return results
 
+    @staticmethod
+    def _pool(hidden: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
+        """Set each pooling chunk's pooled hidden states: the sum of its rows (the task adds
+        the chunks' sums up and divides) or its one row, float32 [dim]."""
+        offset = 0
+        for chunk in chunks:
+            n = len(chunk.pooled_rows())
+            if n:
+                chunk.pooled = hidden[offset : offset + n].float().sum(0).cpu()
+            offset += n
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
+        """Set each chunk's prompt logprobs from its scored rows' logits [rows, vocab]: the
+        next prompt token's logprob and rank, and the task's top-k alternatives."""
+        targets = [
+            token
+            for chunk in chunks
+            for token in chunk.task.prompt_ids[chunk.start + 1 :][: chunk.scored_rows]
+        ]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+        ranks = (logprobs > chosen).sum(-1).add_(1).tolist()
+        chosen = chosen[:, 0].tolist()
+        k = max(chunk.task.params.prompt_logprobs for chunk in chunks)
+        top_logprobs, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1)) if k else ([], [])
+        row = 0
+        for chunk in chunks:
+            k = chunk.task.params.prompt_logprobs
+            entries = []
+            for i in range(row, row + chunk.scored_rows):
+                top = list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)) if k else []
+                entries.append(TokenLogprob(targets[i], chosen[i], top, ranks[i]))
+            chunk.prompt_logprobs = entries
+            row += chunk.scored_rows
+
     def _constraint_mask(self, states: Sequence[ConstraintState | None]) -> TokenMask | None:
         """The grammar masks of the sampling rows whose tasks are constrained, or None."""
         if all(state is None for state in states):
@@ -461,3 +564,8 @@ class ModelExecutor:
         if self.masker is None:
             self.masker = BatchMasker(self.max_batch_size, self.model.config.vocab_size)
         return self.masker.fill(states)
+
+
+def _concatenated(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays back to back as int64; an empty one for none."""
+    return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, dtype=np.int64)

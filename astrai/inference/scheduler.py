@@ -2,7 +2,9 @@
 
 One step of the policy:
 1. Admit waiting tasks first come, first served while batch slots and KV pages allow; a task
-   reuses the pages of its cached prefix, or of the sibling it was sampled with (n > 1).
+   reuses the pages of its cached prefix, or of the sibling it was sampled with (n > 1). A task
+   that needs every prompt position's output (prompt logprobs, a mean embedding) computes its
+   whole prompt: cached pages hold K/V only.
 2. Every decoding task gets its one token first, oldest first.
 3. What is left of the token budget goes to prompt chunks, oldest first, each shrunk to the
    pages to be had without preempting anyone.
@@ -59,14 +61,15 @@ def schedule(
         forks = parent is not None and parent.status is TaskStatus.RUNNING
         if forks and parent.num_computed < len(parent.prompt_ids):
             continue  # wait for the sibling's prompt K/V, then share its pages
+        covered = 0
         if forks:
             covered = cache.fork(parent.id, task.id, len(task.prompt_ids))
-        else:
+        elif task.reads_prefix_cache:
             covered = cache.match_prefix(task.id, task.all_ids, task.kv_root)
         if not cache.can_allocate(cache.pages_needed(task.id, task.num_tokens)):
             cache.free(task.id)
             break  # first come, first served: nobody overtakes the head of the queue
-        if not forks:
+        if not forks and task.reads_prefix_cache:
             hits.append((task, covered))
         task.status = TaskStatus.RUNNING
         task.num_computed = covered
@@ -255,6 +258,13 @@ class InferenceScheduler:
             if task.num_computed // page_size > chunk.start // page_size:
                 tokens = task.all_ids + chunk.draft[: chunk.accepted]
                 self.cache.commit(task.id, tokens, task.num_computed)
+            if chunk.prompt_logprobs is not None:
+                task.add_prompt_logprobs(chunk.start, chunk.prompt_logprobs)
+            if chunk.pooled is not None:
+                task.add_pooled(chunk.start, chunk.pooled)
+            if task.prompt_only and chunk.reaches_end:
+                task.end_prompt()
+                self._release(task)
         for item in sampled:
             task = item.task
             if task.is_finished:  # a draft token before this one ended it

@@ -104,7 +104,7 @@ class DraftModelProposer:
                 token_ids += new
                 fed[i] += len(new)
             rows = np.cumsum([n for _, _, n in seqs]) - 1
-            logits = self.executor.forward(seqs, token_ids, rows, spans)
+            logits, _ = self.executor.forward(seqs, token_ids, rows, spans)
             guesses = logits.argmax(dim=-1).tolist()
             for i, guess in zip(active, guesses, strict=True):
                 drafts[i].append(guess)

@@ -17,6 +17,8 @@ from astrai.inference.constraints import Constraint, ConstraintState
 from astrai.inference.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
+    import torch
+
     from astrai.model.lora import LoraAdapter
 
 
@@ -35,6 +37,12 @@ class PromptTooLongError(RequestError):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.limit = limit
+        if not max_tokens:  # a prompt-only request (prompt logprobs, an embedding)
+            super().__init__(
+                f"the prompt has {prompt_tokens} tokens, but {what} is {limit} tokens; "
+                "shorten the prompt"
+            )
+            return
         super().__init__(
             f"the prompt has {prompt_tokens} tokens and {max_tokens} new tokens were asked for "
             f"({prompt_tokens + max_tokens} in all), but {what} is {limit} tokens; "
@@ -164,12 +172,14 @@ class GenerationParams:
     """Immutable sampling and stopping settings of one request; validated on construction.
 
     temperature 0 is greedy. top_k 0 and top_p 1 switch those filters off. logprobs None
-    returns none, 0 returns the chosen token's logprob, k > 0 adds the top-k alternatives.
+    returns none, 0 returns the chosen token's logprob, k > 0 adds the top-k alternatives;
+    prompt_logprobs does the same for each prompt token after the first. max_tokens 0 computes
+    the prompt only (its prompt_logprobs) and generates nothing.
     logit_bias, allowed_token_ids and stop_token_ids are checked against the model's vocabulary
     when the engine takes the request; a constraint is compiled then too.
     """
 
-    max_tokens: int = setting(128, "most tokens to generate")
+    max_tokens: int = setting(128, "most tokens to generate; 0 computes the prompt only")
     temperature: float = setting(1.0, "softmax temperature; 0 is greedy", metavar="T")
     top_p: float = setting(
         1.0,
@@ -198,6 +208,11 @@ class GenerationParams:
     ignore_eos: bool = setting(False, "keep generating past end-of-sequence tokens")
     logprobs: int | None = setting(
         None, "log probabilities to return: 0 for the chosen token, k for top k"
+    )
+    prompt_logprobs: int | None = setting(
+        None,
+        "log probabilities of the prompt's tokens after the first: 0 for each token's own, k "
+        "adds the top k",
     )
     n: int = setting(1, "samples to generate per prompt")
     logit_bias: dict[int, float] | None = setting(
@@ -236,7 +251,7 @@ class GenerationParams:
     )
 
     def __post_init__(self) -> None:
-        _check_range("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
+        _check_range("max_tokens", self.max_tokens, 0, 1 << 30, integer=True)
         _check_range("temperature", self.temperature, 0.0, 100.0)
         _check_range("top_p", self.top_p, 0, 1, open_low=True)
         _check_range("top_k", self.top_k, 0, 1 << 30, integer=True)
@@ -267,6 +282,8 @@ class GenerationParams:
         object.__setattr__(self, "stop_token_ids", stop_ids)
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True)
+        if self.prompt_logprobs is not None:
+            _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, integer=True)
         _check_range("n", self.n, 1, 128, integer=True)
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         allowed = tuple(self.allowed_token_ids)
@@ -327,6 +344,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # a prompt token's place among the vocabulary's logits, 1 the top
 
 
 @dataclass
@@ -341,6 +359,8 @@ class TaskDelta:
     cached_tokens: int = 0
     # This token ended the task: the delta is its last, and its result comes next.
     last: bool = False
+    # The prompt's logprobs (GenerationParams.prompt_logprobs), on the first delta only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -353,6 +373,10 @@ class TaskResult:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    # One entry per prompt token, the first None (nothing predicts it); with prompt_logprobs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An embedding task's pooled final hidden states, float32 [dim], not normalized.
+    embedding: torch.Tensor | None = None
 
     def raise_for_status(self) -> None:
         """Raise the engine's typed error if the task ended without finishing.
@@ -393,7 +417,9 @@ class Task:
         parent: Task | None = None,
         constraint: ConstraintState | None = None,
         adapter: LoraAdapter | None = None,
+        pooling: str | None = None,
     ) -> None:
+        """pooling ("last" or "mean") makes an embedding task, which has max_tokens 0."""
         self.id = next(_task_ids)
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -414,6 +440,14 @@ class Task:
         # What its KV depends on besides its tokens (its adapter, its rope's regime), which the
         # prefix cache keys its pages under: None for the base model's plain rotation.
         self.kv_root: bytes | None = None
+        self.pooling = pooling
+        # Filled chunk by chunk as the prompt is computed; the samples of one prompt share its
+        # prompt logprobs, so the first computes them.
+        wants_prompt_logprobs = params.prompt_logprobs is not None and parent is None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if wants_prompt_logprobs else None
+        )
+        self.embedding: torch.Tensor | None = None
         self._detokenizer = detokenizer
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else stop_token_ids
@@ -435,6 +469,48 @@ class Task:
     @property
     def is_finished(self) -> bool:
         return self.status in (TaskStatus.FINISHED, TaskStatus.ABORTED, TaskStatus.FAILED)
+
+    @property
+    def prompt_only(self) -> bool:
+        """A task that ends once its prompt is computed (max_tokens 0: its prompt logprobs, or
+        an embedding), sampling nothing."""
+        return self.params.max_tokens == 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the prompt's chunks still owe this task prompt logprobs."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may reuse cached prompt pages: not while every prompt position's
+        output is needed, since a cached page holds K/V, not the logits of prompt logprobs or
+        the hidden states of a mean."""
+        return not self.needs_prompt_logprobs and self.pooling != "mean"
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Add the logprobs of prompt tokens start + 1 on, which a chunk from position start
+        computed; a chunk from 0 (the first, or a preempted task's recompute) starts anew.
+
+        Chunks that compute them follow each other from 0: such a task reads no cached pages.
+        """
+        if start == 0:
+            self.prompt_logprobs = [None]
+        self.prompt_logprobs.extend(entries)
+
+    def add_pooled(self, start: int, pooled: torch.Tensor) -> None:
+        """Add what a chunk from position start pooled: for "last" the prompt's last hidden
+        state, for "mean" the sum of the chunk's (a chunk from 0 starts the sum anew)."""
+        if self.pooling == "last" or start == 0:
+            self.embedding = pooled
+        else:
+            self.embedding = self.embedding + pooled
+
+    def end_prompt(self) -> None:
+        """End a prompt-only task, its prompt computed: a mean's sum becomes the mean."""
+        if self.pooling == "mean":
+            self.embedding = self.embedding / len(self.prompt_ids)
+        self.end(TaskStatus.FINISHED, "length")
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -464,7 +540,10 @@ class Task:
         piece = self._text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         logprobs = None if logprob is None else [logprob]
-        return TaskDelta(piece, [token_id], logprobs, self.cached_tokens, self.is_finished)
+        prompt_logprobs = self.prompt_logprobs if len(self.output_ids) == 1 else None
+        return TaskDelta(
+            piece, [token_id], logprobs, self.cached_tokens, self.is_finished, prompt_logprobs
+        )
 
     def _cut_at_stop_string(self, text: str) -> bool:
         """Finish at the earliest stop string that the new text completes, if there is one.
@@ -511,6 +590,8 @@ class Task:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
+            embedding=self.embedding,
         )
 
 

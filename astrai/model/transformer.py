@@ -322,11 +322,17 @@ class Transformer(nn.Module):
             h, residual = layer(h, residual, cos, signed_sin, attention)
         return h, residual
 
+    def final_hidden(self, h: Tensor, residual: Tensor, indices: Tensor | None) -> Tensor:
+        """The final norm's output for the rows in indices (all rows if None), [rows, dim] in
+        the model's dtype: what the LM head reads and an embedding pools."""
+        if indices is not None:
+            h, residual = h[indices], residual[indices]  # [rows, dim]
+        h, _ = self.norm.add_and_norm(h, residual)
+        return h
+
     def logits(self, h: Tensor, residual: Tensor, logits_indices: Tensor | None) -> Tensor:
         """float32 logits of the rows in logits_indices (all rows if None): final norm, head."""
-        if logits_indices is not None:
-            h, residual = h[logits_indices], residual[logits_indices]  # [num_logits, dim]
-        h, _ = self.norm.add_and_norm(h, residual)
+        h = self.final_hidden(h, residual, logits_indices)
         logits = linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling

@@ -79,7 +79,7 @@ def test_a_padded_decode_step_computes_what_the_unpadded_one_does(model):
     Its real rows' logits are the eager step's, and its padding stores nothing."""
     cache, steps = prefilled(model, [5, 17, 9], "cpu")
     decodes, tokens = [(0, 5, 1), (1, 17, 1), (2, 9, 1)], [11, 12, 13]
-    eager = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
+    eager, _ = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
     stored = cache.k_cache.clone(), cache.v_cache.clone()
     layout = ragged_layout(cache, decodes, tokens, block_q=1, pad_seqs=5, table_width=24)
     assert layout["slot_mapping"].tolist()[3:] == [-1] * 5
@@ -146,13 +146,13 @@ def test_a_graph_replayed_step_does_not_wait_for_the_gpu(llama_dir):
     steps = CudaSteps(model, cache, max_rows=8, max_seq_len=96, graphs=True)
     assert sorted(steps.graphs) == [1, 2, 4, 8]
     decodes, tokens = [(0, 5, 1), (1, 17, 1), (2, 9, 1)], [11, 12, 13]
-    steps.forward(decodes, tokens, np.arange(3))
+    steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        replayed = steps.forward(decodes, tokens, np.arange(3)).clone()
+        replayed = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])[0].clone()
         steps.graphs.clear()
-        eager = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
+        eager, _ = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(replayed, eager, atol=0, rtol=0)

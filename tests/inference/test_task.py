@@ -83,7 +83,7 @@ def test_ignore_eos_keeps_going_but_explicit_stop_ids_still_stop():
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 2}, "top_p"),
         ({"top_k": -1}, "top_k"),
