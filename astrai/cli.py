@@ -47,10 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidParamsError) as exc:
         args.parser.error(str(exc))
     for params in settings:
-        if isinstance(params, GenerationParams) and (params.logprobs is not None or params.n > 1):
+        if not isinstance(params, GenerationParams):
+            continue
+        if params.logprobs is not None or params.prompt_logprobs is not None or params.n > 1:
             args.parser.error(
-                "--logprobs and --n ask for what only the server's API returns; generate and "
-                "chat print one text (use `astrai serve`)"
+                "--logprobs, --prompt-logprobs and --n ask for what only the server's API "
+                "returns; generate and chat print one text (use `astrai serve`)"
             )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -507,10 +509,14 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
 
     Returns (engine, app); the caller closes the engine. astrai.deploy's replicas run this too.
     """
+    from astrai.model.pooling import checkpoint_pooling
     from astrai.server import create_app
 
     model_dir = _model_path(args)
     name = args.model_name or _model_name(args, model_dir)
+    if config.pooling is None and (pooling := checkpoint_pooling(model_dir)) is not None:
+        log.info("embeddings pool by %s, as the checkpoint's pooling config says", pooling)
+        config = dataclasses.replace(config, pooling=pooling)
     engine = _load_engine(args, config, model_dir)
     try:
         app = create_app(

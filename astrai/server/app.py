@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI, Responses, Anthropic, Ollama and tokenizer routers, auth, errors,
-/health, /metrics and /version."""
+"""The FastAPI app: OpenAI, Responses, Anthropic, Ollama, tokenizer and embeddings routers,
+auth, errors, /health, /metrics and /version."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from astrai.inference import InferenceEngine
 from astrai.server import (
     anthropic_api,
     defaults,
+    embeddings_api,
     lora_api,
     ollama_api,
     openai_api,
@@ -88,6 +89,7 @@ def create_app(
     app.include_router(responses_api.router)
     app.include_router(ollama_api.router)
     app.include_router(tokenizer_api.router)
+    app.include_router(embeddings_api.router)
     app.include_router(lora_api.router)
 
     @app.get("/health")
@@ -147,6 +149,7 @@ def create_app(
         responses_api.router,
         ollama_api.router,
         tokenizer_api.router,
+        embeddings_api.router,
         lora_api.router,
         app.router,
     )

@@ -22,7 +22,10 @@ from astrai.server.protocol import (
     CompletionRequest,
     CountTokensRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     MessagesRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaMessage,
     OllamaOptions,
@@ -93,7 +96,6 @@ _OPENAI = {
         "is not supported: JSON output is laid out as Python's json.dumps does; leave it out"
     ),
     "bad_words": Refused(ENGINE, noop=([],)),
-    "prompt_logprobs": Refused(ENGINE),
     "use_beam_search": Refused(BEAM, noop=(False,)),
     "length_penalty": Refused(BEAM, noop=(1, 1.0)),
     "skip_special_tokens": Refused(
@@ -228,6 +230,9 @@ RULES: dict[type[BaseModel], Mapping[str, Rule]] = {
         "allowed_callers": Refused("is not supported: astrai has no hosted callers"),
     },
     ResponsesNamedTool: {},
+    EmbeddingRequest: {"user": NoOp("an end-user id for the hosted API's abuse monitoring")},
+    OllamaEmbedRequest: {},
+    OllamaEmbeddingsRequest: {},
     ResponsesText: {
         "verbosity": Refused(
             "is not supported: astrai passes no verbosity to the model", ("medium",)

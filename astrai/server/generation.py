@@ -427,18 +427,33 @@ class GenerationService:
 
     def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Generation:
         """Queue every prompt's samples or none (the engine's submit_all)."""
+
+        def start() -> RequestStream:
+            try:
+                return self.engine.submit_all_async(prompts, params)
+            except UnknownAdapterError as exc:  # unloaded since the request's model was checked
+                raise _unknown_model(params.lora, self.served_models()) from exc
+
+        return self._submit(prompts, params.n, start)
+
+    def embed(self, prompts: Sequence[list[int]]) -> Generation:
+        """Queue an embedding task of every prompt or none (the engine's embed_async); each
+        result's embedding is the pooled final hidden states, not normalized."""
+        return self._submit(prompts, 1, lambda: self.engine.embed_async(prompts))
+
+    def _submit(
+        self, prompts: Sequence[list[int]], n: int, submit: Callable[[], RequestStream]
+    ) -> Generation:
         if self.stopping:
             raise APIError(503, "the server is shutting down and takes no new requests")
         arrival = time.perf_counter()
         try:
-            stream = self.engine.submit_all_async(prompts, params)
-        except UnknownAdapterError as exc:  # unloaded since the request's model was checked
-            raise _unknown_model(params.lora, self.served_models()) from exc
+            stream = submit()
         except (RequestError, RuntimeError) as exc:
             raise _api_error(exc) from exc
         prompt_tokens = sum(len(p) for p in prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        generation = Generation(stream, params.n, prompt_tokens, self.metrics, arrival)
+        generation = Generation(stream, n, prompt_tokens, self.metrics, arrival)
         self._running.add(generation)
         return generation
 

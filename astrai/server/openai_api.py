@@ -14,7 +14,13 @@ from astrai.inference.constraints import Constraint, ConstraintError
 from astrai.server.errors import APIError, openai_error_body
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import ChoiceOutput, Generation, GenerationService, Usage
-from astrai.server.logprobs import chat_logprobs, completion_logprobs
+from astrai.server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
+    prompt_logprobs,
+)
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from astrai.server.reasoning import ReasoningStream
 from astrai.server.sse import EventStreamResponse, sse_data
@@ -51,6 +57,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict:
         "logit_bias": body.logit_bias,
         "allowed_token_ids": body.allowed_token_ids,
         "n": body.n,
+        "prompt_logprobs": body.prompt_logprobs,
     }
 
 
@@ -194,6 +201,13 @@ def _check_request(
         raise APIError(
             400, "stream_options needs stream set to true; leave it out", param="stream_options"
         )
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(
+            400,
+            "prompt_logprobs are not available when stream is true (as in vLLM); leave out "
+            "stream or prompt_logprobs",
+            param="prompt_logprobs",
+        )
 
 
 @router.get("/v1/models")
@@ -289,7 +303,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             {"index": i, "message": message, "logprobs": lp, "finish_reason": finish_reason}
         )
     usage = generation.usage([out.result for out in outputs])
-    return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(usage)}
+    response = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(usage)}
+    if body.prompt_logprobs is not None:
+        entries = outputs[0].result.prompt_logprobs
+        response["prompt_logprobs"] = prompt_logprobs(
+            service.tokenizer, entries, body.prompt_logprobs
+        )
+    return response
 
 
 async def _stream_chunks(
@@ -533,19 +553,24 @@ def _echoes(
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
     _check_request(service, body)
-    if body.echo and body.logprobs is not None:
+    best_of = _best_of(body)
+    echo_scored = body.echo and body.logprobs is not None
+    if echo_scored and body.stream and best_of > 1:
         raise APIError(
             400,
-            "echo with logprobs needs the prompt's logprobs, which astrai cannot compute yet; "
-            "send echo or logprobs, not both",
+            "a stream with echo and logprobs carries the prompt's logprobs for one sample "
+            "only; leave out n and best_of, or stream",
             param="echo",
         )
-    best_of = _best_of(body)
     encoded, texts = await _completion_prompts(service, body)
     prompts = service.truncate(encoded, body.truncate_prompt_tokens)
     # Ranking best_of samples needs every token's logprob, asked for or not.
     logprobs = 0 if best_of > body.n and body.logprobs is None else body.logprobs
     sampling = {**_sampling(body), "n": best_of}
+    # The prompt's logprobs for echo and for prompt_logprobs, with the larger top k of both.
+    asked = [k for k in (body.prompt_logprobs, body.logprobs if echo_scored else None) if k]
+    if echo_scored or body.prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = max(asked, default=0)
     constraint = await _constraint(service, body)
     params = service.params(
         prompts, body.max_tokens, body.model, logprobs=logprobs, constraint=constraint, **sampling
@@ -557,20 +582,34 @@ async def completions(body: CompletionRequest, request: Request):
     want_logprobs = body.logprobs is not None
     if body.stream:
         return EventStreamResponse(
-            _completion_chunks(generation, head, service.tokenizer, body, echoes)
+            _completion_chunks(generation, head, service.tokenizer, body, echoes, prompts)
         )
     outputs = await generation.collect(request)
+    # A prompt's first sample computed its prompt logprobs for all of them.
+    firsts = [outputs[p * best_of].result for p in range(len(prompts))]
     choices = []
     for i, out in enumerate(_best(outputs, best_of, body.n)):
-        lp = completion_logprobs(service.tokenizer, out.logprobs)[0] if want_logprobs else None
-        choices.append(
-            {
-                "index": i,
-                "text": echoes[i // body.n] + out.result.text + _stop_text(body, out.result),
-                "logprobs": lp,
-                "finish_reason": out.result.finish_reason,
-            }
-        )
+        first = firsts[i // body.n]
+        lp = None
+        if echo_scored:
+            lp, offset = echo_logprobs(
+                service.tokenizer, prompts[i // body.n], first.prompt_logprobs, body.logprobs
+            )
+            generated, _ = completion_logprobs(service.tokenizer, out.logprobs, offset)
+            lp = joined_logprobs(lp, generated)
+        elif want_logprobs:
+            lp = completion_logprobs(service.tokenizer, out.logprobs)[0]
+        choice = {
+            "index": i,
+            "text": echoes[i // body.n] + out.result.text + _stop_text(body, out.result),
+            "logprobs": lp,
+            "finish_reason": out.result.finish_reason,
+        }
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(
+                service.tokenizer, first.prompt_logprobs, body.prompt_logprobs
+            )
+        choices.append(choice)
     usage = generation.usage([out.result for out in outputs])
     return {**head, "object": "text_completion", "choices": choices, "usage": _usage(usage)}
 
@@ -581,28 +620,45 @@ def _completion_chunks(
     tokenizer,
     body: CompletionRequest,
     echoes: Sequence[str],
+    prompts: Sequence[list[int]],
 ) -> AsyncIterator[str]:
+    """Under echo with logprobs (one sample) the echo waits for the prompt's logprobs, which
+    come with the first token, or with the result when none is generated (max_tokens 0)."""
     want_logprobs = body.logprobs is not None
+    echo_scored = body.echo and want_logprobs
     offsets = [0] * generation.num_choices  # text_offset carries on across chunks
+    echoed = [not echo_scored] * generation.num_choices
+
+    def echo(choice: int, entries: list) -> tuple[str, dict]:
+        echoed[choice] = True
+        lp, offsets[choice] = echo_logprobs(tokenizer, prompts[choice], entries, body.logprobs)
+        return echoes[choice], lp
 
     def render_delta(choice: int, delta: TaskDelta) -> list[dict]:
-        if not (delta.text or (want_logprobs and delta.logprobs)):
+        text, lp = "", None
+        if not echoed[choice] and delta.prompt_logprobs is not None:
+            text, lp = echo(choice, delta.prompt_logprobs)
+        if not (text or delta.text or (want_logprobs and delta.logprobs)):
             return []
-        lp = None
         if want_logprobs:
-            lp, offsets[choice] = completion_logprobs(
+            own, offsets[choice] = completion_logprobs(
                 tokenizer, delta.logprobs or [], offsets[choice]
             )
-        return [{"index": choice, "text": delta.text, "logprobs": lp, "finish_reason": None}]
+            lp = own if lp is None else joined_logprobs(lp, own)
+        text += delta.text
+        return [{"index": choice, "text": text, "logprobs": lp, "finish_reason": None}]
 
     def render_finish(choice: int, result: TaskResult) -> list[dict]:
-        text, finish_reason = _stop_text(body, result), result.finish_reason
-        return [{"index": choice, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        text, lp = "", None
+        if not echoed[choice] and result.prompt_logprobs is not None:
+            text, lp = echo(choice, result.prompt_logprobs)
+        text, finish_reason = text + _stop_text(body, result), result.finish_reason
+        return [{"index": choice, "text": text, "logprobs": lp, "finish_reason": finish_reason}]
 
     opening = [
         {"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None}
         for i in range(generation.num_choices)
-        if echoes[i // body.n]
+        if echoes[i // body.n] and not echo_scored
     ]
     return _stream_chunks(
         generation, head, "text_completion", body, render_delta, render_finish, opening

@@ -223,7 +223,7 @@ class _OpenAISampling(_Request):
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     use_beam_search: Any = None
     length_penalty: Any = None
     include_stop_str_in_output: bool = False
@@ -485,6 +485,64 @@ class MessagesRequest(_AnthropicPrompt):
 
 class CountTokensRequest(_AnthropicPrompt):
     pass
+
+
+# Embeddings: OpenAI's and Ollama's
+
+
+def _embedding_input(value: Any) -> Any:
+    """An input of strings or token ids: the strings valid Unicode, and none of them empty."""
+    if isinstance(value, list) and any(item in ("", []) for item in value):
+        raise ValueError("an input must not be empty")
+    if value == "":
+        raise ValueError("the input must not be empty")
+    return _unicode_strings(value)
+
+
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings: OpenAI's body, with vLLM's add_special_tokens and truncation."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: Any = None
+    # vLLM's extensions.
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    _text = field_validator("model")(_unicode_strings)
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if value == []:
+            raise ValueError("input must hold at least one text or token id")
+        return _embedding_input(value)
+
+
+class OllamaEmbedRequest(_Request):
+    """POST /api/embed: Ollama's body."""
+
+    model: str
+    input: str | list[str] = ""
+    truncate: bool = True
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+
+    _text = field_validator("model", "input")(_unicode_strings)
+
+
+class OllamaEmbeddingsRequest(_Request):
+    """POST /api/embeddings: Ollama's older body, one prompt."""
+
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+
+    _text = field_validator("model", "prompt")(_unicode_strings)
 
 
 # vLLM's tokenizer endpoints

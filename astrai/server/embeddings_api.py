@@ -1,0 +1,208 @@
+"""Embeddings: OpenAI's POST /v1/embeddings, Ollama's POST /api/embed and its older
+POST /api/embeddings.
+
+An embedding is the model's final hidden states (after the final norm) of an input's tokens,
+pooled as the engine pools them (EngineConfig.pooling: the last token's, or the mean) and
+L2-normalized; `dimensions` keeps the first k of them and normalizes again, as a
+Matryoshka-trained model is meant to be cut. The engine computes them in the prefill, batched
+with every other request, without decoding.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from fastapi import APIRouter, Request
+
+from astrai.server.errors import APIError
+from astrai.server.fields import refuse_unsupported
+from astrai.server.generation import GenerationService
+from astrai.server.protocol import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
+
+router = APIRouter()
+
+# A keep_alive that asks to unload the model now: 0, "0", "0s", "0m", ...
+_UNLOAD_NOW = re.compile(r"0+(\.0*)?[a-z]*")
+
+
+def _service(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+async def _embeddings(
+    service: GenerationService,
+    prompts: Sequence[list[int]],
+    dimensions: int | None,
+    request: Request,
+) -> torch.Tensor:
+    """The prompts' embeddings [len(prompts), dimensions or the model's width], normalized."""
+    width = service.engine.model.config.dim
+    if dimensions is not None and dimensions > width:
+        raise APIError(
+            400,
+            f"dimensions is {dimensions}, but this model's embeddings have {width}; ask for "
+            f"at most {width}",
+            param="dimensions",
+        )
+    outputs = await service.embed(prompts).collect(request)
+    pooled = torch.stack([out.result.embedding for out in outputs])
+    return F.normalize(pooled[:, :dimensions], dim=-1)
+
+
+def _check_lengths(prompts: Sequence[list[int]], limit: int, what: str, fix: str) -> None:
+    """A 400 naming the first input longer than limit tokens."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > limit:
+            raise APIError(
+                400,
+                f"input {i} has {len(prompt)} tokens, but {what} is {limit} tokens; {fix}",
+                param="input",
+                code="context_length_exceeded",
+            )
+
+
+# OpenAI
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+    service = _service(request)
+    service.check_model(body.model)
+    refuse_unsupported(body)
+    inputs = body.input
+    if isinstance(inputs, str) or all(isinstance(item, int) for item in inputs):
+        inputs = [inputs]
+    prompts = []
+    for item in inputs:
+        if isinstance(item, str):
+            prompts.append(await service.text_prompt(item, body.add_special_tokens))
+        else:
+            service.check_token_ids(item, "input")
+            prompts.append(list(item))
+    prompts = service.truncate(prompts, body.truncate_prompt_tokens)
+    _check_lengths(
+        prompts,
+        service.engine.max_request_tokens,
+        "the most this server embeds at once (its context length)",
+        "shorten it, or send truncate_prompt_tokens",
+    )
+    vectors = await _embeddings(service, prompts, body.dimensions, request)
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
+        for i, vector in enumerate(vectors)
+    ]
+    tokens = sum(len(prompt) for prompt in prompts)
+    return {
+        "object": "list",
+        "data": data,
+        "model": service.model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    """A vector as a list of floats, or as base64 of its little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+# Ollama
+
+
+def _check_ollama_model(service: GenerationService, name: str) -> None:
+    """Ollama names a model with a tag; the served model answers as itself and as :latest."""
+    if name not in (service.model_name, f"{service.model_name}:latest"):
+        raise APIError(404, f"model {name!r} not found; this server serves {service.model_name!r}")
+
+
+def _check_keep_alive(keep_alive: Any) -> None:
+    """The model stays loaded while the server runs, which holds any keep_alive but one that
+    asks to unload it now."""
+    if keep_alive is None:
+        return
+    if isinstance(keep_alive, int | float) and not isinstance(keep_alive, bool):
+        unload = keep_alive == 0
+    elif isinstance(keep_alive, str):
+        unload = _UNLOAD_NOW.fullmatch(keep_alive.strip()) is not None
+    else:
+        message = f"keep_alive must be a duration, got {keep_alive!r}"
+        raise APIError(400, message, param="keep_alive")
+    if unload:
+        raise APIError(
+            400,
+            "keep_alive 0 asks to unload the model, which astrai keeps loaded while it serves; "
+            "leave keep_alive out",
+            param="keep_alive",
+        )
+
+
+def _context_length(service: GenerationService, options: dict[str, Any] | None) -> int:
+    """The most tokens of one input: the server's context length, or less under num_ctx, the
+    one option that bears on an embedding; any other option is refused."""
+    limit = service.engine.max_request_tokens
+    for key, value in (options or {}).items():
+        if key != "num_ctx":
+            raise APIError(
+                400,
+                f"options.{key} does not apply to embeddings (num_ctx is the one option they "
+                "take); leave it out",
+                param=f"options.{key}",
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise APIError(
+                400, f"options.num_ctx must be a positive integer, got {value!r}", param="options"
+            )
+        limit = min(limit, value)
+    return limit
+
+
+async def _ollama_prompts(
+    service: GenerationService, texts: Sequence[str], limit: int, truncate: bool
+) -> list[list[int]]:
+    """The texts' token ids: cut to limit tokens under truncate (Ollama keeps the start),
+    else a 400 for a text longer than that."""
+    prompts = [await service.text_prompt(text) for text in texts]
+    if truncate:
+        return [prompt[:limit] for prompt in prompts]
+    _check_lengths(prompts, limit, "the context length", "shorten it, or send truncate true")
+    return prompts
+
+
+@router.post("/api/embed")
+async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
+    started = time.perf_counter()
+    service = _service(request)
+    _check_ollama_model(service, body.model)
+    _check_keep_alive(body.keep_alive)
+    limit = _context_length(service, body.options)
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    texts = [text for text in texts if text]  # Ollama embeds no empty text
+    prompts = await _ollama_prompts(service, texts, limit, body.truncate)
+    vectors = await _embeddings(service, prompts, body.dimensions, request) if prompts else []
+    return {
+        "model": body.model,
+        "embeddings": [vector.tolist() for vector in vectors],
+        "total_duration": int((time.perf_counter() - started) * 1e9),
+        "load_duration": 0,  # the model is loaded when the server starts
+        "prompt_eval_count": sum(len(prompt) for prompt in prompts),
+    }
+
+
+@router.post("/api/embeddings")
+async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> dict:
+    service = _service(request)
+    _check_ollama_model(service, body.model)
+    _check_keep_alive(body.keep_alive)
+    limit = _context_length(service, body.options)
+    if not body.prompt:
+        return {"embedding": []}
+    prompts = await _ollama_prompts(service, [body.prompt], limit, truncate=True)
+    [vector] = await _embeddings(service, prompts, None, request)
+    return {"embedding": vector.tolist()}
