@@ -409,13 +409,25 @@ class GenerationService:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     def params(
-        self, prompts: Sequence[list[int]], max_tokens: int | None, model: str | None, **fields
+        self,
+        prompts: Sequence[list[int]],
+        max_tokens: int | None,
+        model: str | None,
+        prompt_only: bool = False,
+        **fields,
     ) -> GenerationParams:
         """GenerationParams from request fields (None means the engine's default); model, the
         request's model field, picks the LoRA adapter.
 
-        Without max_tokens a request may generate up to the end of the context.
+        Without max_tokens a request may generate up to the end of the context. max_tokens 0
+        (the prompt alone, for its logprobs) is for the endpoints that say prompt_only.
         """
+        if max_tokens == 0 and not prompt_only:
+            raise APIError(
+                400,
+                "max_tokens must be at least 1 (0, the prompt's logprobs alone, is for "
+                "/v1/completions)",
+            )
         if max_tokens is None:
             limit = self.engine.max_request_tokens
             max_tokens = max(1, limit - max(len(p) for p in prompts))

@@ -573,7 +573,13 @@ async def completions(body: CompletionRequest, request: Request):
         sampling["prompt_logprobs"] = max(asked, default=0)
     constraint = await _constraint(service, body)
     params = service.params(
-        prompts, body.max_tokens, body.model, logprobs=logprobs, constraint=constraint, **sampling
+        prompts,
+        body.max_tokens,
+        body.model,
+        prompt_only=True,
+        logprobs=logprobs,
+        constraint=constraint,
+        **sampling,
     )
     generation = service.submit(prompts, params)
     echoes = _echoes(service, body, encoded, prompts, texts)

@@ -81,12 +81,14 @@ def test_bad_chat_requests_get_400_naming_the_problem(server, openai_client, bod
 
 def test_bad_completion_requests_get_400(server):
     for body, named in [
-        ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "Hi", "logprobs": 21}, "logprobs"),
         ({"prompt": [], "max_tokens": 2}, "prompt"),
         ({"prompt": [10**9], "max_tokens": 2}, "token ids"),
         ({"max_tokens": 2}, "prompt"),
-        ({"prompt": "Hi", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20]"),
+        ({"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs are not"),
+        ({"prompt": "Hi", "echo": True, "logprobs": 1, "n": 2, "stream": True}, "echo"),
     ]:
         response = post(server, "/v1/completions", {"model": server.model_name, **body})
         assert response.status_code == 400, body
@@ -210,7 +212,7 @@ def test_metrics_count_requests_tokens_and_latency(server, openai_client):
         model=server.model_name, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
     )
     assert metric(server, "astrai_generation_tokens_total") == before + 4
-    post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 0})
+    post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": -1})
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert 'astrai_http_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'astrai_http_requests_total{endpoint="/v1/completions",status="400"}' in text
