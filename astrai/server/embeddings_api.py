@@ -11,14 +11,17 @@ with every other request, without decoding.
 from __future__ import annotations
 
 import base64
+import json
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from astrai.server.errors import APIError
 from astrai.server.fields import refuse_unsupported
@@ -26,6 +29,7 @@ from astrai.server.generation import GenerationService
 from astrai.server.protocol import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
 
 router = APIRouter()
+Body = TypeVar("Body", bound=BaseModel)
 
 # A keep_alive that asks to unload the model now: 0, "0", "0s", "0m", ...
 _UNLOAD_NOW = re.compile(r"0+(\.0*)?[a-z]*")
@@ -116,6 +120,19 @@ def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
 # Ollama
 
 
+async def _ollama_body(request: Request, model: type[Body]) -> Body:
+    """The request's body as model: Ollama reads JSON whatever the content type says, and its
+    users send it with `curl -d`, which says a form."""
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
 def _check_ollama_model(service: GenerationService, name: str) -> None:
     """Ollama names a model with a tag; the served model answers as itself and as :latest."""
     if name not in (service.model_name, f"{service.model_name}:latest"):
@@ -176,8 +193,9 @@ async def _ollama_prompts(
 
 
 @router.post("/api/embed")
-async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
+async def ollama_embed(request: Request) -> dict:
     started = time.perf_counter()
+    body = await _ollama_body(request, OllamaEmbedRequest)
     service = _service(request)
     _check_ollama_model(service, body.model)
     _check_keep_alive(body.keep_alive)
@@ -196,7 +214,8 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
 
 
 @router.post("/api/embeddings")
-async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> dict:
+async def ollama_embeddings(request: Request) -> dict:
+    body = await _ollama_body(request, OllamaEmbeddingsRequest)
     service = _service(request)
     _check_ollama_model(service, body.model)
     _check_keep_alive(body.keep_alive)
