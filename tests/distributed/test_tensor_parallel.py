@@ -91,6 +91,24 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):
     assert not spawned_workers()
 
 
+def prompt_outputs(engine: InferenceEngine) -> tuple[torch.Tensor, list[float]]:
+    """The prompts' mean embeddings and the first prompt's prompt logprobs."""
+    scored = engine.generate_results(PROMPTS[0], max_tokens=0, prompt_logprobs=2)
+    return engine.embed(PROMPTS, pooling="mean"), [e.logprob for e in scored.prompt_logprobs[1:]]
+
+
+def test_two_ranks_give_the_embeddings_and_prompt_logprobs_of_one(llama_dir):
+    """Rank 0's hidden states are the whole model's; the scored rows' logits are gathered."""
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    with InferenceEngine(AutoModel.from_pretrained(llama_dir), tokenizer, **SMALL) as engine:
+        vectors, logprobs = prompt_outputs(engine)
+    model = load_sharded(llama_dir, 2)
+    with InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
+        sharded_vectors, sharded_logprobs = prompt_outputs(engine)
+    torch.testing.assert_close(sharded_vectors, vectors, atol=1e-5, rtol=1e-5)
+    assert sharded_logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
 def test_an_engine_refuses_a_model_loaded_for_other_ranks(llama_dir):
     model = AutoModel.from_pretrained(llama_dir)
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
