@@ -478,8 +478,9 @@ class InferenceEngine:
         Every prompt is checked, params.constraint compiled (ConstraintError) and the tasks go
         into the queue in one step, so a refused prompt, a bad constraint or a queue without
         room for all of them raises before any task could run. pooling ("last" or "mean")
-        makes embedding tasks (params EMBEDDING_PARAMS), which end once their prompt is
-        computed with TaskResult.embedding; an engine of task "embed" takes no other.
+        makes embedding tasks (params EMBEDDING_PARAMS, with a lora or not), which end once
+        their prompt is computed with TaskResult.embedding; an engine of task "embed" takes no
+        other.
         """
         if self.scheduler.invariant_error is not None:
             raise self.scheduler.invariant_error
@@ -546,8 +547,10 @@ class InferenceEngine:
             return
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        if params != EMBEDDING_PARAMS:
-            raise RequestError("an embedding samples nothing: give it EMBEDDING_PARAMS")
+        if replace(params, lora=None) != EMBEDDING_PARAMS:
+            raise RequestError(
+                "an embedding samples nothing: give it EMBEDDING_PARAMS (with a lora or not)"
+            )
 
     def _check_token_ids(self, params: GenerationParams) -> None:
         """Token ids in the params must be the model's, or indexing its logits would fail."""
@@ -661,10 +664,13 @@ class InferenceEngine:
         shaped = [results[i] if n == 1 else results[i : i + n] for i in range(0, len(results), n)]
         return shaped[0] if single else shaped
 
-    def embed(self, inputs: EmbeddingInput, pooling: str | None = None) -> torch.Tensor:
+    def embed(
+        self, inputs: EmbeddingInput, pooling: str | None = None, lora: str | None = None
+    ) -> torch.Tensor:
         """L2-normalized embeddings, float32: [dim] for one text or token-id list, [n, dim] for
-        a list of them. Each is the model's final hidden states (after the final norm) of the
-        input's tokens pooled by pooling, "last" or "mean" (default: self.pooling). A text is
+        a list of them. Each is the model's final hidden states (after the final norm, under
+        the LoRA adapter lora names, if any) of the input's tokens pooled by pooling, "last"
+        or "mean" (default: self.pooling). A text is
         encoded as generate encodes it, with the tokenizer's special tokens."""
         single = isinstance(inputs, str) or (
             bool(inputs) and all(isinstance(t, int) for t in inputs)
@@ -673,7 +679,8 @@ class InferenceEngine:
         if not items:
             raise RequestError("embed needs at least one input")
         prompts = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in items]
-        stream = SyncRequestStream(self, prompts, EMBEDDING_PARAMS, pooling or self.pooling)
+        params = replace(EMBEDDING_PARAMS, lora=lora)
+        stream = SyncRequestStream(self, prompts, params, pooling or self.pooling)
         results: list[TaskResult | None] = [None] * len(prompts)
         with closing(stream):
             for event in stream:
@@ -716,12 +723,16 @@ class InferenceEngine:
         return RequestStream(self, prompts, params)
 
     def embed_async(
-        self, prompts: Sequence[Sequence[int]], pooling: str | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        pooling: str | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue an embedding task of every token-id prompt, all or none (errors raise here),
         and return their events: each ends with a TaskResult whose embedding is the pooled
         final hidden states, not normalized (pooling as embed takes it)."""
-        return RequestStream(self, prompts, EMBEDDING_PARAMS, pooling or self.pooling)
+        params = replace(EMBEDDING_PARAMS, lora=lora)
+        return RequestStream(self, prompts, params, pooling or self.pooling)
 
     def submit_async(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestStream:
         """submit_all_async for one prompt: its n samples' events as an async iterator."""

@@ -42,10 +42,12 @@ def _service(request: Request) -> GenerationService:
 async def _embeddings(
     service: GenerationService,
     prompts: Sequence[list[int]],
+    model: str | None,
     dimensions: int | None,
     request: Request,
 ) -> torch.Tensor:
-    """The prompts' embeddings [len(prompts), dimensions or the model's width], normalized."""
+    """The prompts' embeddings [len(prompts), dimensions or the model's width], normalized,
+    under the LoRA adapter model names, if any."""
     width = service.engine.model.config.dim
     if dimensions is not None and dimensions > width:
         raise APIError(
@@ -54,7 +56,7 @@ async def _embeddings(
             f"at most {width}",
             param="dimensions",
         )
-    outputs = await service.embed(prompts).collect(request)
+    outputs = await service.embed(prompts, model).collect(request)
     pooled = torch.stack([out.result.embedding for out in outputs])
     return F.normalize(pooled[:, :dimensions], dim=-1)
 
@@ -96,7 +98,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
         "the most this server embeds at once (its context length)",
         "shorten it, or send truncate_prompt_tokens",
     )
-    vectors = await _embeddings(service, prompts, body.dimensions, request)
+    vectors = await _embeddings(service, prompts, body.model, body.dimensions, request)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
         for i, vector in enumerate(vectors)
@@ -105,7 +107,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     return {
         "object": "list",
         "data": data,
-        "model": service.model_name,
+        "model": body.model or service.model_name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
 
@@ -133,10 +135,15 @@ async def _ollama_body(request: Request, model: type[Body]) -> Body:
         raise RequestValidationError(exc.errors()) from None
 
 
-def _check_ollama_model(service: GenerationService, name: str) -> None:
-    """Ollama names a model with a tag; the served model answers as itself and as :latest."""
-    if name not in (service.model_name, f"{service.model_name}:latest"):
-        raise APIError(404, f"model {name!r} not found; this server serves {service.model_name!r}")
+def _ollama_model(service: GenerationService, name: str) -> str:
+    """The served model or adapter an Ollama model name means: Ollama names a model with a
+    tag, so each answers as itself and as NAME:latest."""
+    served = service.served_models()
+    model = name.removesuffix(":latest")
+    if model not in served:
+        names = ", ".join(repr(n) for n in served)
+        raise APIError(404, f"model {name!r} not found; this server serves {names}")
+    return model
 
 
 def _check_keep_alive(keep_alive: Any) -> None:
@@ -197,13 +204,15 @@ async def ollama_embed(request: Request) -> dict:
     started = time.perf_counter()
     body = await _ollama_body(request, OllamaEmbedRequest)
     service = _service(request)
-    _check_ollama_model(service, body.model)
+    model = _ollama_model(service, body.model)
     _check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     texts = [body.input] if isinstance(body.input, str) else body.input
     texts = [text for text in texts if text]  # Ollama embeds no empty text
     prompts = await _ollama_prompts(service, texts, limit, body.truncate)
-    vectors = await _embeddings(service, prompts, body.dimensions, request) if prompts else []
+    vectors = (
+        await _embeddings(service, prompts, model, body.dimensions, request) if prompts else []
+    )
     return {
         "model": body.model,
         "embeddings": [vector.tolist() for vector in vectors],
@@ -217,11 +226,11 @@ async def ollama_embed(request: Request) -> dict:
 async def ollama_embeddings(request: Request) -> dict:
     body = await _ollama_body(request, OllamaEmbeddingsRequest)
     service = _service(request)
-    _check_ollama_model(service, body.model)
+    model = _ollama_model(service, body.model)
     _check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     if not body.prompt:
         return {"embedding": []}
     prompts = await _ollama_prompts(service, [body.prompt], limit, truncate=True)
-    [vector] = await _embeddings(service, prompts, None, request)
+    [vector] = await _embeddings(service, prompts, model, None, request)
     return {"embedding": vector.tolist()}

@@ -448,10 +448,19 @@ class GenerationService:
 
         return self._submit(prompts, params.n, start)
 
-    def embed(self, prompts: Sequence[list[int]]) -> Generation:
-        """Queue an embedding task of every prompt or none (the engine's embed_async); each
-        result's embedding is the pooled final hidden states, not normalized."""
-        return self._submit(prompts, 1, lambda: self.engine.embed_async(prompts))
+    def embed(self, prompts: Sequence[list[int]], model: str | None) -> Generation:
+        """Queue an embedding task of every prompt or none (the engine's embed_async), under
+        the LoRA adapter the request's model field names, if any; each result's embedding is
+        the pooled final hidden states, not normalized."""
+        lora = self.adapter_for(model)
+
+        def start() -> RequestStream:
+            try:
+                return self.engine.embed_async(prompts, lora=lora)
+            except UnknownAdapterError as exc:  # unloaded since the request's model was checked
+                raise _unknown_model(lora, self.served_models()) from exc
+
+        return self._submit(prompts, 1, start)
 
     def _submit(
         self, prompts: Sequence[list[int]], n: int, submit: Callable[[], RequestStream]

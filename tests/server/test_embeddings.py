@@ -207,3 +207,28 @@ def test_an_embedding_server_refuses_generation(llama_dir, hf_model):
         vector = post(server, "/v1/embeddings", {"input": TEXTS[0]}).json()["data"][0]
         expected = reference(hf_model, encode(server, TEXTS[0]))
         assert vector["embedding"] == pytest.approx(expected, abs=1e-5)
+
+
+# LoRA
+
+
+def test_the_model_field_picks_the_adapter_that_embeds(llama_dir, tmp_path):
+    """/v1/embeddings and /api/embed under an adapter give PEFT's hidden states."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import write_lora_adapter
+
+    adapter = write_lora_adapter(llama_dir, tmp_path / "first", ("q_proj", "down_proj"), 4, 1)
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    hf_model = peft.PeftModel.from_pretrained(base, adapter).base_model.model.eval()
+    with serving(make_engine(llama_dir, loras={"first": str(adapter)})) as server:
+        ids = encode(server, TEXTS[0])
+        reply = post(server, "/v1/embeddings", {"model": "first", "input": ids}).json()
+        assert reply["model"] == "first"
+        assert reply["data"][0]["embedding"] == pytest.approx(reference(hf_model, ids), abs=1e-5)
+        base_vector = post(server, "/v1/embeddings", {"input": ids}).json()["data"][0]
+        assert base_vector["embedding"] != pytest.approx(reply["data"][0]["embedding"], abs=1e-3)
+        ollama = post(server, "/api/embed", {"model": "first:latest", "input": TEXTS[0]}).json()
+        assert ollama["embeddings"][0] == pytest.approx(reply["data"][0]["embedding"], abs=1e-6)
+        unknown = post(server, "/v1/embeddings", {"model": "second", "input": ids})
+        assert unknown.status_code == 404
