@@ -670,8 +670,8 @@ class InferenceEngine:
         """L2-normalized embeddings, float32: [dim] for one text or token-id list, [n, dim] for
         a list of them. Each is the model's final hidden states (after the final norm, under
         the LoRA adapter lora names, if any) of the input's tokens pooled by pooling, "last"
-        or "mean" (default: self.pooling). A text is
-        encoded as generate encodes it, with the tokenizer's special tokens."""
+        or "mean" (default: self.pooling). A text is encoded as generate encodes it, with the
+        tokenizer's special tokens."""
         single = isinstance(inputs, str) or (
             bool(inputs) and all(isinstance(t, int) for t in inputs)
         )

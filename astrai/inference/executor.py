@@ -248,6 +248,7 @@ class CudaSteps:
         self.model = model
         self.cache = cache
         self.n_heads = model.config.n_heads
+        self.dim = model.config.dim
         self.upload = HostToDevice(cache.k_cache.device)
         self.buckets = [b for b in GRAPH_BATCH_SIZES if b < max_rows] if graphs else []
         if graphs and max_rows <= GRAPH_BATCH_SIZES[-1]:
@@ -288,30 +289,30 @@ class CudaSteps:
             )
             self.upload(layout, out=captured.inputs)
             captured.graph.replay()
-            hidden = None if hidden_rows is None else captured.logits.new_empty(0)
+            # pooling rows come with prompt chunks, which take no graph: none here
+            hidden = None if hidden_rows is None else captured.logits.new_empty(0, self.dim)
             if np.array_equal(rows, np.arange(len(seqs))):
                 return captured.logits[: len(seqs)], hidden
             return captured.logits[torch.from_numpy(rows).to(captured.logits.device)], hidden
         view = DeviceCacheView.build(
             self.cache, seqs, token_ids, self.n_heads, self.upload, spans, logit_rows=rows
         )
-        if hidden_rows is None:
-            return self._run(view, view.fields["logit_rows"]), None
-        return self._run(view, view.fields["logit_rows"], torch.from_numpy(hidden_rows))
+        hidden = None if hidden_rows is None else torch.from_numpy(hidden_rows)
+        return self._run(view, view.fields["logit_rows"], hidden)
 
     def _run(
         self,
         view: DeviceCacheView,
         rows: torch.Tensor | None,
         hidden_rows: torch.Tensor | None = None,
-    ):
-        """The logits of rows; with hidden_rows, (logits, final hidden states of those)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of rows, and the final hidden states of hidden_rows (None without)."""
         model = self.model
         h, cos, signed_sin = model.embed(view.token_ids, view.positions, view.rope_lengths)
         h, residual = model.run_layers(h, cos, signed_sin, view)
         logits = model.logits(h, residual, rows)
         if hidden_rows is None:
-            return logits
+            return logits, None
         return logits, model.final_hidden(h, residual, hidden_rows.to(h.device))
 
     def _capture(self, bucket: int) -> CapturedDecode | None:
@@ -333,7 +334,7 @@ class CudaSteps:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._run(view, None)
+                logits, _ = self._run(view, None)
         except RuntimeError as error:
             log.warning("decode steps run eagerly: capturing them failed (%s)", error)
             torch.cuda.synchronize(device)

@@ -84,7 +84,7 @@ def test_a_padded_decode_step_computes_what_the_unpadded_one_does(model):
     layout = ragged_layout(cache, decodes, tokens, block_q=1, pad_seqs=5, table_width=24)
     assert layout["slot_mapping"].tolist()[3:] == [-1] * 5
     view = DeviceCacheView(cache, HostToDevice(cache.k_cache.device)(layout), block_q=1)
-    padded = steps._run(view, None)
+    padded, _ = steps._run(view, None)
     assert padded.shape[0] == 8
     torch.testing.assert_close(padded[:3], eager, atol=0, rtol=0)
     assert torch.equal(cache.k_cache, stored[0]) and torch.equal(cache.v_cache, stored[1])
