@@ -305,7 +305,8 @@ class InferenceEngine:
                 model,
                 self.cache,
                 max_batch_size=rows,
-                cuda_graphs=self.config.cuda_graphs,
+                # an embedding engine never decodes: no decode step to record
+                cuda_graphs=self.config.cuda_graphs and self.config.task != "embed",
                 adapters=self.adapters,
                 max_seq_len=self.max_seq_len,
                 batch_invariant=self.config.batch_invariant,
