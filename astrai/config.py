@@ -430,7 +430,8 @@ class EngineConfig:
     pooling: str | None = setting(
         None,
         "how an embedding pools the final hidden states of its tokens: the last token's or "
-        "their mean (default: the checkpoint's sentence-transformers pooling config, else last)",
+        "their mean (default: the checkpoint's: a sentence-transformers pooling config or a GGUF "
+        "file's pooling_type; else last)",
         choices=POOLINGS,
     )
 

@@ -1,12 +1,16 @@
 """How a checkpoint says its embeddings are pooled: a sentence-transformers model directory's
-modules.json and the config of its Pooling module (1_Pooling/config.json)."""
+modules.json and the config of its Pooling module (1_Pooling/config.json), or a GGUF file's
+pooling_type, as llama.cpp writes it for an embedding model."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from gguf import GGUFReader
+
 from astrai.model.checkpoint import CheckpointError
+from astrai.model.families.gguf_metadata import metadata_value
 
 # sentence-transformers' pooling modes -> astrai's pooling (astrai.config.POOLINGS)
 POOLING_MODES = {"lasttoken": "last", "mean": "mean"}
@@ -19,12 +23,16 @@ LEGACY_MODE_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
+# llama.cpp's pooling types (a GGUF file's {arch}.pooling_type), by their modes' names
+GGUF_POOLING_TYPES = {0: None, 1: "mean", 2: "cls", 3: "lasttoken", 4: "rank"}
 
 
 def checkpoint_pooling(model_path: Path) -> str | None:
-    """The pooling ("last" or "mean") a sentence-transformers directory's Pooling module names;
-    None for a directory without one, or a file (a GGUF). A mode astrai does not compute is a
-    CheckpointError that says how to choose one."""
+    """The pooling ("last" or "mean") a sentence-transformers directory's Pooling module or a
+    GGUF file's pooling_type names; None for a checkpoint that names none. A mode astrai does
+    not compute is a CheckpointError that says how to choose one."""
+    if model_path.is_file():
+        return _gguf_pooling(model_path)
     modules_file = model_path / "modules.json"
     if not modules_file.is_file():
         return None
@@ -52,3 +60,20 @@ def checkpoint_pooling(model_path: Path) -> str | None:
             "false), which astrai does not; choose a pooling with --pooling last or mean"
         )
     return POOLING_MODES[modes[0]]
+
+
+def _gguf_pooling(path: Path) -> str | None:
+    """A GGUF file's pooling_type as astrai's pooling; none (0) or absent is None."""
+    reader = GGUFReader(path)
+    architecture = metadata_value(reader, "general.architecture")
+    pooling_type = metadata_value(reader, f"{architecture}.pooling_type", 0)
+    mode = GGUF_POOLING_TYPES.get(pooling_type, f"type {pooling_type}")
+    if mode is None:
+        return None
+    if mode not in POOLING_MODES:
+        raise CheckpointError(
+            f"{path} pools by {mode} ({architecture}.pooling_type {pooling_type}), which astrai "
+            "does not compute (it pools the last token or the mean); choose one with --pooling "
+            "last or --pooling mean"
+        )
+    return POOLING_MODES[mode]

@@ -1,5 +1,5 @@
-"""A sentence-transformers directory's pooling config: read, honoured by astrai serve, and
-embedding as sentence-transformers itself does."""
+"""A checkpoint's pooling: a sentence-transformers directory's config (read, honoured by astrai
+serve, embedding as sentence-transformers itself does) and a GGUF file's pooling_type."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import write_gguf
 
 from astrai.cli import open_server, serve_settings
 from astrai.model.checkpoint import CheckpointError
@@ -78,9 +79,24 @@ def test_the_pooling_config_is_read(st_dir, config, expected):
     assert checkpoint_pooling(write_sentence_transformers(st_dir, config)) == expected
 
 
-def test_a_directory_without_one_has_none(llama_dir, tmp_path):
+def test_a_checkpoint_without_one_has_none(llama_dir, tmp_path):
     assert checkpoint_pooling(llama_dir) is None
-    assert checkpoint_pooling(tmp_path / "model.gguf") is None
+    assert checkpoint_pooling(write_gguf(tmp_path / "plain.gguf", llama_dir, "llama")) is None
+    none = write_gguf(tmp_path / "none.gguf", llama_dir, "llama", pooling_type=0)
+    assert checkpoint_pooling(none) is None
+
+
+@pytest.mark.parametrize(("pooling_type", "expected"), [(1, "mean"), (3, "last")])
+def test_a_gguf_file_s_pooling_type_is_read(llama_dir, tmp_path, pooling_type, expected):
+    path = write_gguf(tmp_path / "model.gguf", llama_dir, "llama", pooling_type=pooling_type)
+    assert checkpoint_pooling(path) == expected
+
+
+@pytest.mark.parametrize("pooling_type", [2, 4, 9])
+def test_a_gguf_pooling_astrai_does_not_compute_is_refused(llama_dir, tmp_path, pooling_type):
+    path = write_gguf(tmp_path / "model.gguf", llama_dir, "llama", pooling_type=pooling_type)
+    with pytest.raises(CheckpointError, match="llama.pooling_type .*--pooling last or --pooling"):
+        checkpoint_pooling(path)
 
 
 @pytest.mark.parametrize(
