@@ -90,6 +90,7 @@ def create_app(
     app.include_router(ollama_api.router)
     app.include_router(tokenizer_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(embeddings_api.ollama_router)
     app.include_router(lora_api.router)
 
     @app.get("/health")
@@ -150,6 +151,7 @@ def create_app(
         ollama_api.router,
         tokenizer_api.router,
         embeddings_api.router,
+        embeddings_api.ollama_router,
         lora_api.router,
         app.router,
     )

@@ -11,28 +11,23 @@ with every other request, without decoding.
 from __future__ import annotations
 
 import base64
-import json
-import re
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 
 from astrai.server.errors import APIError
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import GenerationService
+from astrai.server.ollama_api import JSONBodyRoute, check_keep_alive, served_name
 from astrai.server.protocol import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
 
 router = APIRouter()
-Body = TypeVar("Body", bound=BaseModel)
-
-# A keep_alive that asks to unload the model now: 0, "0", "0s", "0m", ...
-_UNLOAD_NOW = re.compile(r"0+(\.0*)?[a-z]*")
+# Ollama's routes read their body as JSON whatever its Content-Type, as Ollama's own do.
+ollama_router = APIRouter(route_class=JSONBodyRoute)
 
 
 def _service(request: Request) -> GenerationService:
@@ -122,51 +117,6 @@ def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
 # Ollama
 
 
-async def _ollama_body(request: Request, model: type[Body]) -> Body:
-    """The request's body as model: Ollama reads JSON whatever the content type says, and its
-    users send it with `curl -d`, which says a form."""
-    try:
-        data = json.loads(await request.body())
-    except ValueError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-
-
-def _ollama_model(service: GenerationService, name: str) -> str:
-    """The served model or adapter an Ollama model name means: Ollama names a model with a
-    tag, so each answers as itself and as NAME:latest."""
-    served = service.served_models()
-    model = name.removesuffix(":latest")
-    if model not in served:
-        names = ", ".join(repr(n) for n in served)
-        raise APIError(404, f"model {name!r} not found; this server serves {names}")
-    return model
-
-
-def _check_keep_alive(keep_alive: Any) -> None:
-    """The model stays loaded while the server runs, which holds any keep_alive but one that
-    asks to unload it now."""
-    if keep_alive is None:
-        return
-    if isinstance(keep_alive, int | float) and not isinstance(keep_alive, bool):
-        unload = keep_alive == 0
-    elif isinstance(keep_alive, str):
-        unload = _UNLOAD_NOW.fullmatch(keep_alive.strip()) is not None
-    else:
-        message = f"keep_alive must be a duration, got {keep_alive!r}"
-        raise APIError(400, message, param="keep_alive")
-    if unload:
-        raise APIError(
-            400,
-            "keep_alive 0 asks to unload the model, which astrai keeps loaded while it serves; "
-            "leave keep_alive out",
-            param="keep_alive",
-        )
-
-
 def _context_length(service: GenerationService, options: dict[str, Any] | None) -> int:
     """The most tokens of one input: the server's context length, or less under num_ctx, the
     one option that bears on an embedding; any other option is refused."""
@@ -199,13 +149,12 @@ async def _ollama_prompts(
     return prompts
 
 
-@router.post("/api/embed")
-async def ollama_embed(request: Request) -> dict:
+@ollama_router.post("/api/embed")
+async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
     started = time.perf_counter()
-    body = await _ollama_body(request, OllamaEmbedRequest)
     service = _service(request)
-    model = _ollama_model(service, body.model)
-    _check_keep_alive(body.keep_alive)
+    model = served_name(service, body.model)
+    check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     texts = [body.input] if isinstance(body.input, str) else body.input
     texts = [text for text in texts if text]  # Ollama embeds no empty text
@@ -222,12 +171,11 @@ async def ollama_embed(request: Request) -> dict:
     }
 
 
-@router.post("/api/embeddings")
-async def ollama_embeddings(request: Request) -> dict:
-    body = await _ollama_body(request, OllamaEmbeddingsRequest)
+@ollama_router.post("/api/embeddings")
+async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> dict:
     service = _service(request)
-    model = _ollama_model(service, body.model)
-    _check_keep_alive(body.keep_alive)
+    model = served_name(service, body.model)
+    check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     if not body.prompt:
         return {"embedding": []}

@@ -37,7 +37,7 @@ from astrai.server.sse import NDJSONResponse, ndjson_line
 from astrai.server.tool_parsers import ToolCallStream, ToolChoice, ToolUse
 
 
-class _JSONBodyRoute(APIRoute):
+class JSONBodyRoute(APIRoute):
     """A route that reads its body as JSON whatever its Content-Type says, as Ollama does: its
     own curl examples send none, so curl sends its form default."""
 
@@ -52,7 +52,7 @@ class _JSONBodyRoute(APIRoute):
         return handle
 
 
-router = APIRouter(route_class=_JSONBodyRoute)
+router = APIRouter(route_class=JSONBodyRoute)
 
 # The Ollama release whose API this follows (thinking, tool_name, capabilities): clients compare
 # /api/version with the release a feature came in. astrai's own version is at /version.
@@ -75,7 +75,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _served_name(service: GenerationService, name: str | None) -> str | None:
+def served_name(service: GenerationService, name: str | None) -> str | None:
     """The served model (or LoRA adapter) a request names, checked (a 404 otherwise). Ollama's
     names carry a tag, latest when left out: a served model answers to both."""
     if name is not None and name.endswith(":latest"):
@@ -84,7 +84,7 @@ def _served_name(service: GenerationService, name: str | None) -> str | None:
     return name
 
 
-def _check_keep_alive(keep_alive: float | str | None) -> None:
+def check_keep_alive(keep_alive: float | str | None) -> None:
     """A negative keep_alive keeps the model loaded for ever, as astrai serve does; any other
     asks to unload it after a while, which astrai cannot: a 400."""
     if keep_alive is None:
@@ -353,9 +353,9 @@ def _loaded(head: dict, body: dict) -> dict:
 async def chat(body: OllamaChatRequest, request: Request):
     received = time.perf_counter()
     service = _service(request)
-    model = _served_name(service, body.model)
+    model = served_name(service, body.model)
     refuse_unsupported(body)
-    _check_keep_alive(body.keep_alive)
+    check_keep_alive(body.keep_alive)
     head = {"model": body.model}
     template_kwargs = _thinking(service, body.think)
     if not body.messages:
@@ -428,9 +428,9 @@ async def _generate_prompt(
 async def generate(body: OllamaGenerateRequest, request: Request):
     received = time.perf_counter()
     service = _service(request)
-    model = _served_name(service, body.model)
+    model = served_name(service, body.model)
     refuse_unsupported(body)
-    _check_keep_alive(body.keep_alive)
+    check_keep_alive(body.keep_alive)
     head = {"model": body.model}
     template_kwargs = _thinking(service, body.think)
     if not body.prompt:
@@ -524,7 +524,7 @@ async def running(request: Request) -> dict:
 @router.post("/api/show")
 async def show(body: OllamaShowRequest, request: Request) -> dict:
     service = _service(request)
-    model = _served_name(service, body.model or body.name)
+    model = served_name(service, body.model or body.name)
     refuse_unsupported(body)
     config = service.engine.model.config
     # Clients read the context length as model_info[f"{general.architecture}.context_length"].

@@ -529,7 +529,7 @@ class OllamaEmbedRequest(_Request):
     truncate: bool = True
     dimensions: int | None = Field(default=None, ge=1)
     options: dict[str, Any] | None = None
-    keep_alive: Any = None
+    keep_alive: float | str | None = None
 
     _text = field_validator("model", "input")(_unicode_strings)
 
@@ -540,7 +540,7 @@ class OllamaEmbeddingsRequest(_Request):
     model: str
     prompt: str = ""
     options: dict[str, Any] | None = None
-    keep_alive: Any = None
+    keep_alive: float | str | None = None
 
     _text = field_validator("model", "prompt")(_unicode_strings)
 
