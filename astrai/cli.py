@@ -333,6 +333,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send the prompt as a user message through the model's chat template",
     )
+    generate.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image (PNG, JPEG, WebP, GIF) the user message shows before the prompt, for a "
+        "vision-language model; implies --chat; repeat it for several images",
+    )
     chat = commands.add_parser(
         "chat",
         help="chat interactively; keeps the conversation's history",
@@ -597,14 +604,26 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
     )
     model, tokenizer = _load_model(args, config, model_dir)
     prompt = args.prompt
-    if args.chat:
+    images = [_read_image(path, config) for path in args.image or ()]
+    image_tokens = 0
+    if images:
+        if model.vision is None:
+            raise ConfigError(f"--image needs a vision-language model; {model_dir} reads text only")
+        parts = [{"type": "image", "image": image} for image in images]
+        content = [*parts, {"type": "text", "text": prompt}]
+        prompt = GenerationRequest(({"role": "user", "content": content},), params)
+        placeholder = tokenizer.id_to_token(model.vision.image_token_id)
+        prompt_ids = tokenizer.apply_chat_template(prompt.rendered_messages(placeholder))
+        image_tokens = len(images) * (model.vision.tokens_per_image - 1)
+    elif args.chat:
         prompt = GenerationRequest(({"role": "user", "content": prompt},), params)
         prompt_ids = tokenizer.apply_chat_template(list(prompt.messages))
     else:
         prompt_ids = tokenizer.encode(prompt)
     if "max_total_tokens" not in given_flags(EngineConfig, args):
-        # The prompt and its output are all this command's KV pool ever holds.
-        tokens = len(prompt_ids) + params.max_tokens
+        # The prompt (each image's placeholder expanded) and its output are all this command's
+        # KV pool ever holds.
+        tokens = len(prompt_ids) + image_tokens + params.max_tokens
         config = dataclasses.replace(config, max_total_tokens=tokens)
     with InferenceEngine(model, tokenizer, config) as engine:
         for piece in engine.generate(prompt, params, stream=True):
@@ -612,6 +631,22 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
             sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _read_image(path: str, config: EngineConfig):
+    """The image of a file, decoded within the engine's image limits."""
+    from astrai.model.vision.decode import ImageError, ImageLimits, decode_image
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--image {path}: cannot read it ({exc.strerror})") from exc
+    try:
+        return decode_image(
+            data, ImageLimits(config.max_image_bytes, config.max_image_pixels), path
+        )
+    except ImageError as exc:
+        raise ConfigError(f"--image: {exc}") from exc
 
 
 def _chat(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:

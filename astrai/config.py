@@ -361,6 +361,13 @@ class EngineConfig:
         True, "reuse the KV cache of shared prompt prefixes", flag="--prefix-cache"
     )
     max_waiting: int = setting(1024, "most requests queued before new ones are refused")
+    max_images_per_request: int = setting(
+        8, "most images one request's prompt may hold (vision-language models)"
+    )
+    max_image_pixels: int = setting(
+        4096 * 4096, "most pixels (width x height) an image of a request may declare"
+    )
+    max_image_bytes: int = setting(20 << 20, "most bytes an image of a request may take")
     check_invariants: bool = setting(
         False, "raise, not only log, when the KV page accounting check at idle finds an error"
     )
@@ -453,6 +460,9 @@ class EngineConfig:
             "page_size": self.page_size,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_waiting": self.max_waiting,
+            "max_images_per_request": self.max_images_per_request,
+            "max_image_pixels": self.max_image_pixels,
+            "max_image_bytes": self.max_image_bytes,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:

@@ -35,7 +35,7 @@ def interpret_triton_kernels() -> None:
 if not torch.cuda.is_available():
     interpret_triton_kernels()
 
-from tiny_models import write_hf_model, write_tokenizer  # noqa: E402
+from tiny_models import write_hf_model, write_llava_model, write_tokenizer  # noqa: E402
 
 from astrai.kernels import linear_ops, quant_ops  # noqa: E402
 
@@ -58,3 +58,8 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> Path:
     return write_hf_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory) -> Path:
+    return write_llava_model(tmp_path_factory.mktemp("llava"))

@@ -22,8 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from PIL import Image
 from serve_process import astrai_serve
-from tiny_models import add_snapshot, write_hf_model
+from tiny_models import add_snapshot, noise_image, write_hf_model
 
 import astrai
 from astrai.cli import (
@@ -77,6 +78,27 @@ def test_generate_streams_the_engines_greedy_text(llama_dir, engine):
     assert run.returncode == 0, run.stderr
     assert run.stdout == engine.generate("Hello world", max_tokens=10, temperature=0) + "\n"
     assert "demo model" not in run.stderr
+
+
+def test_generate_with_images_answers_as_the_engine(llava_dir, llama_dir, tmp_path):
+    files = [tmp_path / "a.png", tmp_path / "b.jpg"]
+    for seed, file in enumerate(files):
+        noise_image(seed).save(file)
+    model = AutoModel.from_pretrained(llava_dir)
+    images = [Image.open(file) for file in files]
+    parts = [{"type": "image", "image": image} for image in images]
+    request = GenerationRequest(
+        ({"role": "user", "content": [*parts, {"type": "text", "text": "Hello"}]},),
+        GenerationParams(max_tokens=10, temperature=0),
+    )
+    with InferenceEngine(model, AutoTokenizer.from_pretrained(llava_dir)) as engine:
+        expected = engine.generate(request)
+    images_flags = [flag for file in files for flag in ("--image", str(file))]
+    run = astrai_cli("generate", "--model", str(llava_dir), *GREEDY, *images_flags, "Hello")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected + "\n"
+    text_only = astrai_cli("generate", "--model", str(llama_dir), *GREEDY, *images_flags, "Hi")
+    assert text_only.returncode != 0 and "reads text only" in text_only.stderr
 
 
 def test_generate_with_chat_template_and_stop(llama_dir, engine):

@@ -11,6 +11,8 @@ import hashlib
 import importlib.util
 import json
 import re
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -425,3 +427,68 @@ def tokens_logprobs_cached(engine, prompt: list[int], params) -> tuple[list[int]
         logprobs += [entry.logprob for entry in event.logprobs or ()]
     result = task.result()
     return result.token_ids, logprobs, result.cached_tokens
+
+
+IMAGE_TOKEN = "<image>"
+# A CLIP tower of 28x28 images in 7x7 patches: 16 patch features, so 16 tokens an image.
+TINY_CLIP = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    image_size=28,
+    patch_size=7,
+)
+
+
+def write_llava_model(directory: Path, seed: int = 0) -> Path:
+    """Write a random-weight LLaVA-1.5-style checkpoint (CLIP tower, MLP projector, Llama),
+    its CLIP image processor, and the test tokenizer with an `<image>` token added."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    write_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens([IMAGE_TOKEN])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**TINY_CLIP),
+        text_config=transformers.LlamaConfig(**TINY),
+        image_token_index=tokenizer.token_to_id(IMAGE_TOKEN),
+        image_seq_length=16,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear-cut greedy choices, as write_hf_model
+        # Random init gives a projector whose outputs are small beside the token embeddings;
+        # larger ones make what the image says matter to the next token.
+        model.model.multi_modal_projector.linear_2.weight.mul_(20.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    size = TINY_CLIP["image_size"]
+    transformers.CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    ).save_pretrained(directory)
+    return directory
+
+
+def noise_image(seed: int, size: tuple[int, int] = (40, 32), mode: str = "RGB"):
+    """A random-noise Pillow image, the same for the same seed."""
+    import numpy as np
+    from PIL import Image
+
+    shape = (size[1], size[0], len(mode)) if len(mode) > 1 else (size[1], size[0])
+    pixels = np.random.default_rng(seed).integers(0, 256, shape)
+    return Image.fromarray(pixels.astype(np.uint8), mode)
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A PNG of a few bytes whose header declares width x height pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    row = zlib.compress(b"\0" * 64)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", row) + chunk(b"IEND", b"")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from astrai.config import ACTIVATION_PRECISIONS
-from astrai.inference.executor import ExecutorFailedError, ModelExecutor
+from astrai.inference.executor import ExecutorFailedError, ImageRows, ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 from astrai.kernels.quant_ops import DEFAULT_ACTIVATION_PRECISION
 
@@ -77,9 +77,12 @@ class TensorParallelExecutor(ModelExecutor):
         rows: np.ndarray,
         spans: Sequence[int],
         hidden_rows: np.ndarray | None = None,
+        images: ImageRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ModelExecutor.forward's; the hidden states are rank 0's own (its norm and residual
-        stream are the whole model's), so the workers compute only the logits."""
+        stream are the whole model's), so the workers compute only the logits. images is never
+        set: load_sharded loads no vision encoder, so no prompt has images."""
+        assert images is None, "tensor-parallel steps carry no image embeddings"
         page_size = self.cache.page_size
         tables = [
             self.cache.tasks.pages(task_id)[: -(-(start + n) // page_size)]
@@ -89,7 +92,7 @@ class TensorParallelExecutor(ModelExecutor):
         # in a collective, so no step can follow it.
         try:
             self.group.send(*pack_step(seqs, token_ids, tables, rows, spans))
-            logits, hidden = super().forward(seqs, token_ids, rows, spans, hidden_rows)
+            logits, hidden = super().forward(seqs, token_ids, rows, spans, hidden_rows, images)
             return gathered_logits(self.group, logits), hidden
         except Exception as exc:
             # Noted on the group, so close() does not wait on workers stuck in this step.

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from astrai.config import POOLINGS, ConfigError, EngineConfig
 from astrai.inference.constraints import CompiledConstraint, Constraint, ConstraintCompiler
@@ -30,6 +31,7 @@ from astrai.inference.task import (
     STOP,
     GenerationParams,
     InvalidParamsError,
+    PromptImage,
     PromptTooLongError,
     RequestError,
     Task,
@@ -50,9 +52,14 @@ EMBEDDING_PARAMS = GenerationParams(max_tokens=0)
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A chat request: messages rendered through the model's chat template, plus settings."""
+    """A chat request: messages rendered through the model's chat template, plus settings.
 
-    messages: tuple[dict[str, str], ...]
+    A message's content is a string, or a list of parts: {"type": "text", "text": str} and, for
+    a model with a vision encoder, {"type": "image", "image": PIL.Image.Image}, an image placed
+    where its part is.
+    """
+
+    messages: tuple[dict[str, Any], ...]
     params: GenerationParams = field(default_factory=GenerationParams)
     stream: bool = False
 
@@ -68,9 +75,74 @@ class GenerationRequest:
                     f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                     f"got {message.get('role')!r}"
                 )
-            if not isinstance(message.get("content"), str):
-                raise RequestError(f"messages[{i}].content must be a string")
+            content = message.get("content")
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    _check_part(part, f"messages[{i}].content[{j}]")
+            elif not isinstance(content, str):
+                raise RequestError(f"messages[{i}].content must be a string or a list of parts")
         object.__setattr__(self, "messages", messages)
+
+    @property
+    def images(self) -> list[Image.Image]:
+        """The images of the messages' parts, in order."""
+        return [
+            part["image"]
+            for message in self.messages
+            if isinstance(message["content"], list)
+            for part in message["content"]
+            if part["type"] == "image"
+        ]
+
+    def rendered_messages(self, placeholder: str) -> list[dict[str, str]]:
+        """The messages with string contents, as a chat template takes them (render_parts)."""
+        return [
+            {
+                **message,
+                "content": message["content"]
+                if isinstance(message["content"], str)
+                else render_parts(
+                    [p["text"] if p["type"] == "text" else p["image"] for p in message["content"]],
+                    placeholder,
+                ),
+            }
+            for message in self.messages
+        ]
+
+
+def _check_part(part: Any, where: str) -> None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return
+    if kind == "image" and isinstance(part.get("image"), Image.Image):
+        return
+    raise RequestError(
+        f"{where} must be {{'type': 'text', 'text': str}} or "
+        f"{{'type': 'image', 'image': PIL.Image.Image}}, got {part!r:.80}"
+    )
+
+
+@dataclass(frozen=True)
+class ImagePrompt(Sequence[int]):
+    """A prompt with images, as InferenceEngine.image_prompt makes it: its token ids, each
+    image's placeholder expanded to the tokens the image stands for, and its images,
+    preprocessed, in order. As a sequence it is its token ids."""
+
+    token_ids: list[int]
+    images: tuple[PromptImage, ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, index):
+        return self.token_ids[index]
+
+
+def render_parts(parts: Sequence[str | Any], placeholder: str) -> str:
+    """A message's content parts as one string: text parts as they are, each image part (any
+    part that is not a str) as the model's image placeholder on a line of its own, as
+    LLaVA-style chat templates write it."""
+    return "".join(part if isinstance(part, str) else f"{placeholder}\n" for part in parts)
 
 
 @dataclass
@@ -459,22 +531,50 @@ class InferenceEngine:
 
     # -- submitting -------------------------------------------------------------------------
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int] | ImagePrompt:
+        """A prompt's token ids; an ImagePrompt for a chat request with images."""
         if isinstance(prompt, GenerationRequest):
-            return list(self.tokenizer.apply_chat_template(list(prompt.messages)))
+            images = prompt.images
+            if not images:
+                return list(self.tokenizer.apply_chat_template(list(prompt.messages)))
+            messages = prompt.rendered_messages(self.image_placeholder)
+            return self.image_prompt(self.tokenizer.apply_chat_template(messages), images)
         if not isinstance(prompt, str):
             raise RequestError(f"a prompt must be a str or a GenerationRequest, got {prompt!r}")
         return self.tokenizer.encode(prompt)
 
+    @property
+    def image_placeholder(self) -> str:
+        """The text of the model's image token, which a prompt holds once where each image
+        goes; a RequestError for a model without a vision encoder."""
+        return self.tokenizer.id_to_token(self.check_images(0).image_token_id)
+
+    def check_images(self, n_images: int) -> torch.nn.Module:
+        """The model's vision encoder, for a prompt of n_images images; a RequestError when the
+        model has none or the prompt holds more images than a request may."""
+        vision = self.model.vision
+        if vision is None:
+            raise RequestError(
+                "the prompt holds images, but this model reads text only (it has no vision "
+                "encoder); send text, or serve a vision-language model"
+            )
+        limit = self.config.max_images_per_request
+        if n_images > limit:
+            raise RequestError(
+                f"the prompt holds {n_images} images, over the limit of {limit} per request "
+                "(the operator sets it with --max-images-per-request)"
+            )
+        return vision
+
     def submit_all(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | ImagePrompt],
         params: GenerationParams,
         callback: TaskCallback,
         pooling: str | None = None,
     ) -> list[list[Task]]:
-        """Queue params.n tasks of every prompt, all or none; callback(task, TaskDelta | STOP)
-        runs on the loop.
+        """Queue params.n tasks of every prompt (token ids, or an ImagePrompt), all or none;
+        callback(task, TaskDelta | STOP) runs on the loop.
 
         Every prompt is checked, params.constraint compiled (ConstraintError) and the tasks go
         into the queue in one step, so a refused prompt, a bad constraint or a queue without
@@ -489,7 +589,10 @@ class InferenceEngine:
         prompts = [self._checked(ids, params) for ids in prompts]
         self._check_token_ids(params)
         compiled = None if params.constraint is None else self.compile(params.constraint)
-        groups = [self._sample_tasks(ids, params, callback, compiled, pooling) for ids in prompts]
+        groups = [
+            self._sample_tasks(ids, images, params, callback, compiled, pooling)
+            for ids, images in prompts
+        ]
         tasks = [task for group in groups for task in group]
         if params.lora is not None:
             if self.adapters is None:
@@ -506,7 +609,10 @@ class InferenceEngine:
         return groups
 
     def submit(
-        self, prompt_ids: Sequence[int], params: GenerationParams, callback: TaskCallback
+        self,
+        prompt_ids: Sequence[int] | ImagePrompt,
+        params: GenerationParams,
+        callback: TaskCallback,
     ) -> list[Task]:
         """Queue params.n tasks of one prompt; callback(task, TaskDelta | STOP) runs on the loop."""
         [tasks] = self.submit_all([prompt_ids], params, callback)
@@ -527,10 +633,13 @@ class InferenceEngine:
 
     def _kv_root(self, task: Task) -> bytes | None:
         """The key the prefix cache files task's pages under (TaskPages.root): its adapter's,
-        and the rotation a long prompt's tokens take (astrai.model.rope), None if neither."""
+        the rotation a long prompt's tokens take (astrai.model.rope), and the digest of every
+        image of its prompt (a page before the first image is keyed by them too: simple, and
+        never wrong); None if none of these."""
         parts = [
             None if task.adapter is None else task.adapter.prefix_key,
             self.model.rope.length_key(len(task.prompt_ids)),
+            *(image.digest for image in task.images),
         ]
         parts = [part for part in parts if part is not None]
         return hashlib.blake2b(b"|".join(parts), digest_size=16).digest() if parts else None
@@ -569,9 +678,21 @@ class InferenceEngine:
                     f"[0, {vocab})"
                 )
 
-    def _checked(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
-        """The prompt as a list; a request that could never run is refused now, not truncated."""
-        prompt_ids = list(prompt_ids)
+    def _checked(
+        self, prompt: Sequence[int] | ImagePrompt, params: GenerationParams
+    ) -> tuple[list[int], list[PromptImage]]:
+        """The prompt's token ids (each image placeholder expanded to its tokens) and images; a
+        request that could never run is refused now, not truncated."""
+        if isinstance(prompt, ImagePrompt):
+            prompt_ids, images = list(prompt.token_ids), list(prompt.images)
+        else:
+            prompt_ids, images = list(prompt), []
+            vision = self.model.vision
+            if vision is not None and vision.image_token_id in prompt_ids:
+                raise RequestError(
+                    "the prompt holds the image token but no image; send the image with it "
+                    "(an image part of the request, or InferenceEngine.image_prompt)"
+                )
         if not prompt_ids:
             raise RequestError("the prompt is empty; give at least one token")
         vocab = self.model.config.vocab_size
@@ -583,11 +704,41 @@ class InferenceEngine:
         pool_tokens = self.cache.n_pages * self.cache.page_size
         if n + new > pool_tokens:
             raise PromptTooLongError(n, new, pool_tokens, "the KV cache pool")
-        return prompt_ids
+        return prompt_ids, images
+
+    def image_prompt(self, token_ids: Sequence[int], images: Sequence[Image.Image]) -> ImagePrompt:
+        """The prompt of token_ids that hold one placeholder token (the model's image token)
+        where each image goes: each placeholder expanded to the tokens its image stands for
+        (as transformers' LlavaProcessor expands `<image>`), the images preprocessed; a
+        RequestError for a model without vision, too many images or a miscount."""
+        token_ids = list(token_ids)
+        vision = self.check_images(len(images))
+        image_token = vision.image_token_id
+        placeholders = token_ids.count(image_token)
+        if placeholders != len(images):
+            raise RequestError(
+                f"the prompt holds {placeholders} image placeholder(s) but {len(images)} "
+                "image(s) came with it; give one placeholder token per image"
+            )
+        expanded: list[int] = []
+        prompt_images: list[PromptImage] = []
+        pixels = iter(vision.processor(image) for image in images)
+        for token in token_ids:
+            if token != image_token:
+                expanded.append(token)
+                continue
+            pixel_values = next(pixels)
+            digest = hashlib.blake2b(pixel_values.numpy().tobytes(), digest_size=16).digest()
+            prompt_images.append(
+                PromptImage(pixel_values, digest, len(expanded), vision.tokens_per_image)
+            )
+            expanded += [image_token] * vision.tokens_per_image
+        return ImagePrompt(expanded, tuple(prompt_images))
 
     def _sample_tasks(
         self,
         prompt_ids: list[int],
+        images: list[PromptImage],
         params: GenerationParams,
         callback: TaskCallback,
         compiled: CompiledConstraint | None,
@@ -609,6 +760,7 @@ class InferenceEngine:
                     parent=tasks[0] if tasks else None,
                     constraint=None if compiled is None else compiled.new_state(),
                     pooling=pooling,
+                    images=images,
                 )
             )
         return tasks
@@ -713,7 +865,7 @@ class InferenceEngine:
     # -- asyncio API ------------------------------------------------------------------------
 
     def submit_all_async(
-        self, prompts: Sequence[Sequence[int]], params: GenerationParams
+        self, prompts: Sequence[Sequence[int] | ImagePrompt], params: GenerationParams
     ) -> RequestStream:
         """Queue every prompt's samples, all or none (errors raise here), and return their
         events merged into one async iterator.
@@ -735,7 +887,9 @@ class InferenceEngine:
         params = replace(EMBEDDING_PARAMS, lora=lora)
         return RequestStream(self, prompts, params, pooling or self.pooling)
 
-    def submit_async(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestStream:
+    def submit_async(
+        self, prompt_ids: Sequence[int] | ImagePrompt, params: GenerationParams
+    ) -> RequestStream:
         """submit_all_async for one prompt: its n samples' events as an async iterator."""
         return self.submit_all_async([prompt_ids], params)
 

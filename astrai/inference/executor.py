@@ -15,7 +15,7 @@ from astrai.inference.attention import CacheView, DeviceCacheView, ragged_layout
 from astrai.inference.constraints import BatchMasker, ConstraintState, TokenMask
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
-from astrai.inference.task import Task, TokenLogprob
+from astrai.inference.task import PromptImage, Task, TokenLogprob
 from astrai.kernels import (
     SKINNY_MAX_ROWS,
     Arena,
@@ -96,6 +96,19 @@ class ScheduledChunk:
 class ExecutorFailedError(RuntimeError):
     """The executor can run no further step (a tensor-parallel rank is gone): the engine
     stops, where an ordinary step failure ends only the requests that fail alone."""
+
+
+@dataclass
+class ImageRows:
+    """The rows of a step that hold image placeholder tokens, and the image embeddings
+    [len(rows), dim] that take the place of their token embeddings."""
+
+    rows: torch.Tensor  # [n] int64
+    embeddings: torch.Tensor
+
+    def place(self, h: torch.Tensor) -> None:
+        """Write the image embeddings into the step's embeddings h [num_tokens, dim]."""
+        h.index_copy_(0, self.rows, self.embeddings.to(h.dtype))
 
 
 @dataclass
@@ -277,11 +290,12 @@ class CudaSteps:
         rows: np.ndarray,
         spans: Sequence[int],
         hidden_rows: np.ndarray | None = None,
+        images: ImageRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ModelExecutor.forward's logits and hidden states; logits from a graph are valid
         until the next step."""
         decodes = all(n == 1 for *_, n in seqs) and (hidden_rows is None or not len(hidden_rows))
-        if self.graphs and len(seqs) <= self.buckets[-1] and decodes:
+        if self.graphs and len(seqs) <= self.buckets[-1] and decodes and images is None:
             bucket = next(b for b in self.buckets if b >= len(seqs))
             captured = self.graphs[bucket]
             layout = ragged_layout(
@@ -298,17 +312,20 @@ class CudaSteps:
             self.cache, seqs, token_ids, self.n_heads, self.upload, spans, logit_rows=rows
         )
         hidden = None if hidden_rows is None else torch.from_numpy(hidden_rows)
-        return self._run(view, view.fields["logit_rows"], hidden)
+        return self._run(view, view.fields["logit_rows"], hidden, images)
 
     def _run(
         self,
         view: DeviceCacheView,
         rows: torch.Tensor | None,
         hidden_rows: torch.Tensor | None = None,
+        images: ImageRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits of rows, and the final hidden states of hidden_rows (None without)."""
         model = self.model
         h, cos, signed_sin = model.embed(view.token_ids, view.positions, view.rope_lengths)
+        if images is not None:
+            images.place(h)
         h, residual = model.run_layers(h, cos, signed_sin, view)
         logits = model.logits(h, residual, rows)
         if hidden_rows is None:
@@ -399,14 +416,15 @@ class ModelExecutor:
         rows: np.ndarray,
         spans: Sequence[int],
         hidden_rows: np.ndarray | None = None,
+        images: ImageRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float32 logits [len(rows), vocab] of the given rows of one ragged batch, and the
         final hidden states [len(hidden_rows), dim] of hidden_rows (None without them): seqs
         are (task_id, start, n) as CacheView takes them, token_ids their tokens back to back,
         spans each sequence's prompt length (what a token's rope may depend on,
-        astrai.model.rope)."""
+        astrai.model.rope), images the embeddings that replace image placeholder tokens'."""
         if self.cuda_steps is not None:
-            return self.cuda_steps.forward(seqs, token_ids, rows, spans, hidden_rows)
+            return self.cuda_steps.forward(seqs, token_ids, rows, spans, hidden_rows, images)
         view = CacheView(self.cache, seqs)
         model = self.model
         lengths = None
@@ -416,6 +434,8 @@ class ModelExecutor:
         h, cos, signed_sin = model.embed(
             torch.tensor(token_ids, dtype=torch.long, device=self.device), view.positions, lengths
         )
+        if images is not None:
+            images.place(h)
         if self.recorded is not None:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         else:
@@ -473,7 +493,10 @@ class ModelExecutor:
             self.adapters.begin_step(
                 *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
             )
-        logits, hidden = self.forward(seqs, token_ids, rows, spans, hidden_rows)
+        images = self._image_rows(chunks)
+        logits, hidden = self.forward(seqs, token_ids, rows, spans, hidden_rows, images)
+        if images is not None:
+            self._release_images(chunks)
         if pooling:
             self._pool(hidden, [chunk for chunk, _ in pooling])
         n_sampled = len(rows) - sum(chunk.scored_rows for chunk, _ in scored)
@@ -557,6 +580,43 @@ class ModelExecutor:
                 entries.append(TokenLogprob(targets[i], chosen[i], top, ranks[i]))
             chunk.prompt_logprobs = entries
             row += chunk.scored_rows
+
+    def _image_rows(self, chunks: Sequence[ScheduledChunk]) -> ImageRows | None:
+        """The step's image placeholder rows and their embeddings, None if it has none.
+
+        An image is encoded (all the step's new ones in one batch) when a chunk first feeds one
+        of its placeholders; a chunk that feeds part of them (chunked prefill) takes the
+        embeddings of those positions, so a prompt may be split anywhere.
+        """
+        wanted: list[tuple[PromptImage, int, int, int]] = []  # image, from, to, first row
+        first_row = 0
+        for chunk in chunks:
+            end = chunk.start + chunk.length
+            for image in chunk.task.images:
+                lo, hi = max(image.start, chunk.start), min(image.end, end)
+                if lo < hi:
+                    wanted.append(
+                        (image, lo - image.start, hi - image.start, first_row + lo - chunk.start)
+                    )
+            first_row += chunk.length
+        if not wanted:
+            return None
+        new = list({id(image): image for image, *_ in wanted if image.embeddings is None}.values())
+        if new:
+            pixels = torch.stack([image.pixel_values for image in new]).to(self.device)
+            for image, embeddings in zip(new, self.model.vision.encode(pixels), strict=True):
+                image.embeddings = embeddings  # [tokens_per_image, dim]
+        rows = torch.cat([torch.arange(row, row + hi - lo) for _, lo, hi, row in wanted])
+        embeddings = torch.cat([image.embeddings[lo:hi] for image, lo, hi, _ in wanted])
+        return ImageRows(rows.to(self.device), embeddings)
+
+    @staticmethod
+    def _release_images(chunks: Sequence[ScheduledChunk]) -> None:
+        """Drop the embeddings of images whose placeholders are all computed now."""
+        for chunk in chunks:
+            for image in chunk.task.images:
+                if image.end <= chunk.start + chunk.length:
+                    image.embeddings = None
 
     def _constraint_mask(self, states: Sequence[ConstraintState | None]) -> TokenMask | None:
         """The grammar masks of the sampling rows whose tasks are constrained, or None."""

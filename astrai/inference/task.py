@@ -400,6 +400,27 @@ TaskCallback = Callable[["Task", "TaskDelta | _Stop"], None]
 _task_ids = itertools.count()
 
 
+@dataclass(eq=False)
+class PromptImage:
+    """One image of a prompt: its pixel values, a digest of them (part of the prefix cache's
+    key), and the prompt positions start .. end - 1 of its placeholder tokens.
+
+    embeddings [end - start, dim] are the vision encoder's output, made by the first step that
+    computes one of its placeholders and dropped once the prompt is computed past them; a task
+    preempted after that encodes the pixels again for its recompute.
+    """
+
+    pixel_values: torch.Tensor  # [3, height, width]
+    digest: bytes
+    start: int
+    length: int
+    embeddings: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
 class Task:
     """One sequence being generated: its tokens, how much of it the KV cache holds, its text.
 
@@ -418,10 +439,14 @@ class Task:
         constraint: ConstraintState | None = None,
         adapter: LoraAdapter | None = None,
         pooling: str | None = None,
+        images: Sequence[PromptImage] = (),
     ) -> None:
         """pooling ("last" or "mean") makes an embedding task, which has max_tokens 0."""
         self.id = next(_task_ids)
         self.prompt_ids = list(prompt_ids)
+        # The prompt's images, in the order of their placeholder tokens (shared by the samples
+        # of one prompt).
+        self.images = list(images)
         self.params = params
         self.callback = callback
         self.parent = parent

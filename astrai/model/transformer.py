@@ -279,6 +279,9 @@ class Transformer(nn.Module):
         self.output = (
             None if config.tie_weight else Linear(config.dim, config.vocab_size, bias=False)
         )
+        # A vision-language checkpoint's image encoder (astrai.model.vision), set by its loader:
+        # it turns images into the embeddings of their placeholder tokens.
+        self.vision: nn.Module | None = None
 
     def forward(
         self,
@@ -377,6 +380,11 @@ class Transformer(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the native format: config.json and model.safetensors with native names."""
+        if self.vision is not None:
+            raise ValueError(
+                "the native format holds language models only; serve a vision-language model "
+                "from its Hugging Face directory"
+            )
         if any(isinstance(m, QuantizedLinear) for m in self.modules()):
             raise ValueError(
                 "the native format holds dense weights only; load the GGUF file with "

@@ -27,7 +27,6 @@ from astrai.server.protocol import (
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
-    OllamaMessage,
     OllamaOptions,
     OllamaShowRequest,
     ResponsesFunctionCall,
@@ -85,7 +84,6 @@ LOAD = (
     "is a setting of how the model is loaded, which astrai serve fixes when it starts (its "
     "flags, --help); leave it out"
 )
-IMAGES = "is not supported: astrai takes text only; leave it out"
 
 _OPENAI = {
     "user": NoOp("an end-user id for the hosted API's abuse monitoring"),
@@ -275,7 +273,6 @@ RULES.update(
                 )
             },
         },
-        OllamaMessage: {"images": Refused(IMAGES, noop=([],))},
         OllamaGenerateRequest: {
             "suffix": Refused("is not supported: astrai has no fill-in-the-middle", noop=("",)),
             "template": Refused(TEMPLATE, noop=("",)),
@@ -284,7 +281,6 @@ RULES.update(
                 "conversation to /api/chat instead",
                 noop=([],),
             ),
-            "images": Refused(IMAGES, noop=([],)),
             **{
                 name: Refused("is not supported: astrai generates text, not images")
                 for name in ("width", "height", "steps")

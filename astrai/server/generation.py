@@ -29,9 +29,12 @@ from astrai.inference import (
     TokenLogprob,
 )
 from astrai.inference.constraints import Constraint, ConstraintError
+from astrai.inference.engine import ImagePrompt, render_parts
 from astrai.model.lora import UnknownAdapterError
+from astrai.model.vision.decode import ImageError, ImageLimits, decode_image
 from astrai.server.errors import CLIENT_CLOSED, APIError
 from astrai.server.metrics import ServerMetrics
+from astrai.server.protocol import RequestImage
 from astrai.server.reasoning import ReasoningParser
 from astrai.server.tool_parsers import HermesParser, ToolCallParser, ToolChoice, ToolUse
 from astrai.tokenize import ChatTemplateError
@@ -323,6 +326,13 @@ class GenerationService:
         fits in the context; None keeps all."""
         if keep is None:
             return prompts
+        if any(isinstance(p, ImagePrompt) for p in prompts):
+            raise APIError(
+                400,
+                "truncate_prompt_tokens cannot cut a prompt with images (it could cut an image "
+                "in two); leave it out",
+                param="truncate_prompt_tokens",
+            )
         if keep == -1:
             keep = self.engine.max_seq_len
         if keep == 0:
@@ -356,8 +366,9 @@ class GenerationService:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """The same encoding as InferenceEngine.generate by default, so greedy results match it.
+    ) -> list[int] | ImagePrompt:
+        """The same encoding as InferenceEngine.generate by default, so greedy results match it;
+        a message's images (RequestImage parts of its content) make it an ImagePrompt.
 
         A message without content has empty content, as vLLM hands it (templates concatenate
         it). tools (OpenAI function definitions) go to the template as transformers hands them,
@@ -370,6 +381,7 @@ class GenerationService:
         """
         tokenizer = self.tokenizer
         messages = [{**m, "content": m.get("content") or ""} for m in messages]
+        messages, images = self._placed_images(messages)
         if tools and self.shows_tools_itself:
             messages, tools = self.tool_parser.show_tools(messages, tools), None
         if continue_final_message:
@@ -392,15 +404,59 @@ class GenerationService:
                 **(template_kwargs or {}),
             )
 
-        def encode() -> list[int]:
+        def encode() -> list[int] | ImagePrompt:
             text = render(messages)
             _check_custom_roles(render, messages)
-            return tokenizer.encode(text, add_special_tokens)
+            ids = tokenizer.encode(text, add_special_tokens)
+            return self._image_prompt(ids, images) if images else ids
 
         try:
             return await asyncio.to_thread(encode)
         except ChatTemplateError as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+    def _placed_images(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[tuple[str, RequestImage]]]:
+        """The messages with string contents, each image written as the model's placeholder
+        (render_parts), and the images in order, each with where the request holds it; a 400
+        for images to a model without vision, or too many."""
+        images = [
+            (f"messages[{i}]'s image {k + 1}", part)
+            for i, message in enumerate(messages)
+            if isinstance(message["content"], list)
+            for k, part in enumerate(p for p in message["content"] if not isinstance(p, str))
+        ]
+        if not images:
+            return messages, []
+        try:
+            self.engine.check_images(len(images))
+        except RequestError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        placeholder = self.engine.image_placeholder
+        rendered = [
+            {**m, "content": render_parts(m["content"], placeholder)}
+            if isinstance(m["content"], list)
+            else m
+            for m in messages
+        ]
+        return rendered, images
+
+    def _image_prompt(self, ids: list[int], images: list[tuple[str, RequestImage]]) -> ImagePrompt:
+        """The prompt of ids with the images decoded within the engine's limits; a 400 naming
+        the image that is not a readable one, or too large."""
+        config = self.engine.config
+        limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+        decoded = []
+        for where, image in images:
+            try:
+                decoded.append(decode_image(image.data, limits, where))
+            except ImageError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+        try:
+            return self.engine.image_prompt(ids, decoded)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
 
     async def text_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of a completion prompt, encoded off the event loop like chat_prompt.

@@ -417,8 +417,15 @@ async def _generate_prompt(
                     "prompt, or leave raw out",
                     param=name,
                 )
+        if body.images:
+            raise APIError(
+                400,
+                "images need the chat template to place them, which raw leaves out; send them "
+                "without raw",
+                param="images",
+            )
         return await service.text_prompt(body.prompt)
-    messages = [{"role": "user", "content": body.prompt}]
+    messages = [{"role": "user", "content": body.user_content()}]
     if body.system:
         messages.insert(0, {"role": "system", "content": body.system})
     return await service.chat_prompt(messages, template_kwargs=template_kwargs)

@@ -11,7 +11,10 @@ server refuse the same values with the same messages.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -84,6 +87,89 @@ def _text_of(content: Any) -> str:
     return _unicode("".join(texts))
 
 
+@dataclass(frozen=True)
+class RequestImage:
+    """An image a message carries: the bytes of its file, decoded (within the engine's limits)
+    when the prompt is built."""
+
+    data: bytes
+
+
+REMOTE_IMAGES_REFUSED = (
+    "astrai does not fetch images from URLs (fetching them server-side would let a client "
+    "reach the server's network); send the image inline, base64-encoded"
+)
+
+
+def _base64_image(data: Any, what: str) -> RequestImage:
+    if not isinstance(data, str):
+        raise ValueError(f"{what} must be a base64 string")
+    try:
+        return RequestImage(base64.b64decode(data, validate=True))
+    except binascii.Error:
+        raise ValueError(f"{what} is not valid base64") from None
+
+
+def _openai_image(part: dict) -> RequestImage:
+    """An OpenAI image_url part's image, from its data: URL."""
+    image_url = part.get("image_url")
+    unknown = sorted(set(part) - {"type", "image_url"})
+    if unknown:
+        raise ValueError(f"an image_url part's {unknown[0]!r} is not supported by astrai")
+    if isinstance(image_url, str):  # some clients send the URL itself
+        image_url = {"url": image_url}
+    if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
+        raise ValueError("an image_url part needs image_url.url, a data: URL")
+    if image_url.get("detail", "auto") != "auto":
+        raise ValueError(
+            f"image_url.detail {image_url['detail']!r} is not supported: the model sees every "
+            "image at its one resolution; leave detail out or send 'auto'"
+        )
+    unknown = sorted(set(image_url) - {"url", "detail"})
+    if unknown:
+        raise ValueError(f"image_url's {unknown[0]!r} is not supported by astrai")
+    url = image_url["url"]
+    if url.startswith(("http://", "https://")):
+        raise ValueError(f"image_url.url is a remote URL: {REMOTE_IMAGES_REFUSED} (a data: URL)")
+    header, comma, payload = url.partition(",")
+    if not header.startswith("data:") or not comma:
+        raise ValueError("image_url.url must be a data: URL, data:image/png;base64,...")
+    if not header.endswith(";base64"):
+        raise ValueError("image_url.url's data: URL must hold base64 data (data:...;base64,...)")
+    return _base64_image(payload, "image_url.url's data")
+
+
+def _anthropic_image(block: dict) -> RequestImage:
+    """An Anthropic image block's image, from its base64 source."""
+    unknown = sorted(key for key in block if key not in ("type", "source", "cache_control"))
+    if unknown:
+        raise ValueError(f"an image block's {unknown[0]!r} is not supported by astrai")
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise ValueError("an image block needs a source object")
+    if source.get("type") == "url":
+        raise ValueError(f"an image block's source is a URL: {REMOTE_IMAGES_REFUSED}")
+    if source.get("type") != "base64":
+        raise ValueError("an image block's source.type must be 'base64' (with media_type, data)")
+    return _base64_image(source.get("data"), "the image block's source.data")
+
+
+def _parts_of(items: list[Any]) -> str | list[str | RequestImage]:
+    """Text parts and RequestImages as a message's content: its text alone where there is no
+    image, else its text pieces and images in order."""
+    parts: list[str | RequestImage] = []
+    for item in items:
+        if isinstance(item, RequestImage):
+            parts.append(item)
+        elif parts and isinstance(parts[-1], str):
+            parts[-1] += _text_of([item])
+        else:
+            parts.append(_text_of([item]))
+    if not any(isinstance(part, RequestImage) for part in parts):
+        return "".join(parts)
+    return parts
+
+
 # OpenAI
 
 
@@ -121,8 +207,16 @@ class ChatMessage(_Request):
 
     @field_validator("content")
     @classmethod
-    def _only_text(cls, content: str | list[Any] | None) -> str:
-        return _text_of(content)
+    def _text_and_images(cls, content: str | list[Any] | None) -> str | list:
+        """The text, or text pieces and images (image_url parts) in order."""
+        if not isinstance(content, list):
+            return _text_of(content)
+        return _parts_of(
+            [
+                _openai_image(p) if isinstance(p, dict) and p.get("type") == "image_url" else p
+                for p in content
+            ]
+        )
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self) -> ChatMessage:
@@ -303,10 +397,18 @@ class AnthropicMessage(_Request):
     @field_validator("content")
     @classmethod
     def _blocks(cls, content: str | list[Any]) -> str | list[dict]:
-        """Text, or blocks: text, tool_use (in assistant turns), tool_result (in user turns)."""
+        """Text, or blocks: text, image, tool_use (in assistant turns), tool_result (in user
+        turns)."""
         if isinstance(content, str):
             return _unicode(content)
-        return [_tool_block(block) if _is_tool_block(block) else block for block in content]
+        return [
+            _tool_block(block)
+            if _is_tool_block(block)
+            else _anthropic_image(block)
+            if isinstance(block, dict) and block.get("type") == "image"
+            else block
+            for block in content
+        ]
 
     @model_validator(mode="after")
     def _tool_blocks_fit_the_role(self) -> AnthropicMessage:
@@ -317,7 +419,7 @@ class AnthropicMessage(_Request):
         if not isinstance(self.content, str):
             for block in filter(_is_thinking_block, self.content):
                 _thinking_of(block, self.role)
-            _text_of(self._text_blocks())
+            _parts_of(self._text_blocks())
         return self
 
     def _text_blocks(self) -> list[Any]:
@@ -331,7 +433,7 @@ class AnthropicMessage(_Request):
         tool_calls, and each tool_result block a tool message ahead of the user's text."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        text = _text_of(self._text_blocks())
+        text = _parts_of(self._text_blocks())
         blocks = self._tool_blocks()
         if self.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -874,15 +976,28 @@ class OllamaToolCall(_Request):
     function: OllamaFunctionCall
 
 
+def _ollama_images(images: list[str] | None) -> list[RequestImage] | None:
+    """Ollama's images: base64 strings (no data: URL prefix)."""
+    if images is None:
+        return None
+    return [_base64_image(image, f"images[{i}]") for i, image in enumerate(images)]
+
+
+def _with_images(text: str, images: list[RequestImage] | None) -> str | list:
+    """A message's content with Ollama's images: the images first, then the text."""
+    return [*images, text] if images else text
+
+
 class OllamaMessage(_Request):
     role: str
     content: str = ""
     thinking: str | None = None
-    images: Any = None
+    images: list[str] | None = None
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None
 
     _text = field_validator("role", "content", "thinking", "tool_name")(_unicode_strings)
+    _images = field_validator("images")(_ollama_images)
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self) -> OllamaMessage:
@@ -895,7 +1010,8 @@ class OllamaMessage(_Request):
     def template_message(self) -> dict[str, Any]:
         """The message as chat templates take it, as transformers hands them: a tool message's
         tool_name is its name, an assistant's thinking its reasoning_content."""
-        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        content = _with_images(self.content, self.images)
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.thinking is not None:
             message["reasoning_content"] = self.thinking
         if self.tool_calls:
@@ -938,12 +1054,17 @@ class OllamaGenerateRequest(_OllamaGeneration):
     suffix: Any = None
     template: Any = None
     context: Any = None
-    images: Any = None
+    images: list[str] | None = None
     width: Any = None
     height: Any = None
     steps: Any = None
 
     _prompt_text = field_validator("prompt", "system")(_unicode_strings)
+    _images = field_validator("images")(_ollama_images)
+
+    def user_content(self) -> str | list:
+        """The prompt as the user message's content, its images before it."""
+        return _with_images(self.prompt, self.images)
 
 
 class OllamaShowRequest(_Request):

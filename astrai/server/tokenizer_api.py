@@ -31,6 +31,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         tokens = await service.chat_prompt(
             messages, body.add_generation_prompt, bool(body.add_special_tokens), tools
         )
+        tokens = list(tokens)  # an image prompt's ids, each image's placeholders expanded
     reply = {"count": len(tokens), "max_model_len": service.engine.max_seq_len, "tokens": tokens}
     if body.return_token_strs:
         reply["token_strs"] = [service.tokenizer.id_to_token(t) for t in tokens]

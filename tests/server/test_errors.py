@@ -62,7 +62,8 @@ CHAT_CASES = [
     ({"messages": [{"role": "tool", "content": "hi"}]}, "needs a tool_call_id"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "text content"),
     ({"messages": USER, "max_tokens": "many"}, "max_tokens"),
     ({"messages": USER, "temperature": "hot"}, "temperature"),
     ({"messages": USER, "stop": 5}, "stop"),
@@ -143,7 +144,14 @@ def test_unknown_fields_are_refused_and_metadata_is_not(server):
         ({"messages": USER, "max_tokens": 5, "top_p": 2}, "top_p"),
         ({"messages": [], "max_tokens": 5}, "messages"),
         ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, "messages.0.role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 5}, "text"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 5},
+            "source",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document"}]}], "max_tokens": 5},
+            "text",
+        ),
         ({"messages": USER, "max_tokens": 5, "stop_sequences": "END"}, "stop_sequences"),
     ],
 )

@@ -327,7 +327,7 @@ def test_think_is_the_template_s_switch_and_thinking_comes_apart(thinker, think)
         ({"keep_alive": 0}, "keep_alive"),
         ({"think": True}, "think"),
         ({"think": "high"}, "think"),
-        ({"messages": [{**USER[0], "images": ["aGk="]}]}, "messages.0.images"),
+        ({"messages": [{**USER[0], "images": ["aGk="]}]}, "reads text only"),
         ({"top_logprobs": 2}, "top_logprobs"),
     ],
 )
@@ -341,7 +341,8 @@ def test_what_astrai_cannot_honour_is_a_400_naming_it(server, fields, named):
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"images": ["aGk="]}, "images"),
+        ({"images": ["aGk="]}, "reads text only"),
+        ({"images": ["aGk="], "raw": True}, "images"),
         ({"template": "{{ .Prompt }}"}, "template"),
         ({"context": [1, 2]}, "context"),
         ({"suffix": "end"}, "suffix"),

@@ -13,13 +13,14 @@ from gguf import GGUFReader
 
 from astrai.config import NATIVE_MODEL_TYPE, ConfigError, ModelConfig
 from astrai.model.checkpoint import CheckpointError
-from astrai.model.families.family import Family
+from astrai.model.families.family import Family, VisionFamily
 from astrai.model.families.gemma import GEMMA2, GEMMA3
 from astrai.model.families.gguf_config import read_gguf_config
 from astrai.model.families.gguf_metadata import metadata_value
 from astrai.model.families.granite import GRANITE
 from astrai.model.families.hf_config import partial_rotary_factor, read_hf_config
 from astrai.model.families.llama import LLAMA, MISTRAL, MIXTRAL
+from astrai.model.families.llava import LLAVA
 from astrai.model.families.olmo2 import OLMO2
 from astrai.model.families.phi3 import PHI3
 from astrai.model.families.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
@@ -29,7 +30,10 @@ FAMILIES = (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, PHI3, OLMO2,
     GRANITE,
 )  # fmt: skip
-HF_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
+VISION_FAMILIES = (LLAVA,)
+HF_MODEL_TYPES = tuple(
+    model_type for family in (*FAMILIES, *VISION_FAMILIES) for model_type in family.model_types
+)
 ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
 
 
@@ -91,8 +95,32 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, Family | None]:
     """path/config.json as a ModelConfig, and the family whose Hugging Face checkpoint it
-    describes (None: astrai's native format)."""
-    directory = Path(path)
+    describes (None: astrai's native format). A vision-language checkpoint's are those of its
+    language model."""
+    raw = _read_config_json(Path(path))
+    if raw.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE:
+        return ModelConfig.from_dict(raw), None
+    vision = vision_family(raw.get("model_type"))
+    if vision is not None:
+        raw = vision.text_config(raw)
+    family = hf_family(raw.get("model_type"))
+    return config_from_hf(raw), family
+
+
+def checkpoint_vision(path: str | Path) -> tuple[VisionFamily, dict[str, Any]] | None:
+    """The vision-language family of the checkpoint at path and its config.json, or None for
+    a language model alone."""
+    raw = _read_config_json(Path(path))
+    vision = vision_family(raw.get("model_type"))
+    return None if vision is None else (vision, raw)
+
+
+def vision_family(model_type: Any) -> VisionFamily | None:
+    """The vision-language family of a config.json's model_type, None if it is none."""
+    return next((f for f in VISION_FAMILIES if model_type in f.model_types), None)
+
+
+def _read_config_json(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise FileNotFoundError(
             f"model directory {str(directory)!r} does not exist; pass a directory that "
@@ -110,7 +138,4 @@ def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, Family | None
         raise ConfigError(f"{config_file} is not valid JSON: {error}") from error
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
-    if raw.get("model_type", NATIVE_MODEL_TYPE) == NATIVE_MODEL_TYPE:
-        return ModelConfig.from_dict(raw), None
-    family = hf_family(raw.get("model_type"))
-    return config_from_hf(raw), family
+    return raw

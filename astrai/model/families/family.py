@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from astrai.config import ModelConfig
+from astrai.config import ConfigError, ModelConfig
 from astrai.model.families.gguf_metadata import GGUFMetadata
 from astrai.model.families.tensor_names import (
     GGUF_LAYER_NAMES,
@@ -108,3 +109,40 @@ class Family:
         _, _, layer, suffix = hf_name.split(".", 3)  # model.layers.N.suffix
         suffix, expert = expert_template(suffix)
         return f"blk.{layer}.{self.gguf_layer_names[suffix].format(e=expert)}"
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """A vision-language family: a language model of one of the families above, whose
+    config.json nests it under text_config, with a vision module beside it.
+
+    renames: (checkpoint prefix, the name it reads as) pairs that turn the checkpoint's tensor
+    names into the language model's Hugging Face names and the vision module's own (the first
+    that matches applies; transformers 4 and 5 lay the same model out differently).
+    vision_prefixes: the names (after renames) of the vision module's tensors, which the
+    language model's loader leaves to it. build makes the vision module of a config.json and
+    the checkpoint directory (its preprocessor_config.json).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    renames: tuple[tuple[str, str], ...]
+    vision_prefixes: tuple[str, ...]
+    build: Callable[[dict[str, Any], Path], Any]
+
+    def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """The language model's config.json, as a plain checkpoint of its family has it."""
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(
+                f"config.json of model_type {hf.get('model_type')!r} has no text_config object; "
+                "it needs the language model's settings there"
+            )
+        return text
+
+    def tensor_name(self, name: str) -> str:
+        """A checkpoint tensor's name as the loaders read it."""
+        for prefix, renamed in self.renames:
+            if name.startswith(prefix):
+                return renamed + name[len(prefix) :]
+        return name

@@ -19,9 +19,9 @@ import torch
 from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
-from astrai.config import ModelConfig
+from astrai.config import ConfigError, ModelConfig
 from astrai.model.checkpoint import CheckpointError, WeightShard, loading, part_rows
-from astrai.model.families import Family, read_checkpoint_config
+from astrai.model.families import Family, VisionFamily, checkpoint_vision, read_checkpoint_config
 from astrai.model.transformer import WEIGHTS_FILE, Transformer
 from astrai.model.weights.quantize import quantize_into
 
@@ -55,7 +55,15 @@ def load_safetensors(
         with torch.device("meta"):
             model = shard.model(config)
     layout = {name: _sources(family, config, name, shape) for name, shape in shapes.items()}
+    vision = checkpoint_vision(directory)
+    if vision is not None and shard is not None:
+        raise ConfigError(
+            f"{directory} is a vision-language ({vision[0].name}) checkpoint; tensor "
+            "parallelism runs language models only, so serve it with one process"
+        )
     files = _tensor_files(directory)
+    if vision is not None:
+        files = {vision[0].tensor_name(name): stored for name, stored in files.items()}
     # Gemma's RMSNorms scale by (1 + weight): the 1 is added once here, in fp32 as
     # transformers adds it, so the model's norms are the plain ones.
     unit_offset_norms = family is not None and family.unit_offset_norms
@@ -64,7 +72,8 @@ def load_safetensors(
             file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for file in {stored.file for stored in files.values()}
         }
-        _check(layout, files, config, native=family is None)
+        vision_names = () if vision is None else vision[0].vision_prefixes
+        _check(layout, files, config, native=family is None, ignored_prefixes=vision_names)
         state = {}
         for name, parts in loading(layout.items(), directory):
             spans = None if shard is None else shard.spans(name, config)
@@ -73,13 +82,52 @@ def load_safetensors(
                 tensor = 1.0 + tensor.float()
             if qtype is None or not quantize_into(model, name, tensor, qtype):
                 state[name] = tensor.to(dtype).to(device)
+        vision_module = None
+        if vision is not None:
+            vision_module = _load_vision(*vision, directory, files, handles, dtype, device)
     if qtype is not None:
         quantized = len(layout) - len(state)
         log.info("quantized %d linears to %s at load", quantized, qtype.name)
     model.load_state_dict(state, strict=True, assign=True)
     # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
     model.to(device)
+    model.vision = vision_module
     return model.requires_grad_(False).eval()
+
+
+def _load_vision(
+    family: VisionFamily,
+    hf: dict,
+    directory: Path,
+    files: dict[str, StoredTensor],
+    handles: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.nn.Module:
+    """The vision module of a vision-language checkpoint, its tensors read by their names
+    (those of layers it never runs are left unread)."""
+    with torch.device("meta"):
+        module = family.build(hf, directory)
+    wanted = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    missing = sorted(set(wanted) - set(files))
+    misshaped = [
+        f"{name} has shape {list(files[name].shape)}, expected {list(shape)}"
+        for name, shape in wanted.items()
+        if name in files and files[name].shape != shape
+    ]
+    if missing or misshaped:
+        raise CheckpointError(
+            f"the {family.name} vision tensors do not match config.json: "
+            + ". ".join(
+                [f"missing tensors: {missing}"] * bool(missing)
+                + ["mis-shaped tensors: " + "; ".join(misshaped)] * bool(misshaped)
+            )
+        )
+    state = {
+        name: files[name].read(handles[files[name].file]).to(dtype).to(device) for name in wanted
+    }
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.requires_grad_(False).eval()
 
 
 def _sources(
@@ -202,8 +250,15 @@ def _per_expert(stored: StoredTensor) -> dict[str, StoredTensor]:
     }
 
 
-def _check(layout, files: dict[str, StoredTensor], config: ModelConfig, native: bool) -> None:
-    """Raise one CheckpointError naming every missing, unexpected or mis-shaped tensor."""
+def _check(
+    layout,
+    files: dict[str, StoredTensor],
+    config: ModelConfig,
+    native: bool,
+    ignored_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Raise one CheckpointError naming every missing, unexpected or mis-shaped tensor; those
+    under ignored_prefixes (a vision module's, which loads them itself) are not unexpected."""
     wanted = {source: shape for parts in layout.values() for source, shape in parts}
     missing = sorted(set(wanted) - set(files))
     allowed_extra = set()
@@ -213,7 +268,8 @@ def _check(layout, files: dict[str, StoredTensor], config: ModelConfig, native: 
     unexpected = sorted(
         name
         for name in set(files) - set(wanted) - allowed_extra
-        if native or not IGNORED_HF_TENSOR.fullmatch(name)
+        if (native or not IGNORED_HF_TENSOR.fullmatch(name))
+        and not name.startswith(ignored_prefixes)
     )
     misshaped = []
     for source, shape in wanted.items():
