@@ -722,6 +722,22 @@ def _responses_text(content: Any, kinds: tuple[str, ...]) -> str:
     return _unicode("".join(texts))
 
 
+def _responses_image(part: dict) -> RequestImage:
+    """A Responses input_image part's image, from its image_url (a data: URL)."""
+    unknown = sorted(k for k, v in part.items() if k not in ("type", "image_url", "detail") and v)
+    if unknown:
+        raise ValueError(
+            f"an input_image part's {unknown[0]!r} is not supported by astrai (it keeps no "
+            "files); send image_url, a data: URL"
+        )
+    if not isinstance(part.get("image_url"), str):
+        raise ValueError("an input_image part needs image_url, a data: URL")
+    detail = part.get("detail") or "auto"
+    return _openai_image(
+        {"type": "image_url", "image_url": {"url": part["image_url"], "detail": detail}}
+    )
+
+
 class ResponsesMessage(_Request):
     """A message of a Responses input: OpenAI's easy input message, an input message, or an
     output message sent back."""
@@ -735,8 +751,21 @@ class ResponsesMessage(_Request):
 
     @field_validator("content")
     @classmethod
-    def _only_text(cls, content: str | list[Any]) -> str:
-        return _responses_text(content, ("input_text", "output_text"))
+    def _text_and_images(cls, content: str | list[Any]) -> str | list:
+        """The text, or text pieces and images (input_image parts) in order."""
+        kinds = ("input_text", "output_text")
+        if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content
+        ):
+            return _responses_text(content, kinds)
+        return _parts_of(
+            [
+                _responses_image(p)
+                if isinstance(p, dict) and p.get("type") == "input_image"
+                else {"type": "text", "text": _responses_text([p], kinds)}
+                for p in content
+            ]
+        )
 
 
 class ResponsesFunctionCall(_Request):

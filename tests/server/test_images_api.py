@@ -1,5 +1,5 @@
 """Images over every API, through the real clients and a real server: OpenAI image_url parts
-(data: URLs), Anthropic image blocks, Ollama images; and the refusals (remote URLs, bombs,
+(data: URLs), Responses input_image parts, Anthropic image blocks, Ollama images; and the refusals (remote URLs, bombs,
 corrupt data, too many images, images to a text-only model), after which the server serves
 on."""
 
@@ -104,6 +104,25 @@ def test_other_formats_decode_to_the_same_pixels_as_the_engine_reads_them(
         {"type": "text", "text": QUESTION},
     ]
     assert openai_answer(openai_client, content) == expected
+
+
+def test_responses_input_image_parts(llava_server, clients):
+    openai_client, _ = clients
+    reply = openai_client.responses.create(
+        model="tiny-llama",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(image_bytes(1))},
+                    {"type": "input_text", "text": QUESTION},
+                ],
+            }
+        ],
+        temperature=0,
+        max_output_tokens=MAX_TOKENS,
+    )
+    assert reply.output_text == engine_answer(llava_server.engine, 1)
 
 
 def test_anthropic_image_blocks(llava_server, clients):
