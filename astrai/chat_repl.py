@@ -12,10 +12,12 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 from astrai.inference.engine import GenerationRequest, InferenceEngine, SyncRequestStream
 from astrai.inference.task import GenerationParams, RequestError
+from astrai.model.vision.decode import ImageError, ImageLimits, decode_image
 from astrai.tokenize import ChatTemplateError
 
 PROMPT = "> "
@@ -29,6 +31,8 @@ Commands (never sent to the model):
   /reset         forget the conversation (the system prompt stays)
   /system TEXT   set the system prompt for the rest of the conversation; /system alone removes it
   /save FILE     write the conversation to FILE as JSON messages ({{"role", "content"}})
+  /image FILE    show the model an image (PNG, JPEG, WebP, GIF) with your next message
+                 (vision-language models)
   /exit          leave (also /quit, or Ctrl-D)
 Several lines: end a line with \\ to go on with the next one, or start the message with \
 {BLOCK_QUOTES} and end it with {BLOCK_QUOTES}.
@@ -57,14 +61,16 @@ class ChatSession:
         self.interactive = interactive
         self.out = out
         self.system: str | None = None
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict] = []
+        # Images /image attached to the next message: its content parts, each with its file.
+        self.images: list[dict] = []
         if interactive:
             # Importing readline gives input() line editing and history; a Python built
             # without it still reads plain lines.
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict]:
         """The messages the model sees, the system prompt first."""
         system = [] if self.system is None else [{"role": "system", "content": self.system}]
         return system + self.messages
@@ -74,8 +80,8 @@ class ChatSession:
         if self.interactive:
             self._say(
                 f"astrai chat with {self.model_name}. Commands: /help /reset /system TEXT "
-                "/save FILE /exit.\nCtrl-C stops a reply, Ctrl-D leaves; end a line with \\ "
-                f"(or wrap the text in {BLOCK_QUOTES}) to write several lines."
+                "/save FILE /image FILE /exit.\nCtrl-C stops a reply, Ctrl-D leaves; end a line "
+                f"with \\ (or wrap the text in {BLOCK_QUOTES}) to write several lines."
             )
         while True:
             try:
@@ -124,6 +130,7 @@ class ChatSession:
             self._say(HELP)
         elif name == "/reset":
             self.messages.clear()
+            self.images.clear()
             kept = "; the system prompt stays" if self.system is not None else ""
             self._note(f"(conversation forgotten{kept})")
         elif name == "/system":
@@ -131,9 +138,34 @@ class ChatSession:
             self._note("(system prompt set)" if argument else "(system prompt removed)")
         elif name == "/save":
             self.save(argument)
+        elif name == "/image":
+            self.attach_image(argument)
         else:
             self._error(f"unknown command {name}; /help lists the commands")
         return True
+
+    def attach_image(self, path: str) -> None:
+        """Read the image at path for the next message, within the engine's image limits."""
+        if not path:
+            self._error("/image needs a file name: /image FILE")
+            return
+        if self.engine.model.vision is None:
+            self._error("/image needs a vision-language model; this one reads text only")
+            return
+        config = self.engine.config
+        try:
+            data = Path(path).read_bytes()
+            image = decode_image(
+                data, ImageLimits(config.max_image_bytes, config.max_image_pixels), path
+            )
+        except OSError as exc:
+            self._error(f"cannot read {path}: {exc.strerror}")
+            return
+        except ImageError as exc:
+            self._error(str(exc))
+            return
+        self.images.append({"type": "image", "image": image, "file": path})
+        self._note(f"(image {path} goes with your next message)")
 
     def save(self, path: str) -> None:
         if not path:
@@ -141,7 +173,7 @@ class ChatSession:
             return
         try:
             with open(path, "w", encoding="utf-8") as file:
-                json.dump(self.conversation(), file, ensure_ascii=False, indent=2)
+                json.dump(_saved(self.conversation()), file, ensure_ascii=False, indent=2)
                 file.write("\n")
         except OSError as exc:
             self._error(f"cannot save the conversation: {exc}")
@@ -150,7 +182,9 @@ class ChatSession:
 
     def reply(self, text: str) -> None:
         """Stream the model's answer to text; Ctrl-C aborts it and drops the exchange."""
-        self.messages.append({"role": "user", "content": text})
+        content = [*self.images, {"type": "text", "text": text}] if self.images else text
+        self.images = []
+        self.messages.append({"role": "user", "content": content})
         try:
             request = GenerationRequest(tuple(self.conversation()), self.params)
             stream = SyncRequestStream(self.engine, [self.engine.encode(request)], self.params)
@@ -199,6 +233,22 @@ class ChatSession:
     def _error(self, text: str) -> None:
         self.out.flush()
         print(f"astrai: {text}", file=sys.stderr, flush=True)
+
+
+def _saved(messages: list[dict]) -> list[dict]:
+    """The messages as JSON holds them: an image part names its file."""
+    return [
+        {
+            **message,
+            "content": message["content"]
+            if isinstance(message["content"], str)
+            else [
+                {"type": "image", "file": part["file"]} if part["type"] == "image" else part
+                for part in message["content"]
+            ],
+        }
+        for message in messages
+    ]
 
 
 def _speed_line(tokens: int, prompt_tokens: int, start: float, first: float | None, end: float):

@@ -345,8 +345,8 @@ def _parser() -> argparse.ArgumentParser:
         help="chat interactively; keeps the conversation's history",
         description="Chat with the model through its chat template; at a terminal with line "
         "editing and history. /help lists the commands (/reset, /system TEXT, /save FILE, "
-        "/exit); Ctrl-C stops a reply, Ctrl-D leaves. Sampling flags not given take the "
-        "model's generation_config.json values, as transformers does.",
+        "/image FILE, /exit); Ctrl-C stops a reply, Ctrl-D leaves. Sampling flags not given "
+        "take the model's generation_config.json values, as transformers does.",
     )
     for sub, run in ((generate, _generate), (chat, _chat)):
         _add_engine_flags(sub)

@@ -101,6 +101,33 @@ def test_generate_with_images_answers_as_the_engine(llava_dir, llama_dir, tmp_pa
     assert text_only.returncode != 0 and "reads text only" in text_only.stderr
 
 
+def test_chat_image_command_shows_the_image_with_the_next_message(llava_dir, tmp_path):
+    file = tmp_path / "a.png"
+    noise_image(5).save(file)
+    params = GenerationParams(max_tokens=10, temperature=0)
+    image = {"type": "image", "image": Image.open(file)}
+    first = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+    with InferenceEngine(
+        AutoModel.from_pretrained(llava_dir), AutoTokenizer.from_pretrained(llava_dir)
+    ) as engine:
+        answer = engine.generate(GenerationRequest(tuple(first), params))
+        conversation = [*first, {"role": "assistant", "content": answer}]
+        second = [*conversation, {"role": "user", "content": "And?"}]
+        again = engine.generate(GenerationRequest(tuple(second), params))
+    saved = tmp_path / "chat.json"
+    run = astrai_cli(
+        "chat", "--model", str(llava_dir), *GREEDY,
+        stdin=f"/image {file}\nWhat is this?\nAnd?\n/save {saved}\n/image nope.png\n",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"{answer}\n{again}\n"
+    assert json.loads(saved.read_text())[0]["content"] == [
+        {"type": "image", "file": str(file)},
+        {"type": "text", "text": "What is this?"},
+    ]
+    assert "cannot read nope.png" in run.stderr
+
+
 def test_generate_with_chat_template_and_stop(llama_dir, engine):
     expected = greedy_chat(engine, [{"role": "user", "content": "Hello"}])
     stop = expected[len(expected) // 2 :][:2]
