@@ -1,7 +1,7 @@
 """Images over every API, through the real clients and a real server: OpenAI image_url parts
-(data: URLs), Responses input_image parts, Anthropic image blocks, Ollama images; and the refusals (remote URLs, bombs,
-corrupt data, too many images, images to a text-only model), after which the server serves
-on."""
+(data: URLs), Responses input_image parts, Anthropic image blocks, Ollama images; and the
+refusals (remote URLs, bombs, corrupt data, too many images, images to a text-only model),
+after which the server serves on."""
 
 from __future__ import annotations
 
