@@ -49,7 +49,7 @@ def load_sharded(
     if path.suffix == ".gguf":
         from astrai.model.weights.gguf import open_gguf, shard_problems
 
-        config = config_from_gguf(open_gguf(path))
+        config = config_from_gguf(open_gguf(path), path)
         problems = [] if dequantize else shard_problems(path, size)
         if problems:
             raise ConfigError(

@@ -143,8 +143,9 @@ def _dequantize(
     if out is None:
         out = torch.empty(shape[::-1] if transposed else shape, dtype=dtype)
     native.quant_linear.dequantize(
-        out.data_ptr(), packed.data_ptr(), *shape, qtype, dtype == torch.bfloat16, transposed
-    )
+        out.data_ptr(), packed.data_ptr(), packed.nbytes, *shape, qtype, dtype == torch.bfloat16,
+        transposed,
+    )  # fmt: skip
     return out
 
 
@@ -191,8 +192,9 @@ def _run(
     if path is LinearPath.KERNEL:
         launch(
             native.quant_linear.linear,
-            out.data_ptr(), x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            x.shape[0], x.shape[1], out.shape[1], qtype, x.dtype == torch.bfloat16, terms,
+            out.data_ptr(), x.data_ptr(), packed.data_ptr(), packed.nbytes,
+            0 if bias is None else bias.data_ptr(), x.shape[0], x.shape[1], out.shape[1], qtype,
+            x.dtype == torch.bfloat16, terms,
         )  # fmt: skip
     else:
         dtype = _GEMM_DTYPES.get(path, x.dtype)

@@ -222,7 +222,7 @@ def test_linear_rope_scaling_and_bad_scaling(tmp_path):
         "llama",
         **{"rope.scaling.type": "linear", "rope.scaling.factor": 2.0},
     )
-    assert config_from_gguf(gguf.GGUFReader(linear)).rope_scaling == {
+    assert config_from_gguf(gguf.GGUFReader(linear), linear).rope_scaling == {
         "rope_type": "linear",
         "factor": 2.0,
     }

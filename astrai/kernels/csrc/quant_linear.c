@@ -932,6 +932,23 @@ static int check_shape(int qtype, int64_t in_features) {
     return 1;
 }
 
+/* Whether w_bytes of packed records hold W [n_out, in_features] (n_out rows in groups of GROUP,
+ * the last one padded); sets a ValueError if not. The caller's sizes are checked against the
+ * buffer it hands over, so that no size can send a kernel reading past its end. */
+static int check_weight_bytes(Py_ssize_t w_bytes, int64_t n_out, int64_t in_features, int qtype) {
+    const int64_t group_bytes = in_features / QK / unit_blocks(qtype) * layout_of(qtype).bytes;
+    const int64_t groups = (n_out + GROUP - 1) / GROUP;
+    if (n_out < 0 || w_bytes < 0 || (group_bytes > 0 && groups > w_bytes / group_bytes)) {
+        PyErr_Format(PyExc_ValueError,
+                     "quant_linear: W [%lld, %lld] needs %lld groups of %lld bytes, but its packed "
+                     "buffer holds %lld bytes",
+                     (long long)n_out, (long long)in_features, (long long)groups,
+                     (long long)group_bytes, (long long)w_bytes);
+        return 0;
+    }
+    return 1;
+}
+
 typedef void (*quantize_fn)(struct xblock *, const void *, int64_t, int, int, int);
 
 /* Row m of x as `terms` rows of xblocks from xq + m * terms * blocks on: its int8 blocks and,
@@ -952,11 +969,11 @@ static void quantize_terms(quantize_fn quantize_row, struct xblock *xq, const vo
 
 static PyObject *linear(PyObject *module, PyObject *args) {
     (void)module;
-    Py_ssize_t out, x, w, bias, rows, in_features, n_out;
+    Py_ssize_t out, x, w, w_bytes, bias, rows, in_features, n_out;
     int qtype, is_bf16, terms;
-    if (!PyArg_ParseTuple(args, "nnnnnnnipi", &out, &x, &w, &bias, &rows, &in_features, &n_out,
-                          &qtype, &is_bf16, &terms) ||
-        !check_shape(qtype, in_features))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnipi", &out, &x, &w, &w_bytes, &bias, &rows, &in_features,
+                          &n_out, &qtype, &is_bf16, &terms) ||
+        !check_shape(qtype, in_features) || !check_weight_bytes(w_bytes, n_out, in_features, qtype))
         return NULL;
     if (terms != 1 && terms != 2) {
         PyErr_Format(PyExc_ValueError, "quant_linear: x in %d terms (1: int8, 2: int8x2)", terms);
@@ -1070,11 +1087,11 @@ VECTOR_CLONES static void dequantize_row_bf16(void *out, const uint8_t *recs, in
  * GEMM. */
 static PyObject *dequantize(PyObject *module, PyObject *args) {
     (void)module;
-    Py_ssize_t out, w, n_out, in_features;
+    Py_ssize_t out, w, w_bytes, n_out, in_features;
     int qtype, is_bf16, transposed;
-    if (!PyArg_ParseTuple(args, "nnnnipp", &out, &w, &n_out, &in_features, &qtype, &is_bf16,
-                          &transposed) ||
-        !check_shape(qtype, in_features))
+    if (!PyArg_ParseTuple(args, "nnnnnipp", &out, &w, &w_bytes, &n_out, &in_features, &qtype,
+                          &is_bf16, &transposed) ||
+        !check_shape(qtype, in_features) || !check_weight_bytes(w_bytes, n_out, in_features, qtype))
         return NULL;
     if (transposed && current_isa != AVX512VNNI) {
         PyErr_SetString(PyExc_ValueError, "quant_linear: W^T is written on the avx512vnni path "
@@ -1162,14 +1179,14 @@ static PyObject *isas(PyObject *module, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS,
-     "linear(out, x, w, bias, rows, in_features, out_features, qtype, is_bf16, terms): data "
-     "pointers (bias 0 for none; x, bias, out fp32 or bf16, w packed) then sizes, the GGML type "
-     "and the int8 terms each row of x is quantized in (1 or 2); writes out [rows, "
-     "out_features]."},
+     "linear(out, x, w, w_bytes, bias, rows, in_features, out_features, qtype, is_bf16, terms): "
+     "data pointers (bias 0 for none; x, bias, out fp32 or bf16, w packed, of w_bytes) then "
+     "sizes, the GGML type and the int8 terms each row of x is quantized in (1 or 2); writes out "
+     "[rows, out_features]."},
     {"dequantize", dequantize, METH_VARARGS,
-     "dequantize(out, w, out_features, in_features, qtype, is_bf16, transposed): writes out "
-     "[out_features, in_features] (or, transposed, [in_features, out_features]) from the "
-     "packed w."},
+     "dequantize(out, w, w_bytes, out_features, in_features, qtype, is_bf16, transposed): writes "
+     "out [out_features, in_features] (or, transposed, [in_features, out_features]) from the "
+     "packed w of w_bytes."},
     {"set_isa", set_isa, METH_O, "set_isa(name): the CPU path linear() takes from now on."},
     {"isa", get_isa, METH_NOARGS, "isa(): the CPU path linear() takes."},
     {"set_prefetch", set_prefetch, METH_O,

@@ -76,10 +76,14 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return read_hf_config(hf, family)
 
 
-def config_from_gguf(reader: GGUFReader) -> ModelConfig:
-    """The ModelConfig that a GGUF file's metadata (and its tensor list) describes."""
-    architecture = gguf_architecture(reader)
-    return read_gguf_config(reader, architecture, gguf_family(architecture))
+def config_from_gguf(reader: GGUFReader, path: str | Path) -> ModelConfig:
+    """The ModelConfig that the GGUF file at path (read by reader) describes in its metadata
+    and its tensor list; what it refuses names the file."""
+    try:
+        architecture = gguf_architecture(reader)
+        return read_gguf_config(reader, architecture, gguf_family(architecture))
+    except (ConfigError, CheckpointError) as error:
+        raise type(error)(f"GGUF file {path}: {error}") from None
 
 
 def gguf_architecture(reader: GGUFReader) -> str | None:

@@ -26,6 +26,7 @@ from astrai.model.checkpoint import CheckpointError, WeightShard, loading, part_
 from astrai.model.families import config_from_gguf, gguf_architecture, gguf_family
 from astrai.model.families.gguf_config import LONGROPE_FACTORS, ROPE_FREQS
 from astrai.model.transformer import Transformer
+from astrai.model.weights.gguf_layout import check_gguf_layout
 from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,8 @@ def load_gguf(
     or columns cut at block boundaries (shard_problems says where they cannot be)."""
     reader = open_gguf(path)
     tensors = {name: part for tensor in reader.tensors for name, part in _per_expert(tensor)}
+    config = config_from_gguf(reader, path)
     family = gguf_family(gguf_architecture(reader))
-    config = config_from_gguf(reader)
     with torch.device("meta"):
         model = Transformer(config)
     # native name -> the GGUF tensors (name, torch-order shape) it concatenates
@@ -218,7 +219,8 @@ class ConcatenatedLinear(torch.nn.Module):
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """A memory-mapped reader of path, or a CheckpointError if it is not a whole GGUF file.
+    """A memory-mapped reader of path, or a CheckpointError if it is not a whole GGUF file or
+    its layout lies (gguf_layout says how).
 
     The model loader and the tokenizer both read the file: the last readers are kept, keyed by
     the file's identity, so its metadata is parsed once.
@@ -229,6 +231,7 @@ def open_gguf(path: Path) -> GGUFReader:
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    check_gguf_layout(path)
     try:
         return _PlainArrayReader(path)
     except (ValueError, OSError, KeyError, IndexError) as error:
