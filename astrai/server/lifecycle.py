@@ -13,7 +13,7 @@ import uvicorn
 from astrai.server import defaults
 from astrai.server.errors import APIError, error_response
 from astrai.server.generation import GenerationService
-from astrai.server.limits import HeaderDeadlineH11Protocol
+from astrai.server.limits import StrictH11Protocol
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def run_server(
         app,
         host=host,
         port=port,
-        http=functools.partial(HeaderDeadlineH11Protocol, header_timeout=header_timeout),
+        http=functools.partial(StrictH11Protocol, header_timeout=header_timeout),
         timeout_graceful_shutdown=_STOPPED_REQUESTS_TIMEOUT,
     )
     _DrainingServer(config, app.state.drain, shutdown_timeout).run(

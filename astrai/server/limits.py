@@ -1,11 +1,14 @@
-"""Bounds on what one client may cost the server: body size, and time to send a request."""
+"""Bounds on what one client may cost the server: body size, time to send a request, and
+requests whose framing a proxy in front could read otherwise (request smuggling)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import h11
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from astrai.server.errors import APIError, error_response
 
@@ -92,8 +95,49 @@ def _replay(body: bytes, receive):
     return replay
 
 
-class HeaderDeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on every wait for the client.
+# The end of a request's head: its blank line, as h11 finds it.
+_HEAD_END = re.compile(rb"\n\r?\n")
+
+
+def framing_problem(head: bytes) -> str | None:
+    """What makes a request head's framing ambiguous, or None. h11 refuses conflicting
+    Content-Length values and any Transfer-Encoding but chunked, and lets two kinds through:
+    Content-Length beside Transfer-Encoding (it reads the chunks and keeps the connection, so
+    the bytes a proxy that went by Content-Length took for the next request are answered as
+    one), and header lines folded onto the next (obs-fold), which it joins where a proxy may
+    not. RFC 9112 lets a server refuse both; here they are."""
+    lines = head.lstrip(b"\r\n").split(b"\n")[1:]
+    if any(line[:1] in (b" ", b"\t") for line in lines):
+        return "a header line continues the one before it (obs-fold); send each header on one line"
+    names = {line.split(b":", 1)[0].strip().lower() for line in lines}
+    if {b"content-length", b"transfer-encoding"} <= names:
+        return "the request has both Content-Length and Transfer-Encoding; send one of them"
+    return None
+
+
+class _StrictFramingConnection(h11.Connection):
+    """h11's server side that refuses the request heads framing_problem finds, before h11
+    reads them, as a RemoteProtocolError: uvicorn answers 400 and closes the connection."""
+
+    refusal: str | None = None
+
+    def next_event(self):
+        if self.their_state is h11.IDLE:
+            buffered = self.trailing_data[0]
+            end = _HEAD_END.search(buffered)
+            if end is not None:
+                self.refusal = framing_problem(buffered[: end.start()])
+                if self.refusal is not None:
+                    raise h11.RemoteProtocolError(self.refusal, error_status_hint=400)
+        return super().next_event()
+
+
+class StrictH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, strict about framing and with a deadline on every wait for the
+    client.
+
+    A request whose framing is ambiguous (framing_problem) is answered 400 with the reason,
+    and its connection closed: nothing sent after it on that connection is read.
 
     uvicorn closes a keep-alive connection left idle, but a client that sends its headers a
     byte at a time, stops halfway, or trickles the leftover body of a refused request holds its
@@ -103,8 +147,13 @@ class HeaderDeadlineH11Protocol(H11Protocol):
 
     def __init__(self, *args, header_timeout: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        size = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self.conn = _StrictFramingConnection(h11.SERVER, size)
         self.header_timeout = header_timeout
         self._deadline: asyncio.TimerHandle | None = None
+
+    def send_400_response(self, msg: str) -> None:
+        super().send_400_response(self.conn.refusal or msg)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

@@ -1,13 +1,19 @@
 """Chat templates: untrusted jinja2 rendered in a strict sandbox, with transformers' globals.
 
 A model directory's template is code from whoever published the model, so it runs in an
-immutable sandbox that refuses (rather than silently blanks) any reach for Python internals.
+immutable sandbox that refuses (rather than silently blanks) any reach for Python internals,
+and within a budget: jinja's sandbox caps one range() at 100,000 items but not loops inside
+loops, so every loop iteration and call is counted, the output measured as it is produced, and
+repetition (`*`) and powers (`**`) sized before they are computed. A render that passes a bound
+raises inside the template, on its own thread, so nothing keeps burning CPU after it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -22,6 +28,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 class ChatTemplateError(ValueError):
     """There is no chat template, the template failed, or it broke the sandbox's rules."""
+
+
+# One render's bounds. A real template loops over the messages and tools a few times; these are
+# orders of magnitude above what one needs, and stop a hostile one within a second of CPU.
+MAX_TEMPLATE_STEPS = 1_000_000  # loop iterations and calls, all loops together
+MAX_RENDERED_CHARS = 10_000_000  # ten times the characters of a 256k-token context
+MAX_RENDER_CPU_SECONDS = 1.0
+# The largest integer a power may make, in bits: an exponent of a million is a CPU sink.
+MAX_POWER_BITS = 65_536
 
 
 def render_chat_template(
@@ -63,7 +78,13 @@ def render_chat_template(
         **_plain_data(template_kwargs),
     }
     try:
-        rendered = template.render(**variables)
+        rendered = _render_within_budget(template, variables)
+    except _OverBudget as exc:
+        raise ChatTemplateError(
+            f"the chat template was stopped: {exc}. A template may loop and call at most "
+            f"{MAX_TEMPLATE_STEPS:,} times, render at most {MAX_RENDERED_CHARS:,} characters "
+            f"and run {MAX_RENDER_CPU_SECONDS:g} s of CPU; use a trusted template"
+        ) from None
     except SecurityError as exc:
         raise ChatTemplateError(
             f"the chat template was stopped by the sandbox: {exc}. A template may not reach "
@@ -93,6 +114,80 @@ def _cut_at_continuation(rendered: str) -> str:
     if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return rendered[:at]
     return rendered[:at].rstrip()  # the template trimmed the content's trailing space
+
+
+class _OverBudget(TemplateError):
+    """A render passed one of its bounds."""
+
+
+class _RenderBudget:
+    """What one render has spent: steps (loop iterations and calls) and CPU time."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.deadline = time.thread_time() + MAX_RENDER_CPU_SECONDS
+
+    def spend(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_TEMPLATE_STEPS:
+            raise _OverBudget(f"it looped or called more than {MAX_TEMPLATE_STEPS:,} times")
+        if self.steps % 256 == 0 and time.thread_time() > self.deadline:
+            raise _OverBudget(f"it ran for more than {MAX_RENDER_CPU_SECONDS:g} s of CPU")
+
+
+# The budget of the render running on this thread (None outside render_chat_template).
+_budget: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar(
+    "chat_template_budget", default=None
+)
+
+
+def _render_within_budget(template: jinja2.Template, variables: dict) -> str:
+    """template rendered with variables, stopped once it passes a bound."""
+    token = _budget.set(_RenderBudget())
+    try:
+        pieces, size = [], 0
+        for piece in template.generate(**variables):
+            size += len(piece)
+            if size > MAX_RENDERED_CHARS:
+                raise _OverBudget(f"it rendered more than {MAX_RENDERED_CHARS:,} characters")
+            pieces.append(piece)
+        return "".join(pieces)
+    finally:
+        _budget.reset(token)
+
+
+def _spend() -> None:
+    budget = _budget.get()
+    if budget is not None:
+        budget.spend()
+
+
+def _counted_iterations(iterable: Iterable) -> Iterator:
+    """The filter every {% for %} loop's iterable is passed through: one step per item."""
+    for item in iterable:
+        _spend()
+        yield item
+
+
+def _check_operation(operator: str, left: Any, right: Any) -> None:
+    """Refuse a repetition longer than a render may be, or a power larger than MAX_POWER_BITS,
+    before it is computed."""
+    if operator == "*":
+        for sequence, times in ((left, right), (right, left)):
+            repeated = isinstance(sequence, str | list | tuple) and isinstance(times, int)
+            if repeated and len(sequence) * times > MAX_RENDERED_CHARS:
+                raise _OverBudget(
+                    f"it repeats {len(sequence):,} items {times:,} times, more than "
+                    f"{MAX_RENDERED_CHARS:,}"
+                )
+    power = operator == "**" and isinstance(left, int) and isinstance(right, int)
+    if power and left.bit_length() * max(right, 0) > MAX_POWER_BITS:  # about its bits
+        raise _OverBudget(f"{left} ** {right} is larger than {MAX_POWER_BITS:,} bits")
+
+
+# The name of the filter that counts loop iterations: a template cannot define filters, so it
+# cannot replace it.
+_LOOP_FILTER = "astrai_counted_iterations"
 
 
 class _TemplateRaised(TemplateError):
@@ -161,11 +256,22 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """transformers' sandbox, except that touching an unsafe attribute raises at once.
+    """transformers' sandbox, except that touching an unsafe attribute raises at once, and
+    calls, repetitions and powers are charged to the render's budget.
 
     The plain sandbox hands back an undefined value that renders as "", so a probe such as
     `{{ ''.__class__ }}` would pass in silence; here every reach for internals is an error.
     """
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call(__self, __context, __obj, *args, **kwargs) -> Any:  # jinja's names, kept
+        _spend()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        _check_operation(operator, left, right)
+        return super().call_binop(context, operator, left, right)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(
@@ -182,6 +288,7 @@ def _template_environment() -> jinja2.Environment:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.filters[_LOOP_FILTER] = _counted_iterations
     return env
 
 
@@ -190,8 +297,12 @@ _TEMPLATE_ENV = _template_environment()
 
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
+    """source compiled with every loop's iterable passed through the counting filter."""
     try:
-        return _TEMPLATE_ENV.from_string(source)
+        tree = _TEMPLATE_ENV.parse(source)
+        for loop in tree.find_all(jinja2.nodes.For):
+            loop.iter = jinja2.nodes.Filter(loop.iter, _LOOP_FILTER, [], [], None, None)
+        return _TEMPLATE_ENV.from_string(tree)
     except TemplateSyntaxError as exc:
         raise ChatTemplateError(
             f"the chat template does not parse: {exc.message} (line {exc.lineno}); fix the template"

@@ -17,7 +17,7 @@ from live_server import API_KEY, MODEL_NAME, make_engine, start_server, stop_ser
 from serve_process import astrai_serve
 
 from astrai.server import create_app
-from astrai.server.limits import HeaderDeadlineH11Protocol
+from astrai.server.limits import StrictH11Protocol
 
 LIMIT = 64 << 10
 READ_TIMEOUT = 1.0
@@ -36,7 +36,7 @@ def engine(llama_dir):
 def hardened(engine):
     """A keyless server with a small body limit and a short read timeout; yields its port."""
     app = create_app(engine, MODEL_NAME, max_request_bytes=LIMIT, read_timeout=READ_TIMEOUT)
-    protocol = functools.partial(HeaderDeadlineH11Protocol, header_timeout=READ_TIMEOUT)
+    protocol = functools.partial(StrictH11Protocol, header_timeout=READ_TIMEOUT)
     running = start_server(app, http=protocol)
     yield running.port
     stop_server(running)
@@ -166,6 +166,58 @@ def test_a_huge_header_is_refused(hardened):
     reply, closed = exchange(hardened, request)
     assert reply[:12] in (b"HTTP/1.1 400", b"HTTP/1.1 431"), reply[:100]
     assert closed
+
+
+# -- framing a proxy could read otherwise (request smuggling) ----------------------------------
+
+SMUGGLED = head("/health", method="GET")
+
+
+def test_content_length_beside_transfer_encoding_is_refused_and_the_smuggled_request_unread(
+    hardened,
+):
+    # A proxy that frames by Content-Length forwards all of it as one request; the chunked
+    # reading ends the body at "0" and would answer the GET behind it as a second request.
+    body = b"0\r\n\r\n" + SMUGGLED
+    request = head(
+        "/v1/completions",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Transfer-Encoding: chunked",
+    )
+    reply, closed = exchange(hardened, request + body)
+    assert reply.startswith(b"HTTP/1.1 400"), reply
+    assert b"both Content-Length and Transfer-Encoding" in reply
+    assert reply.count(b"HTTP/1.1 ") == 1, reply  # the smuggled GET got no answer
+    assert closed
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param(["Content-Length: 2", "Content-Length: 40"], id="two-content-lengths"),
+        pytest.param(["Content-Length: 2, 40"], id="content-length-list"),
+        pytest.param(["Transfer-Encoding: chunked", "Transfer-Encoding: identity"], id="two-te"),
+        pytest.param(["Transfer-Encoding: gzip, chunked"], id="te-not-chunked"),
+        pytest.param(["Transfer-Encoding : chunked"], id="space-before-colon"),
+        pytest.param(["Transfer-Encoding:", " chunked"], id="folded-transfer-encoding"),
+        pytest.param(["X-Note: a", "\tb", "Content-Length: 2"], id="folded-header"),
+    ],
+)
+def test_ambiguous_framing_is_refused_and_the_connection_closed(hardened, headers):
+    request = head("/v1/completions", "Content-Type: application/json", *headers)
+    reply, closed = exchange(hardened, request + b"{}" + SMUGGLED)
+    assert reply.startswith(b"HTTP/1.1 4"), reply  # 400, or 501 for an unknown coding
+    assert reply.count(b"HTTP/1.1 ") == 1, reply
+    assert closed
+
+
+def test_pipelined_requests_with_plain_framing_are_each_answered(hardened):
+    # The framing check reads each head as h11 comes to it, pipelined or not.
+    reply, _ = exchange(
+        hardened, SMUGGLED + SMUGGLED + head("/health", "Connection: close", method="GET")
+    )
+    assert reply.count(b"HTTP/1.1 200") == 3, reply
 
 
 # -- text that is not Unicode -------------------------------------------------------------------
