@@ -131,7 +131,7 @@ class _RenderBudget:
         self.steps += 1
         if self.steps > MAX_TEMPLATE_STEPS:
             raise _OverBudget(f"it looped or called more than {MAX_TEMPLATE_STEPS:,} times")
-        if self.steps % 256 == 0 and time.thread_time() > self.deadline:
+        if self.steps % 64 == 0 and time.thread_time() > self.deadline:
             raise _OverBudget(f"it ran for more than {MAX_RENDER_CPU_SECONDS:g} s of CPU")
 
 
@@ -177,8 +177,8 @@ def _check_operation(operator: str, left: Any, right: Any) -> None:
             repeated = isinstance(sequence, str | list | tuple) and isinstance(times, int)
             if repeated and len(sequence) * times > MAX_RENDERED_CHARS:
                 raise _OverBudget(
-                    f"it repeats {len(sequence):,} items {times:,} times, more than "
-                    f"{MAX_RENDERED_CHARS:,}"
+                    f"it repeats a sequence of {len(sequence):,} {times:,} times, more than "
+                    f"{MAX_RENDERED_CHARS:,} items"
                 )
     power = operator == "**" and isinstance(left, int) and isinstance(right, int)
     if power and left.bit_length() * max(right, 0) > MAX_POWER_BITS:  # about its bits

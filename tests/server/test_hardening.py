@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -451,6 +453,44 @@ def test_a_large_prompt_does_not_stall_other_clients(llama_dir):
             time.sleep(0.02)
         sender.join()
     assert slowest < 1.0  # 3.3 s while the encoding held the GIL
+
+
+HOSTILE_TEMPLATE = (
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The user and system CPU time process pid has spent (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_template_that_never_ends_is_stopped_with_400_while_others_are_served(
+    llama_dir, tmp_path
+):
+    template = tmp_path / "hostile.jinja"
+    template.write_text(HOSTILE_TEMPLATE)
+    with astrai_serve(llama_dir, "--chat-template", str(template)) as (process, base):
+        chat = {"messages": USER_OK, "max_tokens": 2}
+        replies = {}
+
+        def send_chat(index: int) -> None:
+            replies[index] = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60)
+
+        senders = [threading.Thread(target=send_chat, args=(i,)) for i in range(3)]
+        for sender in senders:
+            sender.start()
+        while any(sender.is_alive() for sender in senders):  # others are served meanwhile
+            completion = {"prompt": "Hello", "max_tokens": 2}
+            reply = httpx.post(f"{base}/v1/completions", json=completion, timeout=30)
+            assert reply.status_code == 200, reply.text
+        for reply in replies.values():
+            assert reply.status_code == 400, reply.text
+            assert "stopped: it looped or called more than" in reply.json()["error"]["message"]
+        spent = _cpu_seconds(process.pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(process.pid) - spent < 0.3  # no render is left running
 
 
 def test_sigterm_drains_running_requests_then_exits_cleanly(llama_dir):

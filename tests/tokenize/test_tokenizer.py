@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -262,6 +263,64 @@ def test_template_reaching_for_internals_is_refused(tmp_path, template):
     tok = AutoTokenizer.from_pretrained(_with_config(tmp_path, chat_template=template))
     with pytest.raises(ChatTemplateError, match="sandbox"):
         tok.apply_chat_template(CONVERSATIONS["single"], tokenize=False)
+
+
+@pytest.mark.parametrize(
+    "template, bound",
+    [
+        pytest.param(
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            "looped or called more than 1,000,000 times",
+            id="nested-ranges",
+        ),
+        pytest.param(
+            "{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}",
+            "looped or called more than",
+            id="nested-loops-over-text",
+        ),
+        pytest.param(
+            "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+            "{{ f(40) }}",
+            "(looped or called more than|s of CPU)",
+            id="branching-macro",
+        ),
+        pytest.param(
+            "{% for i in range(100000) %}{{ ('x' * 10000000) | length }}{% endfor %}",
+            "ran for more than 1 s of CPU",
+            id="slow-steps",
+        ),
+        pytest.param(
+            "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+            "rendered more than 10,000,000 characters",
+            id="large-output",
+        ),
+        pytest.param(
+            "{{ 'x' * 1000000000 }}", "repeats a sequence of 1 1,000,000,000 times", id="repetition"
+        ),
+        pytest.param("{{ 10 ** 100000000 }}", "larger than 65,536 bits", id="power"),
+    ],
+)
+def test_template_that_runs_too_long_or_renders_too_much_is_stopped_within_a_second(
+    tmp_path, template, bound
+):
+    tok = AutoTokenizer.from_pretrained(_with_config(tmp_path, chat_template=template))
+    started = time.thread_time()
+    with pytest.raises(ChatTemplateError, match=f"stopped: .*{bound}"):
+        tok.apply_chat_template(CONVERSATIONS["single"], tokenize=False)
+    assert time.thread_time() - started < 1.5  # of CPU: the bound, and one step's overshoot
+
+
+def test_a_template_within_the_budget_renders_every_loop(tmp_path):
+    # Counting wraps each loop's iterable: loop.length, loop.last, else and recursion still work.
+    template = (
+        "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{% if loop.last %}.{% endif %}"
+        "{% endfor %}{% for x in [] %}no{% else %}empty{% endfor %}"
+        "{% for n in [[1, [2]], 3] recursive %}{% if n is iterable %}{{ loop(n) }}"
+        "{% else %}{{ n }}{% endif %}{% endfor %}{{ range(100000) | length }}"
+    )
+    tok = AutoTokenizer.from_pretrained(_with_config(tmp_path, chat_template=template))
+    messages = CONVERSATIONS["multi_turn_system"]
+    assert tok.apply_chat_template(messages, tokenize=False) == "1/42/43/44/4.empty123100000"
 
 
 def test_template_errors_are_chat_template_errors(tmp_path):
