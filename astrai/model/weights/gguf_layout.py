@@ -96,6 +96,17 @@ class _Layout:
         except UnicodeDecodeError:
             raise self.refuse(f"{what} at byte {start} is not UTF-8") from None
 
+    def skip_strings(self, count: int, key: str) -> None:
+        """Step over an array's count strings (a vocabulary's hundred thousand: kept tight)."""
+        data, offset, end = self.data, self.offset, len(self.data)
+        length_at = struct.Struct(self.order + "Q").unpack_from
+        for index in range(count):
+            length = length_at(data, offset)[0] if offset + 8 <= end else end
+            offset += 8 + length
+            if offset > end:
+                raise self.refuse(f"item {index} of array {key!r} runs past the end of the file")
+        self.offset = offset
+
     def count(self, what: str, least_bytes: int) -> int:
         """A stated number of items, each at least least_bytes long, that fit in the file."""
         (count,) = self.read("Q", what)
@@ -149,8 +160,7 @@ class _Layout:
                     f"metadata key {key!r} holds nested arrays, which astrai reads not"
                 )
             if item == GGUFValueType.STRING:
-                for _ in range(self.count(f"the length of array {key!r}", 8)):
-                    self.string(f"an item of {key!r}")
+                self.skip_strings(self.count(f"the length of array {key!r}", 8), key)
             else:
                 item_bytes = struct.calcsize(SCALAR_FORMATS[item])
                 length = self.count(f"the length of array {key!r}", item_bytes)
