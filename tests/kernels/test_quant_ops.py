@@ -3,6 +3,7 @@ references built from the gguf package's own dequantization."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -223,6 +224,21 @@ def test_the_kernel_refuses_other_term_counts():
     weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, 9), qtype, shape)
     with pytest.raises(ValueError, match="terms"):
         kernel_product(torch.randn(1, shape[1]), weight, terms=3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_the_kernel_refuses_a_weight_buffer_smaller_than_its_shape(qtype):
+    # Defence in depth beside the GGUF checks: W's sizes are checked against its buffer, so no
+    # shape can send the kernel reading past the end of the packed records.
+    shape = shape_of(qtype, (16, 2))
+    weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, 10), qtype, shape)
+    lying = dataclasses.replace(weight, shape=(17, shape[1]))  # a second group of 16 rows
+    with pytest.raises(ValueError, match=r"W \[17, \d+\] needs 2 groups of \d+ bytes"):
+        kernel_product(torch.randn(1, shape[1]), lying)
+    with pytest.raises(ValueError, match="but its packed buffer holds"):
+        quant_module._dequantize(lying.packed, qtype, lying.shape, torch.float32)
+    assert kernel_product(torch.randn(1, shape[1]), weight).shape == (1, 16)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

@@ -10,6 +10,8 @@ and a sample of the real file's; ASTRAI_GGUF_FUZZ_CASES=N adds N random cases on
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import random
 import re
@@ -154,6 +156,7 @@ class Fuzzer:
         started = time.monotonic()
         try:
             logits = self.load(path)
+            assert_tensors_lie_apart_in_the_file(path, case)
         except (CheckpointError, ConfigError) as error:
             assert str(path) in str(error), f"{case}: the error does not name the file: {error}"
             return Outcome(str(error), None)
@@ -161,6 +164,23 @@ class Fuzzer:
             path.unlink()
             assert time.monotonic() - started < CASE_SECONDS, f"{case} took too long"
         return Outcome(None, torch.equal(logits, self.original))
+
+
+def assert_tensors_lie_apart_in_the_file(path: Path, case: str) -> None:
+    """What a loaded file must be, read here by the gguf package on its own: each tensor's
+    bytes (from its dims, in Python's integers) inside the file, aligned, and apart."""
+    reader = gguf.GGUFReader(path)
+    regions = []
+    for tensor in reader.tensors:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        size = math.prod(int(n) for n in tensor.shape) // block * block_bytes
+        start = tensor.data_offset
+        assert (start - reader.data_offset) % reader.alignment == 0, f"{case}: {tensor.name}"
+        assert start + size <= len(reader.data), f"{case}: {tensor.name} runs past the end"
+        regions.append((start, start + size, tensor.name))
+    regions.sort()
+    for (_, end, name), (start, _, following) in itertools.pairwise(regions):
+        assert end <= start, f"{case}: {name} overlaps {following}"
 
 
 def tiny_logits(path: Path) -> torch.Tensor:
