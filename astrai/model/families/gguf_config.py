@@ -94,9 +94,10 @@ def read_gguf_config(reader: GGUFReader, architecture: str, family: Family) -> M
 
 def check_architecture_numbers(metadata: GGUFMetadata) -> None:
     """Raise a ConfigError naming the key unless the sizes the metadata states are integers that
-    agree with each other and with the tensors: every size positive and no larger than the
-    widest tensor dim, the heads a multiple of the KV heads, and block_count the number of
-    blocks whose tensors the file holds (a file that claims a million must not build them)."""
+    agree with each other and with the tensors: each within its bounds (SIZES), the heads a
+    multiple of the KV heads, no more experts used than there are, and block_count the number
+    of blocks whose tensors the file holds (a file that claims a million must not build them).
+    The model's shapes are checked against the tensors' once it is built on the meta device."""
     prefix = metadata.architecture
     tensors = metadata.reader.tensors
     widest = max((int(n) for tensor in tensors for n in tensor.shape), default=0)
