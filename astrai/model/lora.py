@@ -37,6 +37,7 @@ from astrai.kernels import launch_opaque
 from astrai.model.families import FAMILIES, Family, gguf_family
 from astrai.model.families.gguf_metadata import metadata_value
 from astrai.model.transformer import Transformer
+from astrai.model.weights.gguf_layout import check_gguf_layout
 
 # The linears an adapter may change, by their names below layers.N.
 ADAPTED_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
@@ -203,6 +204,7 @@ def _read_gguf(
 ) -> tuple[int, float, dict[tuple[int, str], tuple[Tensor, Tensor]]]:
     """(rank, scaling, (layer, HF linear name) -> (A, B)) of llama.cpp's GGUF LoRA file."""
     try:
+        check_gguf_layout(str(path))
         reader = GGUFReader(path)
     except (OSError, ValueError) as exc:
         raise LoraError(f"cannot read {path} as GGUF: {exc}") from None

@@ -24,7 +24,7 @@ from tiny_models import (
 
 from astrai.inference import STOP, GenerationParams
 from astrai.model import AutoModel
-from astrai.model.lora import LoraError, UnknownAdapterError
+from astrai.model.lora import LoraError, UnknownAdapterError, read_adapter
 from astrai.tokenize import AutoTokenizer
 
 peft = pytest.importorskip("peft")
@@ -190,6 +190,20 @@ def test_gguf_adapter_equals_its_peft_twin(base, adapters, model, tokenizer, tmp
         model, tokenizer, loras={"peft": str(adapters["all"]), "gguf": str(path)}
     ) as e:
         assert greedy(e, ids, "gguf") == greedy(e, ids, "peft")
+
+
+def test_a_gguf_adapter_whose_tensor_lies_outside_the_file_is_refused(adapters, model, tmp_path):
+    import gguf
+
+    path = write_gguf_adapter(adapters["all"], tmp_path / "all.gguf")
+    reader = gguf.GGUFReader(path)
+    last = max(reader.tensors, key=lambda t: t.data_offset)
+    offset_at = last.field.offset + sum(part.nbytes for part in last.field.parts[:5])
+    data = bytearray(path.read_bytes())
+    data[offset_at : offset_at + 8] = (2**64 - 64).to_bytes(8, "little")  # wraps past the end
+    path.write_bytes(bytes(data))
+    with pytest.raises(LoraError, match=f"malformed GGUF file {path}: tensor '{last.name}'"):
+        read_adapter("lying", path, model)
 
 
 def test_quantized_base_with_an_adapter_follows_the_dequantized_base(
