@@ -1,7 +1,8 @@
 """Lying GGUF files against the loader: mutated headers, metadata and tensor tables of the real
 SmolLM2 file and of a tiny quantized model, and files cut short at every section boundary.
 
-Each case must be refused with an error that names the file, or load; a model that loads
+Each case must be refused with an error that names the file, or load; a file that loads must
+hold its tensors inside it, aligned and apart (as this test reads it), and a model that loads
 after a mutation that changes nothing it is made of must equal the original. None may crash,
 raise anything else, take 10 s or grow the process by a gigabyte. The cases are seeded: every
 numeric field of the tiny file's header, metadata and tensor table twice, every boundary once,
