@@ -231,9 +231,11 @@ def open_gguf(path: Path) -> GGUFReader:
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    check_gguf_layout(path)
     try:
+        check_gguf_layout(path)
         return _PlainArrayReader(path)
+    except CheckpointError:
+        raise
     except (ValueError, OSError, KeyError, IndexError) as error:
         raise CheckpointError(
             f"cannot read GGUF file {path} ({str(error).rstrip('.')}): the file is truncated, "

@@ -157,7 +157,7 @@ class _Layout:
             item = self.value_type(f"the item type of array {key!r}")
             if item == GGUFValueType.ARRAY:
                 raise self.refuse(
-                    f"metadata key {key!r} holds nested arrays, which astrai reads not"
+                    f"metadata key {key!r} holds nested arrays, which astrai does not read"
                 )
             if item == GGUFValueType.STRING:
                 self.skip_strings(self.count(f"the length of array {key!r}", 8), key)
