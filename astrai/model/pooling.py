@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from astrai.model.checkpoint import CheckpointError
 from astrai.model.families.gguf_metadata import metadata_value
+from astrai.model.weights.gguf import open_gguf
 
 # sentence-transformers' pooling modes -> astrai's pooling (astrai.config.POOLINGS)
 POOLING_MODES = {"lasttoken": "last", "mean": "mean"}
@@ -64,7 +63,7 @@ def checkpoint_pooling(model_path: Path) -> str | None:
 
 def _gguf_pooling(path: Path) -> str | None:
     """A GGUF file's pooling_type as astrai's pooling; none (0) or absent is None."""
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     architecture = metadata_value(reader, "general.architecture")
     pooling_type = metadata_value(reader, f"{architecture}.pooling_type", 0)
     mode = GGUF_POOLING_TYPES.get(pooling_type, f"type {pooling_type}")
