@@ -6,11 +6,11 @@ fused linear is its parts' products side by side: each part's A is a block of co
 low-rank product, and its B writes that part's rows of the output.
 
 Every loaded adapter holds a slot in each adapted linear's stacks, A [slots * width, in] and
-B [out, slots * width] (width: the linear's parts times the largest rank). A step multiplies
-x by every slot's A at once, scales each row's own slot's columns by its adapter's scaling
-and zeroes the others' (the step's mask: the step's input, as its page tables are), and adds
-the product with B: three products a linear, whichever adapters the rows use, and a call
-the CPU's recorded steps replay as they replay the kernels.
+B^T [slots * width, out] (width: the linear's parts times the largest rank). A step groups its
+rows by adapter (the step's input, as its page tables are) and, for each adapter it holds,
+multiplies those rows by that slot's A and B^T and adds the product, scaled, to their output
+rows: two products an adapter a linear, each row computing its own adapter's columns only.
+The CPU's recorded steps replay the call as they replay the kernels, with each step's groups.
 """
 
 from __future__ import annotations
@@ -322,10 +322,10 @@ def _module(model: Transformer, layer: int, linear: str) -> torch.nn.Module | No
 
 @dataclass
 class Stack:
-    """One adapted linear's slots: A [slots * width, in] and B [out, slots * width]."""
+    """One adapted linear's slots: A [slots * width, in] and B^T [slots * width, out]."""
 
     a: Tensor
-    b: Tensor
+    bt: Tensor
     width: int
 
 
@@ -334,7 +334,7 @@ class AdapterTable:
     hooks that add their products to those linears' outputs, row by row as the step says.
 
     Load and unload run on any thread while steps run: a slot is written only while no row
-    uses it (its columns are masked to 0 then), and the table's lock guards the names.
+    uses it (no step reads it then), and the table's lock guards the names.
     """
 
     def __init__(self, model: Transformer, max_loras: int, max_rank: int):
@@ -359,13 +359,13 @@ class AdapterTable:
                     torch.zeros(
                         max_loras * width, in_features, dtype=self.dtype, device=weight.device
                     ),
-                    torch.zeros(out, max_loras * width, dtype=self.dtype, device=weight.device),
+                    torch.zeros(max_loras * width, out, dtype=self.dtype, device=weight.device),
                     width,
                 )
                 self.stacks[layer, linear] = stack
                 self.hooks.append(module.register_forward_hook(self._hook(stack)))
-        # width -> this step's [rows, slots * width] scaling of each row's own slot, 0 elsewhere
-        self.masks: dict[int, Tensor] = {}
+        # this step's (slot, its rows or None for every row, its scaling) per adapter it holds
+        self.groups: list[tuple[int, Tensor | None, float]] = []
 
     def close(self) -> None:
         """Take the hooks off the model: it runs as the base model again."""
@@ -432,28 +432,22 @@ class AdapterTable:
         for (layer, linear), stack in self.stacks.items():
             columns = slice(adapter.slot * stack.width, (adapter.slot + 1) * stack.width)
             stack.a[columns] = 0
-            stack.b[:, columns] = 0
+            stack.bt[columns] = 0
             for part, rows, a, b in adapter.products.get((layer, linear), ()):
                 start = columns.start + part * self.max_rank
                 stack.a[start : start + adapter.rank] = a
-                stack.b[rows, start : start + adapter.rank] = b
+                stack.bt[start : start + adapter.rank, rows] = b.T
 
     def begin_step(self, row_slots: np.ndarray, row_scaling: np.ndarray) -> None:
         """Set the step's rows' adapters: row_slots [rows] (-1: the base model) and their
         scalings."""
-        if (row_slots < 0).all():
-            self.masks = {}
-            return
-        rows = len(row_slots)
-        scaling = torch.zeros(rows, self.max_loras + 1, dtype=self.dtype)
-        scaling[torch.arange(rows), torch.from_numpy(row_slots)] = torch.from_numpy(row_scaling).to(
-            self.dtype
-        )
-        per_slot = scaling[:, : self.max_loras].to(self.device)
-        self.masks = {
-            width: per_slot.repeat_interleave(width, dim=1)
-            for width in {stack.width for stack in self.stacks.values()}
-        }
+        groups = []
+        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
+            rows = np.flatnonzero(row_slots == slot)
+            every = len(rows) == len(row_slots)
+            index = None if every else torch.from_numpy(rows).to(self.device)
+            groups.append((slot, index, float(row_scaling[rows[0]])))
+        self.groups = groups
 
     def _hook(self, stack: Stack):
         def add_products(module, args, out: Tensor) -> None:
@@ -462,12 +456,14 @@ class AdapterTable:
         return add_products
 
     def _add_products(self, stack: Stack, x: Tensor, out: Tensor) -> None:
-        mask = self.masks.get(stack.width)
-        if mask is None:  # no row of this step uses an adapter
-            return
-        low = torch.mm(x, stack.a.T)  # [rows, slots * width]
-        low.mul_(mask)
-        out.addmm_(low, stack.b.T)
+        for slot, index, scaling in self.groups:
+            columns = slice(slot * stack.width, (slot + 1) * stack.width)
+            a, bt = stack.a[columns], stack.bt[columns]
+            if index is None:  # every row of the step
+                out.addmm_(x @ a.T, bt, alpha=scaling)
+            else:
+                low = x.index_select(0, index) @ a.T  # [its rows, width]
+                out.index_add_(0, index, low @ bt, alpha=scaling)
 
 
 def row_adapters(
