@@ -422,8 +422,8 @@ class EngineConfig:
     )
     max_loras: int | None = setting(
         None,
-        "most LoRA adapters loaded at once, each a slot that every step computes "
-        "(default: the --lora count; give it to load adapters later through the API)",
+        "most LoRA adapters loaded at once, each in a slot of its own (default: the --lora "
+        "count; give it to load adapters later through the API)",
     )
     max_lora_rank: int | None = setting(
         None, "largest LoRA rank a slot holds (default: the largest --lora rank, else 16)"
