@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from offline_throughput import _NoTextTokenizer
+from offline_throughput import run_astrai
 from safetensors.torch import save_file
 from workload import SMOLLM2_135M, Request, left_padded, offline_workload, write_random_model
 
-from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
 
 TARGETS = {
@@ -72,27 +70,6 @@ def write_adapter(directory: Path, rank: int, seed: int) -> Path:
     return directory
 
 
-def run_astrai(
-    model, requests: list[Request], loras: dict[str, str], names: list[str | None], batch: int
-) -> tuple[int, float]:
-    """Submit every request at once (request i under names[i]); (output tokens, seconds)."""
-    events: queue.SimpleQueue = queue.SimpleQueue()
-    config = dict(max_batch_size=batch, loras=loras) if loras else dict(max_batch_size=batch)
-    with InferenceEngine(model, _NoTextTokenizer(), **config) as engine:
-        start = time.perf_counter()
-        for request, name in zip(requests, names, strict=True):
-            params = GenerationParams(
-                max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True, lora=name
-            )
-            engine.submit(request.prompt_ids, params, lambda task, event: events.put(event))
-        finished = 0
-        while finished < len(requests):
-            finished += events.get() is STOP
-        elapsed = time.perf_counter() - start
-        tokens = engine.get_stats().generation_tokens
-    return tokens, elapsed
-
-
 def run_peft(peft_model, requests: list[Request], names: list[str], batch_size: int) -> float:
     """transformers + PEFT: left-padded static batches, each row under its adapter; tok/s."""
     start = time.perf_counter()
@@ -128,14 +105,16 @@ def main() -> None:
     counts = [int(n) for n in args.adapters.split(",")]
     root = Path(tempfile.mkdtemp(prefix="astrai-lora-"))
     model_dir = write_random_model(root / "base")
-    paths = {f"a{i}": str(write_adapter(root / f"a{i}", args.rank, i)) for i in range(max(counts))}
+    paths = {
+        f"a{i}": str(write_adapter(root / f"a{i}", args.rank, i)) for i in range(max(*counts, 4))
+    }
     model = AutoModel.from_pretrained(model_dir)
     print(f"{args.threads} threads, float32, rank {args.rank} on all 7 linears of 30 layers")
 
     decode = offline_workload(1, (128, 128), (128, 128))
     one = {"a0": paths["a0"]}
-    base_tokens, base_seconds = run_astrai(model, decode, {}, [None], 1)
-    lora_tokens, lora_seconds = run_astrai(model, decode, one, ["a0"], 1)
+    base_tokens, base_seconds = run_astrai(model, decode, 1)
+    lora_tokens, lora_seconds = run_astrai(model, decode, 1, one, ["a0"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     peft_model = peft.PeftModel.from_pretrained(hf, paths["a0"], adapter_name="a0").eval()
     peft_rate = run_peft(peft_model, decode, ["a0"], 1)
@@ -146,23 +125,24 @@ def main() -> None:
           f"(astrai {lora_rate / peft_rate:.2f}x)")  # fmt: skip
 
     requests = offline_workload(args.num_requests)
-    base_tokens, base_seconds = run_astrai(model, requests, {}, [None] * len(requests), 64)
+    base_tokens, base_seconds = run_astrai(model, requests, 64)
     base_rate = base_tokens / base_seconds
     print(f"offline, {len(requests)} requests, tok/s: astrai base {base_rate:.1f}")
     for count in counts:
         names = [f"a{i % count}" for i in range(len(requests))]
         loras = {f"a{i}": paths[f"a{i}"] for i in range(count)}
-        tokens, seconds = run_astrai(model, requests, loras, names, 64)
+        tokens, seconds = run_astrai(model, requests, 64, loras, names)
         rate = tokens / seconds
         print(f"  {count:>2} adapters: astrai {rate:.1f} ({rate / base_rate:.0%} of base)")
-    names = [f"a{i % 4}" for i in range(args.peer_requests)]
+    peer_requests = requests[: args.peer_requests]
+    names = [f"a{i % 4}" for i in range(len(peer_requests))]
     for i in range(1, 4):
         peft_model.load_adapter(paths[f"a{i}"], adapter_name=f"a{i}")
-    peer = run_peft(peft_model, requests[: args.peer_requests], names, 8)
+    peer = run_peft(peft_model, peer_requests, names, 8)
     loras = {f"a{i}": paths[f"a{i}"] for i in range(4)}
-    tokens, seconds = run_astrai(model, requests[: args.peer_requests], loras, names, 64)
+    tokens, seconds = run_astrai(model, peer_requests, 64, loras, names)
     rate = tokens / seconds
-    print(f"  4 adapters, first {args.peer_requests} requests: astrai {rate:.1f}, "
+    print(f"  4 adapters, first {len(peer_requests)} requests: astrai {rate:.1f}, "
           f"transformers + PEFT (batches of 8) {peer:.1f} (astrai {rate / peer:.2f}x)")  # fmt: skip
 
 

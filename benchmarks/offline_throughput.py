@@ -20,14 +20,22 @@ from astrai.inference import STOP, GenerationParams, InferenceEngine
 from astrai.model import AutoModel
 
 
-def run_astrai(model, requests: list[Request], max_batch_size: int) -> tuple[int, float]:
-    """Submit every request at once; return (output tokens, seconds)."""
+def run_astrai(
+    model,
+    requests: list[Request],
+    max_batch_size: int,
+    loras: dict[str, str] | None = None,
+    names: list[str | None] | None = None,
+) -> tuple[int, float]:
+    """Submit every request at once, request i under the LoRA adapter names[i] (of loras)
+    where given; return (output tokens, seconds)."""
     events: queue.SimpleQueue = queue.SimpleQueue()
-    with InferenceEngine(model, _NoTextTokenizer(), max_batch_size=max_batch_size) as engine:
+    config = {"max_batch_size": max_batch_size, "loras": loras or {}}
+    with InferenceEngine(model, _NoTextTokenizer(), **config) as engine:
         start = time.perf_counter()
-        for request in requests:
+        for request, name in zip(requests, names or [None] * len(requests), strict=True):
             params = GenerationParams(
-                max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True
+                max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True, lora=name
             )
             engine.submit(request.prompt_ids, params, lambda task, event: events.put(event))
         finished = 0

@@ -805,14 +805,9 @@ class InferenceEngine:
         single = isinstance(prompts, str | GenerationRequest)
         items = [prompts] if single else list(prompts)
         params = self._params(items, params, param_overrides)
-        stream = SyncRequestStream(self, [self.encode(item) for item in items], params)
-        results: list[TaskResult | None] = [None] * len(stream.tasks)
-        with closing(stream):
-            for event in stream:
-                if event.result is not None:
-                    results[event.index] = event.result
-        for result in results:
-            result.raise_for_status()
+        results = self._results(
+            SyncRequestStream(self, [self.encode(item) for item in items], params)
+        )
         n = params.n
         shaped = [results[i] if n == 1 else results[i : i + n] for i in range(0, len(results), n)]
         return shaped[0] if single else shaped
@@ -833,16 +828,22 @@ class InferenceEngine:
             raise RequestError("embed needs at least one input")
         prompts = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in items]
         params = replace(EMBEDDING_PARAMS, lora=lora)
-        stream = SyncRequestStream(self, prompts, params, pooling or self.pooling)
-        results: list[TaskResult | None] = [None] * len(prompts)
+        results = self._results(SyncRequestStream(self, prompts, params, pooling or self.pooling))
+        vectors = F.normalize(torch.stack([r.embedding for r in results]), dim=-1)
+        return vectors[0] if single else vectors
+
+    @staticmethod
+    def _results(stream: SyncRequestStream) -> list[TaskResult]:
+        """Every task's result, in submission order, once all have ended; the first that
+        failed raises its typed error."""
+        results: list[TaskResult | None] = [None] * len(stream.tasks)
         with closing(stream):
             for event in stream:
                 if event.result is not None:
                     results[event.index] = event.result
         for result in results:
             result.raise_for_status()
-        vectors = F.normalize(torch.stack([r.embedding for r in results]), dim=-1)
-        return vectors[0] if single else vectors
+        return results
 
     @staticmethod
     def _stream_text(stream: SyncRequestStream, single: bool) -> Iterator:
