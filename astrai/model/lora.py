@@ -37,6 +37,7 @@ from astrai.kernels import launch_opaque
 from astrai.model.families import FAMILIES, Family, gguf_family
 from astrai.model.families.gguf_metadata import metadata_value
 from astrai.model.transformer import Transformer
+from astrai.model.weights.gguf import unpermute_rotary_rows
 from astrai.model.weights.gguf_layout import check_gguf_layout
 
 # The linears an adapter may change, by their names below layers.N.
@@ -237,13 +238,14 @@ def _read_gguf(
             values = np.asarray(tensor.data, dtype=np.float32)
         else:
             values = decode_blocks(tensor.data, tensor.tensor_type)
-        values = torch.from_numpy(np.array(values.reshape(shape), dtype=np.float32))
+        values = values.reshape(shape)
         if (
             match[3] == "b"
             and family.permuted_rotary_rows
             and match[2] in ("attn_q.weight", "attn_k.weight")
-        ):
-            values = _unpermuted_rows(values, len(values) // model.config.head_dim)
+        ):  # B's rows are q's or k's, permuted as the base's weights are
+            values = unpermute_rotary_rows(values, len(values) // model.config.head_dim)
+        values = torch.from_numpy(np.array(values, dtype=np.float32))
         pairs.setdefault((int(match[1]), hf_name), {})[match[3].upper()] = values
     paired = _paired(pairs, path, "a", "b")
     ranks = {a.shape[0] for a, _ in paired.values()}
@@ -253,13 +255,6 @@ def _read_gguf(
     # Without alpha llama.cpp scales the products by 1.
     alpha = metadata_value(reader, "adapter.lora.alpha", None)
     return rank, 1.0 if not alpha else float(alpha) / rank, paired
-
-
-def _unpermuted_rows(b: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's permute of q or k output rows (as the GGUF loader does for weights)."""
-    rows = b.shape[0]
-    halves = b.reshape(n_heads, rows // n_heads // 2, 2, *b.shape[1:])
-    return halves.transpose(1, 2).reshape(b.shape)
 
 
 def _paired(
