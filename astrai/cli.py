@@ -317,6 +317,13 @@ def _parser() -> argparse.ArgumentParser:
         "reasoning_content, thinking blocks and reasoning items (default: think when the chat "
         "template mentions <think>, else none)",
     )
+    serve.add_argument(
+        "--override-generation-config",
+        metavar="JSON",
+        help="sampling settings for requests that leave them out, over the model's "
+        "generation_config.json, e.g. '{\"temperature\": 0}' (vLLM's flag; keys: "
+        f"{', '.join(GENERATION_CONFIG_SAMPLING)})",
+    )
     _add_serve_limits(serve)
     _add_engine_flags(serve)
     serve.set_defaults(command=_serve, parser=serve, settings=(EngineConfig,))
@@ -412,19 +419,7 @@ def _model_sampling(params: GenerationParams, given: set[str], model_dir: Path):
     """params with the sampling settings of the model's generation_config.json for the flags
     not given, as transformers' generate takes them (do_sample false there: greedy)."""
     path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return params
-    try:
-        generation = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-    taken = {
-        name: generation[name]
-        for name in GENERATION_CONFIG_SAMPLING
-        if name not in given and generation.get(name) is not None
-    }
-    if generation.get("do_sample") is False and "temperature" not in given:
-        taken["temperature"] = 0.0
+    taken = {k: v for k, v in generation_config_sampling(model_dir).items() if k not in given}
     if not taken:
         return params
     try:
@@ -434,6 +429,51 @@ def _model_sampling(params: GenerationParams, given: set[str], model_dir: Path):
     settings = ", ".join(f"{name}={value}" for name, value in taken.items())
     log.info("sampling settings from %s: %s (a flag overrides each)", path, settings)
     return params
+
+
+def generation_config_sampling(model_dir: Path) -> dict:
+    """The sampling settings model_dir's generation_config.json gives (do_sample false:
+    temperature 0, greedy, as transformers reads it); none without the file."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        generation = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    taken = {
+        name: generation[name]
+        for name in GENERATION_CONFIG_SAMPLING
+        if generation.get(name) is not None
+    }
+    if generation.get("do_sample") is False:
+        taken["temperature"] = 0.0
+    return taken
+
+
+def _server_sampling(args: argparse.Namespace, model_dir: Path) -> dict:
+    """The sampling settings a request that leaves them out gets: the model's
+    generation_config.json's, under --override-generation-config's (vLLM's names)."""
+    sampling = generation_config_sampling(model_dir)
+    if args.override_generation_config is not None:
+        try:
+            override = json.loads(args.override_generation_config)
+        except ValueError as exc:
+            raise ConfigError(f"--override-generation-config is not JSON: {exc}") from None
+        if not isinstance(override, dict) or not set(override) <= set(GENERATION_CONFIG_SAMPLING):
+            raise ConfigError(
+                "--override-generation-config takes a JSON object of "
+                f"{', '.join(GENERATION_CONFIG_SAMPLING)}; got {args.override_generation_config}"
+            )
+        sampling.update(override)
+    try:
+        GenerationParams(**sampling)
+    except InvalidParamsError as exc:
+        raise ConfigError(f"request sampling defaults {sampling}: {exc}") from None
+    if sampling:
+        settings = ", ".join(f"{name}={value}" for name, value in sampling.items())
+        log.info("requests without their own sampling settings take %s", settings)
+    return sampling
 
 
 def _adapter_params(params: GenerationParams, config: EngineConfig) -> GenerationParams:
@@ -524,11 +564,13 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
     if config.pooling is None and (pooling := checkpoint_pooling(model_dir)) is not None:
         log.info("embeddings pool by %s, as the checkpoint's pooling config says", pooling)
         config = dataclasses.replace(config, pooling=pooling)
+    sampling = _server_sampling(args, model_dir)
     engine = _load_engine(args, config, model_dir)
     try:
         app = create_app(
             engine,
             name,
+            sampling=sampling,
             api_key=args.api_key,
             allowed_hosts=[args.host, *args.allowed_hosts],
             max_request_bytes=args.max_request_bytes,

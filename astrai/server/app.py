@@ -55,6 +55,7 @@ def create_app(
     reasoning_parser: str | None = None,
     webui: bool = True,
     lora_dir: str | None = None,
+    sampling: dict | None = None,
 ) -> FastAPI:
     """An app serving one loaded engine under model_name.
 
@@ -67,7 +68,9 @@ def create_app(
     model's think blocks (astrai.server.reasoning.PARSERS), which answers give apart from the
     text; without it a chat template that mentions <think> picks the think parser. webui
     serves the chat page (astrai/server/webui) at /, behind the key when there is one.
-    lora_dir allows POST /v1/load_lora_adapter to load adapters found below it.
+    lora_dir allows POST /v1/load_lora_adapter to load adapters found below it. sampling holds
+    the GenerationParams settings a request that leaves them out gets (the engine's defaults
+    for those it lacks).
     """
     doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
@@ -79,6 +82,7 @@ def create_app(
         metrics,
         tool_call_parser_for(tool_call_parser, templates),
         reasoning_parser_for(reasoning_parser, templates),
+        sampling,
     )
     app.state.service = service
     app.state.drain = Drain(service)

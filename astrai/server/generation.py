@@ -192,8 +192,10 @@ class GenerationService:
         metrics: ServerMetrics,
         tool_parser: ToolCallParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
+        sampling: dict | None = None,
     ) -> None:
         self.engine = engine
+        self.sampling = sampling or {}
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
@@ -472,8 +474,8 @@ class GenerationService:
         prompt_only: bool = False,
         **fields,
     ) -> GenerationParams:
-        """GenerationParams from request fields (None means the engine's default); model, the
-        request's model field, picks the LoRA adapter.
+        """GenerationParams from request fields (None means the server's sampling setting, else
+        the engine's default); model, the request's model field, picks the LoRA adapter.
 
         Without max_tokens a request may generate up to the end of the context. max_tokens 0
         (the prompt alone, for its logprobs) is for the endpoints that say prompt_only.
@@ -487,7 +489,7 @@ class GenerationService:
         if max_tokens is None:
             limit = self.engine.max_request_tokens
             max_tokens = max(1, limit - max(len(p) for p in prompts))
-        settings = {k: v for k, v in fields.items() if v is not None}
+        settings = self.sampling | {k: v for k, v in fields.items() if v is not None}
         try:
             return GenerationParams(max_tokens=max_tokens, lora=self.adapter_for(model), **settings)
         except RequestError as exc:

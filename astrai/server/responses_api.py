@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from astrai.inference import TaskResult
+from astrai.inference import GenerationParams, TaskResult
 from astrai.inference.constraints import Constraint, ConstraintError
 from astrai.server.errors import APIError
 from astrai.server.fields import refuse_unsupported
@@ -197,7 +197,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     generation = service.submit([prompt], params)
     parser = service.reasoning_parser
     opened = parser is not None and parser.opened_by(service.tokenizer, prompt)
-    answer = _Answer(body, service, tools, conversation, store, opened)
+    answer = _Answer(body, service, tools, conversation, store, opened, params)
     if body.stream:
         return EventStreamResponse(answer.events(generation))
     [output] = await generation.collect(request)
@@ -225,6 +225,7 @@ class _Answer:
     conversation: list[dict]
     store: ResponseStore
     opened: bool  # the prompt left a think block open for the answer to close
+    params: GenerationParams
     id: str = field(default_factory=lambda: _new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -249,7 +250,7 @@ class _Answer:
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "store": body.store is not False,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "temperature": self.params.temperature,
             "text": {"format": (body.text and body.text.format) or {"type": "text"}},
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [
@@ -263,7 +264,7 @@ class _Answer:
                 }
                 for tool in body.tools or ()
             ],
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "top_p": self.params.top_p,
             "truncation": "disabled",
             "usage": usage,
             "user": None,
