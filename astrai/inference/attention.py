@@ -9,30 +9,16 @@ from functools import partial
 import numpy as np
 import torch
 
-from astrai.inference.kv_cache import PagedCache
+from astrai.inference.kv_cache import KVStore
+from astrai.inference.step_batch import StepBatch
 from astrai.kernels.paged_attention import PagedDecode
 from astrai.kernels.triton_attention import paged_attention, query_block, store_kv
 from astrai.model.transformer import LayerAttention, attend
 
 
-def page_tables(cache: PagedCache, seqs: Sequence[tuple[int, int, int]]) -> list[list[int]]:
-    """Each (task_id, start, n)'s pages up to position start + n - 1; refused if it holds fewer."""
-    tables = []
-    for task_id, start, n in seqs:
-        pages = cache.tasks.pages(task_id)
-        n_pages = -(-(start + n) // cache.page_size)
-        if start < 0 or n < 1 or n_pages > len(pages):
-            raise ValueError(
-                f"task {task_id}: positions {start}..{start + n - 1} need {n_pages} pages but "
-                f"it holds {len(pages)}; allocate before the forward pass"
-            )
-        tables.append(pages[:n_pages])
-    return tables
-
-
 class CacheView:
-    """The model's attention backend for one forward pass over a ragged batch of seqs, each
-    (task_id, start, n): n new tokens at positions start .. start + n - 1.
+    """The model's attention backend for one forward pass over a StepBatch on the CPU (or any
+    device without Triton).
 
     The constructor resolves every index once -- write slots, page tables, each prompt chunk's
     pages -- and the masks are made once per sliding window, so a layer's call is tensor work
@@ -48,51 +34,40 @@ class CacheView:
     whether its keys come from the cache or not.
     """
 
-    def __init__(self, cache: PagedCache, seqs: Sequence[tuple[int, int, int]]):
-        page_size, device = cache.page_size, cache.k_cache.device
-        self.k_cache, self.v_cache = cache.k_cache, cache.v_cache
-        tables = page_tables(cache, seqs)
-        # Indices are worked out in NumPy: a decode step's few are cheaper there than as a
-        # dozen tensor ops, each paying PyTorch's dispatch.
-        starts = np.array([start for _, start, _ in seqs], dtype=np.int64)
-        lens = np.array([n for _, _, n in seqs], dtype=np.int64)
-        offsets = np.cumsum(lens) - lens  # each sequence's first row
-        max_pages = max(len(table) for table in tables)
-        block_table = np.zeros((len(seqs), max_pages), dtype=np.int64)
-        for i, table in enumerate(tables):
-            block_table[i, : len(table)] = table
-        seq_of_row = np.repeat(np.arange(len(seqs)), lens)
-        pos = np.arange(len(seq_of_row)) - offsets[seq_of_row] + starts[seq_of_row]
-        slots = block_table[seq_of_row, pos // page_size] * page_size + pos % page_size
+    def __init__(self, kv: KVStore, batch: StepBatch):
+        device = kv.k_cache.device
+        self.k_cache, self.v_cache = kv.k_cache, kv.v_cache
+        starts, lens, offsets = batch.starts, batch.lengths, batch.first_rows
+        block_table, table_lengths = batch.block_tables, batch.table_lengths
         # [num_tokens] the model's rope positions, one per flattened token
-        self.positions = torch.from_numpy(pos).to(device)
-        self.slot_mapping = torch.from_numpy(slots).to(device)
+        self.positions = torch.from_numpy(batch.positions).to(device)
+        self.slot_mapping = torch.from_numpy(batch.slots).to(device)
 
         decodes = np.flatnonzero(lens == 1)
         self.paged_decode: PagedDecode | None = None
         self.decode_groups: list[DecodeGroup] = []
         self.chunks: list[PromptChunk] = []
-        if PagedDecode.supports(cache.k_cache):
+        if PagedDecode.supports(kv.k_cache):
             # Every row, a prompt's too, on the kernel, which sums a row's scores and values in
             # one order whatever else is in the step: a token's result is then the same
             # whether it is prefilled with the whole prompt, in a later chunk, after a prefix
             # cache hit, alone or in a batch (SDPA's rounding changes with the rows it is given).
             self.paged_decode = PagedDecode(
-                cache.k_cache,
-                cache.v_cache,
-                rows=torch.arange(len(seq_of_row), device=device),
-                block_tables=torch.from_numpy(block_table[seq_of_row]).to(device),
-                context_lens=torch.from_numpy(pos + 1).to(device),
+                kv.k_cache,
+                kv.v_cache,
+                rows=torch.arange(len(batch.row_seqs), device=device),
+                block_tables=torch.from_numpy(block_table[batch.row_seqs]).to(device),
+                context_lens=torch.from_numpy(batch.positions + 1).to(device),
             )
             return
         if len(decodes):
-            for group in group_by_context([len(tables[i]) for i in decodes], decodes.tolist()):
-                n_pages = max(len(tables[i]) for i in group)
+            for group in group_by_context(table_lengths[decodes].tolist(), decodes.tolist()):
+                n_pages = int(table_lengths[group].max())
                 self.decode_groups.append(
                     DecodeGroup.build(
-                        cache,
+                        kv,
                         rows=None
-                        if len(group) == len(seq_of_row)
+                        if len(group) == len(batch.row_seqs)
                         else torch.from_numpy(offsets[group]).to(device),
                         tables=torch.from_numpy(block_table[group, :n_pages]).to(device),
                         positions=torch.from_numpy(starts[group]).to(device),
@@ -107,9 +82,9 @@ class CacheView:
                 # a chunk from position 0 sees only its own new K/V, so it needs no pages
                 pages=None
                 if start == 0
-                else torch.from_numpy(block_table[i, : len(tables[i])]).to(device),
+                else torch.from_numpy(block_table[i, : table_lengths[i]]).to(device),
             )
-            for i, (_, start, n) in enumerate(seqs)
+            for i, (start, n) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True))
             if n > 1
         ]
 
@@ -259,15 +234,15 @@ class DecodeGroup:
     @classmethod
     def build(
         cls,
-        cache: PagedCache,
+        kv: KVStore,
         rows: torch.Tensor | None,
         tables: torch.Tensor,
         positions: torch.Tensor,
     ) -> DecodeGroup:
         """tables [n, n_pages] padded with page 0; positions [n]: each decode's query position."""
-        key_pos = torch.arange(tables.shape[1] * cache.page_size, device=tables.device)
+        key_pos = torch.arange(tables.shape[1] * kv.page_size, device=tables.device)
         # Allocating megabytes per layer costs more than the copy into them.
-        k = cache.k_cache.new_empty((tables.numel(), *cache.k_cache.shape[2:]))
+        k = kv.k_cache.new_empty((tables.numel(), *kv.k_cache.shape[2:]))
         return cls(
             rows=rows,
             pages=tables.flatten(),
@@ -307,50 +282,32 @@ class DecodeGroup:
 
 
 def ragged_layout(
-    cache: PagedCache,
-    seqs: Sequence[tuple[int, int, int]],
-    token_ids: Sequence[int],
-    block_q: int,
-    pad_seqs: int = 0,
-    table_width: int | None = None,
-    spans: Sequence[int] = (),
+    batch: StepBatch, block_q: int, pad_seqs: int = 0, table_width: int | None = None
 ) -> dict[str, np.ndarray]:
-    """A ragged batch as the int64 arrays a CUDA step uploads, built on the host (a recorded
-    step refills its buffer with them in this order).
+    """A StepBatch as the int64 arrays a CUDA step uploads (a recorded step refills its buffer
+    with them in this order).
 
-    seqs are (task_id, start, n) as CacheView takes them, spans their prompts' lengths (each
-    row rotates for max(position + 1, span) tokens, astrai.model.rope). pad_seqs sequences
-    of no tokens follow them, each owning one row (a recorded step's padding: token 0, slot
-    -1, nothing stored, output zeros); table_width pads every page table to that many pages.
+    pad_seqs sequences of no tokens follow the batch's, each owning one row (a recorded step's
+    padding: token 0, slot -1, nothing stored, output zeros); table_width pads every page table
+    to that many pages.
     """
-    page_size = cache.page_size
-    starts = np.array([start for _, start, _ in seqs] + [0] * pad_seqs, dtype=np.int64)
-    lens = np.array([n for _, _, n in seqs] + [0] * pad_seqs, dtype=np.int64)
+    padding = np.zeros(pad_seqs, dtype=np.int64)
+    starts = np.concatenate((batch.starts, padding))
+    lens = np.concatenate((batch.lengths, padding))
     owned = np.maximum(lens, 1)
     rows = np.concatenate(([0], np.cumsum(owned)[:-1]))
-    tables = page_tables(cache, seqs)
-    width = table_width or max(len(table) for table in tables)
+    width = table_width or batch.block_tables.shape[1]
     block_tables = np.zeros((len(starts), width), dtype=np.int64)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = table
-    seq_of_row = np.repeat(np.arange(len(starts)), owned)
-    offset = np.arange(len(seq_of_row)) - rows[seq_of_row]
-    positions = np.where(lens[seq_of_row] > 0, starts[seq_of_row] + offset, 0)
-    page = block_tables[seq_of_row, positions // page_size]
-    slots = np.where(lens[seq_of_row] > 0, page * page_size + positions % page_size, -1)
+    block_tables[: batch.n_seqs, : batch.block_tables.shape[1]] = batch.block_tables
     blocks_per_seq = -(-owned // block_q)
     block_seq = np.repeat(np.arange(len(starts)), blocks_per_seq)
     first_block = np.cumsum(blocks_per_seq) - blocks_per_seq  # each sequence's first block
     block_first = (np.arange(len(block_seq)) - np.repeat(first_block, blocks_per_seq)) * block_q
-    tokens = np.zeros(len(seq_of_row), dtype=np.int64)
-    tokens[: len(token_ids)] = token_ids
-    seq_spans = np.zeros(len(starts), dtype=np.int64)
-    seq_spans[: len(spans)] = spans
     return {
-        "token_ids": tokens,
-        "positions": positions,
-        "rope_lengths": np.maximum(positions + 1, seq_spans[seq_of_row]),
-        "slot_mapping": slots,
+        "token_ids": np.concatenate((batch.token_ids, padding)),
+        "positions": np.concatenate((batch.positions, padding)),
+        "rope_lengths": np.concatenate((batch.rope_lengths, padding + 1)),
+        "slot_mapping": np.concatenate((batch.slots, padding - 1)),
         "seq_starts": starts,
         "seq_rows": rows,
         "seq_lens": lens,
@@ -370,8 +327,8 @@ class DeviceCacheView:
     buffers and refills them before each replay.
     """
 
-    def __init__(self, cache: PagedCache, fields: dict[str, torch.Tensor], block_q: int):
-        self.k_cache, self.v_cache = cache.k_cache, cache.v_cache
+    def __init__(self, kv: KVStore, fields: dict[str, torch.Tensor], block_q: int):
+        self.k_cache, self.v_cache = kv.k_cache, kv.v_cache
         self.fields = fields
         self.block_q = block_q
         self.positions = fields["positions"]
@@ -381,20 +338,17 @@ class DeviceCacheView:
     @classmethod
     def build(
         cls,
-        cache: PagedCache,
-        seqs: Sequence[tuple[int, int, int]],
-        token_ids: Sequence[int],
+        kv: KVStore,
+        batch: StepBatch,
         n_heads: int,
         upload: Callable[[dict[str, np.ndarray]], dict[str, torch.Tensor]],
-        spans: Sequence[int] = (),
         **extra: np.ndarray,
     ) -> DeviceCacheView:
         """The view of one eager step: its layout built on the host and uploaded at once, with
         any extra arrays the step needs on the device (in view.fields)."""
-        group = n_heads // cache.k_cache.shape[3]
-        block_q = query_block(group, max(n for _, _, n in seqs))
-        layout = ragged_layout(cache, seqs, token_ids, block_q, spans=spans)
-        return cls(cache, upload({**layout, **extra}), block_q)
+        group = n_heads // kv.k_cache.shape[3]
+        block_q = query_block(group, int(batch.lengths.max()))
+        return cls(kv, upload({**ragged_layout(batch, block_q), **extra}), block_q)
 
     def __call__(
         self, layer: LayerAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -333,7 +333,7 @@ class InferenceEngine:
             device=weight.device,
             enable_prefix_cache=self.config.enable_prefix_cache,
         )
-        page_bytes = 2 * self.cache.k_cache.nbytes // self.cache.n_pages
+        page_bytes = self.cache.kv.nbytes // self.cache.n_pages
         sized_by = f"for {use}"
         if budget_pages < usable_pages:
             budget = self.config.kv_cache_memory
@@ -348,7 +348,7 @@ class InferenceEngine:
             model.weight_bytes() / 1e6,
             weight.dtype,
             weight.device,
-            2 * self.cache.k_cache.nbytes / 1e6,
+            self.cache.kv.nbytes / 1e6,
             kv_dtype,
             self.cache.n_pages * page_size,
             self.cache.n_pages,
@@ -375,7 +375,8 @@ class InferenceEngine:
         if self._group is None:
             executor = ModelExecutor(
                 model,
-                self.cache,
+                self.cache.kv,
+                self.cache.tasks.pages,
                 max_batch_size=rows,
                 # an embedding engine never decodes: no decode step to record
                 cuda_graphs=self.config.cuda_graphs and self.config.task != "embed",
@@ -467,7 +468,7 @@ class InferenceEngine:
             *shape,
             self.cache.n_pages,
             self.cache.page_size,
-            dtype=self.cache.k_cache.dtype,
+            dtype=self.cache.kv.k_cache.dtype,
             device=weight.device,
             enable_prefix_cache=False,
         )
@@ -475,17 +476,17 @@ class InferenceEngine:
             "draft model %s: weights %.0f MB, KV cache %.0f MB",
             config.draft_model,
             draft.weight_bytes() / 1e6,
-            2 * cache.k_cache.nbytes / 1e6,
+            cache.kv.nbytes / 1e6,
         )
-        proposer = DraftModelProposer(
-            ModelExecutor(
-                draft,
-                cache,
-                cuda_graphs=config.cuda_graphs,
-                batch_invariant=config.batch_invariant,
-                activation_precision=config.activation_precision,
-            )
+        executor = ModelExecutor(
+            draft,
+            cache.kv,
+            cache.tasks.pages,
+            cuda_graphs=config.cuda_graphs,
+            batch_invariant=config.batch_invariant,
+            activation_precision=config.activation_precision,
         )
+        proposer = DraftModelProposer(executor, cache)
         return Speculator(proposer, config.num_speculative_tokens)
 
     def __enter__(self) -> InferenceEngine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,8 +13,9 @@ import torch
 
 from astrai.inference.attention import CacheView, DeviceCacheView, ragged_layout
 from astrai.inference.constraints import BatchMasker, ConstraintState, TokenMask
-from astrai.inference.kv_cache import PagedCache
+from astrai.inference.kv_cache import KVStore
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
+from astrai.inference.step_batch import ImageRows, StepBatch
 from astrai.inference.task import PromptImage, Task, TokenLogprob
 from astrai.kernels import (
     SKINNY_MAX_ROWS,
@@ -96,19 +97,6 @@ class ScheduledChunk:
 class ExecutorFailedError(RuntimeError):
     """The executor can run no further step (a tensor-parallel rank is gone): the engine
     stops, where an ordinary step failure ends only the requests that fail alone."""
-
-
-@dataclass
-class ImageRows:
-    """The rows of a step that hold image placeholder tokens, and the image embeddings
-    [len(rows), dim] that take the place of their token embeddings."""
-
-    rows: torch.Tensor  # [n] int64
-    embeddings: torch.Tensor
-
-    def place(self, h: torch.Tensor) -> None:
-        """Write the image embeddings into the step's embeddings h [num_tokens, dim]."""
-        h.index_copy_(0, self.rows, self.embeddings.to(h.dtype))
 
 
 @dataclass
@@ -253,23 +241,23 @@ class CudaSteps:
     def __init__(
         self,
         model: torch.nn.Module,
-        cache: PagedCache,
+        kv: KVStore,
         max_rows: int,
         max_seq_len: int,
         graphs: bool,
     ):
         self.model = model
-        self.cache = cache
+        self.kv = kv
         self.n_heads = model.config.n_heads
         self.dim = model.config.dim
-        self.upload = HostToDevice(cache.k_cache.device)
+        self.upload = HostToDevice(kv.k_cache.device)
         self.buckets = [b for b in GRAPH_BATCH_SIZES if b < max_rows] if graphs else []
         if graphs and max_rows <= GRAPH_BATCH_SIZES[-1]:
             self.buckets.append(next(b for b in GRAPH_BATCH_SIZES if b >= max_rows))
         self.graphs: dict[int, CapturedDecode] = {}
         self.pool = None  # the memory pool the graphs share
         # Every recorded step's page tables are this wide: the pages of the longest sequence.
-        self.table_width = min(-(-max_seq_len // cache.page_size), cache.n_pages)
+        self.table_width = min(-(-max_seq_len // kv.page_size), kv.n_pages)
         if self.buckets:
             start = time.perf_counter()
             for bucket in reversed(self.buckets):  # the largest first: the rest reuse its memory
@@ -283,36 +271,26 @@ class CudaSteps:
                 time.perf_counter() - start,
             )
 
-    def forward(
-        self,
-        seqs: Sequence[tuple[int, int, int]],
-        token_ids: list[int],
-        rows: np.ndarray,
-        spans: Sequence[int],
-        hidden_rows: np.ndarray | None = None,
-        images: ImageRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ModelExecutor.forward's logits and hidden states; logits from a graph are valid
         until the next step."""
-        decodes = all(n == 1 for *_, n in seqs) and (hidden_rows is None or not len(hidden_rows))
-        if self.graphs and len(seqs) <= self.buckets[-1] and decodes and images is None:
-            bucket = next(b for b in self.buckets if b >= len(seqs))
+        n_seqs = batch.n_seqs
+        if self.graphs and n_seqs <= self.buckets[-1] and batch.decodes_only:
+            bucket = next(b for b in self.buckets if b >= n_seqs)
             captured = self.graphs[bucket]
-            layout = ragged_layout(
-                self.cache, seqs, token_ids, 1, bucket - len(seqs), self.table_width, spans
-            )
-            self.upload(layout, out=captured.inputs)
+            self.upload(ragged_layout(batch, 1, bucket - n_seqs, self.table_width), captured.inputs)
             captured.graph.replay()
             # pooling rows come with prompt chunks, which take no graph: none here
-            hidden = None if hidden_rows is None else captured.logits.new_empty(0, self.dim)
-            if np.array_equal(rows, np.arange(len(seqs))):
-                return captured.logits[: len(seqs)], hidden
+            hidden = None if batch.hidden_rows is None else captured.logits.new_empty(0, self.dim)
+            rows = batch.logit_rows
+            if np.array_equal(rows, np.arange(n_seqs)):
+                return captured.logits[:n_seqs], hidden
             return captured.logits[torch.from_numpy(rows).to(captured.logits.device)], hidden
         view = DeviceCacheView.build(
-            self.cache, seqs, token_ids, self.n_heads, self.upload, spans, logit_rows=rows
+            self.kv, batch, self.n_heads, self.upload, logit_rows=batch.logit_rows
         )
-        hidden = None if hidden_rows is None else torch.from_numpy(hidden_rows)
-        return self._run(view, view.fields["logit_rows"], hidden, images)
+        hidden = None if batch.hidden_rows is None else torch.from_numpy(batch.hidden_rows)
+        return self._run(view, view.fields["logit_rows"], hidden, batch.images)
 
     def _run(
         self,
@@ -336,11 +314,11 @@ class CudaSteps:
         """Record the decode step of bucket rows (all padding while it records: nothing is
         stored), after one eager run that compiles the kernels; None if it cannot be
         (a model whose forward reads values back to the host, as MoE routing does)."""
-        device = self.cache.k_cache.device
-        padding = ragged_layout(self.cache, [], [], 1, bucket, self.table_width)
+        device = self.kv.k_cache.device
+        padding = ragged_layout(StepBatch.empty(self.kv.page_size), 1, bucket, self.table_width)
         total = sum(array.size for array in padding.values())
         inputs = torch.zeros(total, dtype=torch.int64, device=device)
-        view = DeviceCacheView(self.cache, self.upload(padding, out=inputs), block_q=1)
+        view = DeviceCacheView(self.kv, self.upload(padding, out=inputs), block_q=1)
         try:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -366,7 +344,8 @@ class ModelExecutor:
     def __init__(
         self,
         model: torch.nn.Module,
-        cache: PagedCache,
+        kv: KVStore,
+        pages: Callable[[int], list[int]] | None = None,
         pipeline: SamplingPipeline | None = None,
         max_batch_size: int = 256,
         cuda_graphs: bool = False,
@@ -375,14 +354,17 @@ class ModelExecutor:
         activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
         adapters: AdapterTable | None = None,
     ) -> None:
-        """On CUDA, cuda_graphs replays decode steps from CUDA graphs (CudaSteps), whose page
-        tables have room for max_seq_len tokens (default: the model's context); with LoRA
-        adapters steps run eagerly. On the CPU, batch_invariant keeps quantized linears on
-        their kernel at every batch size, and the kernel quantizes their x at
-        activation_precision. Each step tells adapters which rows use which adapter."""
+        """kv holds the K/V tensors; pages gives a task's page table (the engine's PagedCache's),
+        with which execute lays out its steps (a tensor-parallel worker, sent its steps laid
+        out, has none). On CUDA, cuda_graphs replays decode steps from CUDA graphs
+        (CudaSteps), whose page tables have room for max_seq_len tokens (default: the model's
+        context); with LoRA adapters steps run eagerly. On the CPU, batch_invariant keeps
+        quantized linears on their kernel at every batch size, and the kernel quantizes their x
+        at activation_precision. Each step tells adapters which rows use which adapter."""
         self.model = model
         self.adapters = adapters
-        self.cache = cache
+        self.kv = kv
+        self.pages = pages
         self.pipeline = pipeline or SamplingPipeline()
         self.max_batch_size = max_batch_size  # the most rows a step samples
         self.masker: BatchMasker | None = None  # made with the first constrained row
@@ -392,7 +374,7 @@ class ModelExecutor:
         if self.device.type == "cuda":
             max_seq_len = max_seq_len or model.config.max_len
             graphs = cuda_graphs and adapters is None
-            self.cuda_steps = CudaSteps(model, cache, max_batch_size, max_seq_len, graphs)
+            self.cuda_steps = CudaSteps(model, kv, max_batch_size, max_seq_len, graphs)
         if self.device.type == "cpu":
             dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
             if dense:
@@ -409,41 +391,28 @@ class ModelExecutor:
             release_openmp_workers()  # after the timing, which ran on this thread's pool
 
     @torch.inference_mode()
-    def forward(
-        self,
-        seqs: Sequence[tuple[int, int, int]],
-        token_ids: list[int],
-        rows: np.ndarray,
-        spans: Sequence[int],
-        hidden_rows: np.ndarray | None = None,
-        images: ImageRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """float32 logits [len(rows), vocab] of the given rows of one ragged batch, and the
-        final hidden states [len(hidden_rows), dim] of hidden_rows (None without them): seqs
-        are (task_id, start, n) as CacheView takes them, token_ids their tokens back to back,
-        spans each sequence's prompt length (what a token's rope may depend on,
-        astrai.model.rope), images the embeddings that replace image placeholder tokens'."""
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits [len(logit_rows), vocab] of the batch's logit rows, and the final
+        hidden states [len(hidden_rows), dim] of its hidden rows (None without them)."""
         if self.cuda_steps is not None:
-            return self.cuda_steps.forward(seqs, token_ids, rows, spans, hidden_rows, images)
-        view = CacheView(self.cache, seqs)
+            return self.cuda_steps.forward(batch)
+        view = CacheView(self.kv, batch)
         model = self.model
         lengths = None
         if model.rope.length_dependent:
-            per_row = np.repeat(np.asarray(spans, dtype=np.int64), [n for *_, n in seqs])
-            lengths = torch.maximum(view.positions + 1, torch.from_numpy(per_row).to(self.device))
-        h, cos, signed_sin = model.embed(
-            torch.tensor(token_ids, dtype=torch.long, device=self.device), view.positions, lengths
-        )
-        if images is not None:
-            images.place(h)
+            lengths = torch.from_numpy(batch.rope_lengths).to(self.device)
+        token_ids = torch.from_numpy(batch.token_ids).to(self.device)
+        h, cos, signed_sin = model.embed(token_ids, view.positions, lengths)
+        if batch.images is not None:
+            batch.images.place(h)
         if self.recorded is not None:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         else:
             h, residual = model.run_layers(h, cos, signed_sin, view)
-        logits = model.logits(h, residual, torch.from_numpy(rows).to(self.device))
-        if hidden_rows is None:
+        logits = model.logits(h, residual, torch.from_numpy(batch.logit_rows).to(self.device))
+        if batch.hidden_rows is None:
             return logits, None
-        indices = torch.from_numpy(hidden_rows).to(self.device)
+        indices = torch.from_numpy(batch.hidden_rows).to(self.device)
         return logits, model.final_hidden(h, residual, indices)
 
     @torch.inference_mode()
@@ -494,7 +463,10 @@ class ModelExecutor:
                 *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
             )
         images = self._image_rows(chunks)
-        logits, hidden = self.forward(seqs, token_ids, rows, spans, hidden_rows, images)
+        batch = StepBatch.build(
+            seqs, token_ids, self.pages, self.kv.page_size, spans, rows, hidden_rows, images
+        )
+        logits, hidden = self.forward(batch)
         if images is not None:
             self._release_images(chunks)
         if pooling:

@@ -192,8 +192,48 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+@dataclass(eq=False)
+class KVStore:
+    """The K/V tensors of a pool of pages, [n_layers, n_pages, page_size, kvh, hd] each: what
+    attention reads and writes. The page accounting (PagedCache) lives apart, on rank 0 only."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_pages: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVStore:
+        if n_pages < 1 or page_size < 1:
+            raise ValueError(f"need n_pages >= 1 and page_size >= 1, got {n_pages}, {page_size}")
+        shape = (n_layers, n_pages, page_size, n_kv_heads, head_dim)
+        # Zeros, not empty: attention reads padding slots under a mask, and NaN garbage in them
+        # would still poison the softmax.
+        return cls(zeros(shape, dtype, device), zeros(shape, dtype, device))
+
+    @property
+    def n_pages(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+
 class PagedCache:
-    """The KV pool of fixed-size pages, shared by tasks through page tables and the prefix cache."""
+    """The KV pool of fixed-size pages, shared by tasks through page tables and the prefix
+    cache; its K/V tensors are kv, which the executor reads and writes."""
 
     def __init__(
         self,
@@ -206,13 +246,9 @@ class PagedCache:
         device: torch.device | str = "cpu",
         enable_prefix_cache: bool = True,
     ):
-        if n_pages < 1 or page_size < 1:
-            raise ValueError(f"need n_pages >= 1 and page_size >= 1, got {n_pages}, {page_size}")
-        shape = (n_layers, n_pages, page_size, n_kv_heads, head_dim)
-        # Zeros, not empty: attention reads padding slots under a mask, and NaN garbage in them
-        # would still poison the softmax.
-        self.k_cache = zeros(shape, dtype, device)
-        self.v_cache = zeros(shape, dtype, device)
+        self.kv = KVStore.allocate(
+            n_layers, n_kv_heads, head_dim, n_pages, page_size, dtype, device
+        )
         self.n_pages = n_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache

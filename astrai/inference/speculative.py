@@ -27,6 +27,7 @@ import numpy as np
 from astrai.inference.constraints import ConstraintState
 from astrai.inference.executor import ModelExecutor, ScheduledChunk
 from astrai.inference.kv_cache import PagedCache
+from astrai.inference.step_batch import StepBatch
 from astrai.inference.task import Task
 
 
@@ -77,12 +78,13 @@ class DraftModelProposer:
     forward pass that feeds the newest token), so nothing rejected can linger in it.
     """
 
-    def __init__(self, executor: ModelExecutor) -> None:
+    def __init__(self, executor: ModelExecutor, cache: PagedCache) -> None:
         self.executor = executor
+        self.cache = cache  # the draft's own pages
         self.computed: dict[int, int] = {}  # task id -> real tokens in the draft's cache
 
     def propose(self, tasks: Sequence[Task], lengths: Sequence[int]) -> list[list[int]]:
-        cache = self.executor.cache
+        cache = self.cache
         drafts: list[list[int]] = [[] for _ in tasks]
         # The draft feeds all its guesses but the last, so it needs a slot for each of those.
         active = [
@@ -104,7 +106,9 @@ class DraftModelProposer:
                 token_ids += new
                 fed[i] += len(new)
             rows = np.cumsum([n for _, _, n in seqs]) - 1
-            logits, _ = self.executor.forward(seqs, token_ids, rows, spans)
+            pages = cache.tasks.pages
+            batch = StepBatch.build(seqs, token_ids, pages, cache.page_size, spans, rows)
+            logits, _ = self.executor.forward(batch)
             guesses = logits.argmax(dim=-1).tolist()
             for i, guess in zip(active, guesses, strict=True):
                 drafts[i].append(guess)
@@ -112,7 +116,7 @@ class DraftModelProposer:
         return drafts
 
     def forget(self, task: Task) -> None:
-        self.executor.cache.free(task.id)
+        self.cache.free(task.id)
         self.computed.pop(task.id, None)
 
 

@@ -13,6 +13,7 @@ from kernel_switch import kernel_or_fallback, requires_compiler
 from astrai.inference.attention import CacheView, DecodeGroup, DeviceCacheView
 from astrai.inference.executor import HostToDevice
 from astrai.inference.kv_cache import PagedCache
+from astrai.inference.step_batch import StepBatch
 from astrai.kernels import PagedDecode, native, triton_attention
 from astrai.model.transformer import LayerAttention
 
@@ -83,15 +84,25 @@ def path_device(path: str) -> str:
     return "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
 
 
+def batch_of(cache: PagedCache, seqs) -> StepBatch:
+    """The StepBatch of seqs, each (task_id, start, n), over cache's page tables."""
+    return StepBatch.build(seqs, [], cache.tasks.pages, cache.page_size)
+
+
+def cpu_view(cache: PagedCache, seqs) -> CacheView:
+    return CacheView(cache.kv, batch_of(cache, seqs))
+
+
 def make_view(path, cache, seqs, n_heads):
     """The view a step of seqs attends through on the path: the CPU's, or the CUDA path's
     (whose cache the first view moves to the GPU where there is one)."""
     if path != "triton":
-        return CacheView(cache, seqs)
+        return cpu_view(cache, seqs)
     device = torch.device(path_device(path))
-    if cache.k_cache.device != device:
-        cache.k_cache, cache.v_cache = cache.k_cache.to(device), cache.v_cache.to(device)
-    return DeviceCacheView.build(cache, seqs, [], n_heads, HostToDevice(device))
+    kv = cache.kv
+    if kv.k_cache.device != device:
+        kv.k_cache, kv.v_cache = kv.k_cache.to(device), kv.v_cache.to(device)
+    return DeviceCacheView.build(kv, batch_of(cache, seqs), n_heads, HostToDevice(device))
 
 
 def run_pass(
@@ -102,13 +113,13 @@ def run_pass(
     q, k and v go in dtype (default: the cache's); the reference is fp32 attention over those
     values, k and v rounded to the cache's dtype as it stores them. Every layer attends as
     LAYER_KINDS[kind] says. Returns the view, so a test can see which decode backend it used."""
-    dtype = dtype or cache.k_cache.dtype
+    dtype = dtype or cache.kv.k_cache.dtype
     interpreted = path == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreted and torch.bfloat16 in (dtype, cache.k_cache.dtype):
+    if interpreted and torch.bfloat16 in (dtype, cache.kv.k_cache.dtype):
         pytest.skip("Triton's interpreter (NumPy) computes bf16 wrongly; the GPU check runs it")
     view = make_view(path, cache, seqs, n_heads)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
-    for layer in range(cache.k_cache.shape[0]):
+    for layer in range(cache.kv.k_cache.shape[0]):
         k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
         v = torch.cat([full_v[layer][t][s : s + n] for t, s, n in seqs])
         q = torch.randn(k.shape[0], n_heads, k.shape[2], generator=generator).to(dtype)
@@ -120,7 +131,7 @@ def run_pass(
         for task_id, start, n in seqs:
             ctx = start + n
             k_seq, v_seq = (
-                full[layer][task_id][:ctx].to(dtype).to(cache.k_cache.dtype).float()
+                full[layer][task_id][:ctx].to(dtype).to(cache.kv.k_cache.dtype).float()
                 for full in (full_k, full_v)
             )
             expected = dense_attention(q[row : row + n].float(), k_seq, v_seq, start, attention)
@@ -263,7 +274,7 @@ def test_view_keeps_the_cache_dtype():
     assert cache.allocate(0, 6) and cache.allocate(1, 3)
     seqs = [(0, 0, 5), (1, 0, 1)]
     q, k, v = (torch.randn(6, h, 8, generator=generator) for h in (4, 2, 2))
-    out = CacheView(cache, seqs)(layer_attention(0, 8), q.bfloat16(), k.bfloat16(), v.bfloat16())
+    out = cpu_view(cache, seqs)(layer_attention(0, 8), q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert out.dtype == torch.bfloat16
     expected = torch.cat(
         [dense_attention(q[:5], k[:5], v[:5], 0), dense_attention(q[5:], k[5:], v[5:], 0)]
@@ -278,10 +289,10 @@ def test_decodes_attend_heads_that_lie_apart():
     cache = PagedCache(1, 2, 8, n_pages=8, page_size=4)
     assert cache.allocate(0, 6)
     prompt_q, prompt_k, prompt_v = (torch.randn(5, h, 8, generator=generator) for h in (4, 2, 2))
-    CacheView(cache, [(0, 0, 5)])(layer_attention(0, 8), prompt_q, prompt_k, prompt_v)
+    cpu_view(cache, [(0, 0, 5)])(layer_attention(0, 8), prompt_q, prompt_k, prompt_v)
     q, k, v = (torch.randn(1, h, 16, generator=generator)[..., :8] for h in (4, 2, 2))
     assert q.stride(1) == 16
-    out = CacheView(cache, [(0, 5, 1)])(layer_attention(0, 8), q, k, v)
+    out = cpu_view(cache, [(0, 5, 1)])(layer_attention(0, 8), q, k, v)
     full_k, full_v = torch.cat((prompt_k, k)), torch.cat((prompt_v, v))
     torch.testing.assert_close(out, dense_attention(q, full_k, full_v, 5))
 
@@ -290,7 +301,7 @@ def test_view_refuses_positions_without_pages():
     cache = PagedCache(1, 1, 4, n_pages=8, page_size=4)
     assert cache.allocate(0, 4)
     with pytest.raises(ValueError, match="allocate before the forward pass"):
-        CacheView(cache, [(0, 4, 1)])
+        cpu_view(cache, [(0, 4, 1)])
 
 
 def test_decode_kernel_refuses_new_kv_of_another_dtype_than_q():
@@ -302,7 +313,7 @@ def test_decode_kernel_refuses_new_kv_of_another_dtype_than_q():
     assert cache.allocate(0, 3)
     q, k, v = (torch.randn(1, h, 8) for h in (4, 2, 2))
     with pytest.raises(ValueError, match="must share one of"):
-        CacheView(cache, [(0, 2, 1)])(layer_attention(0, 8), q.bfloat16(), k, v)
+        cpu_view(cache, [(0, 2, 1)])(layer_attention(0, 8), q.bfloat16(), k, v)
 
 
 def test_decode_kernel_widens_every_fp16_value_exactly():
@@ -335,8 +346,8 @@ def test_several_decode_rows_of_one_task_see_each_others_new_keys(decode_attenti
     n_heads, n_kv_heads, head_dim, context, rows = 4, 2, 16, 40, 32
     cache = PagedCache(1, n_kv_heads, head_dim, n_pages=9, page_size=8)
     assert cache.allocate(0, context + rows)
-    cache.k_cache.fill_(1e3)  # stale keys everywhere: only stored ones may be read
-    cache.v_cache.fill_(-1e3)
+    cache.kv.k_cache.fill_(1e3)  # stale keys everywhere: only stored ones may be read
+    cache.kv.v_cache.fill_(-1e3)
     prompt_k, prompt_v = (
         torch.randn(context, n_kv_heads, head_dim, generator=generator) for _ in range(2)
     )

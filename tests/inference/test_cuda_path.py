@@ -18,6 +18,7 @@ from astrai.inference import GenerationParams
 from astrai.inference.attention import DeviceCacheView, ragged_layout
 from astrai.inference.executor import CudaSteps, HostToDevice
 from astrai.inference.kv_cache import PagedCache
+from astrai.inference.step_batch import StepBatch
 from astrai.kernels import triton_attention
 from astrai.model import AutoModel
 
@@ -36,7 +37,7 @@ def device_steps(engine, graphs: bool) -> CudaSteps:
     """The engine's executor made to run the CUDA path's steps, whatever its device."""
     executor = engine.scheduler.executor
     executor.cuda_steps = CudaSteps(
-        engine.model, engine.cache, executor.max_batch_size, engine.max_seq_len, graphs
+        engine.model, engine.cache.kv, executor.max_batch_size, engine.max_seq_len, graphs
     )
     return executor.cuda_steps
 
@@ -55,6 +56,10 @@ def test_the_cuda_steps_on_the_cpu_generate_as_the_cpu_path(model, tokenizer, pr
         assert engine.cache.hit_tokens > 0
 
 
+def batch_of(cache: PagedCache, seqs, tokens, spans, logit_rows) -> StepBatch:
+    return StepBatch.build(seqs, tokens, cache.tasks.pages, cache.page_size, spans, logit_rows)
+
+
 def prefilled(model, contexts: list[int], device: str) -> tuple[PagedCache, CudaSteps]:
     """A cache holding tasks 0.. with the given context lengths (random tokens, prefilled
     through the CUDA path's eager step) and room for one more token each."""
@@ -63,14 +68,14 @@ def prefilled(model, contexts: list[int], device: str) -> tuple[PagedCache, Cuda
         config.n_layers, config.n_kv_heads, config.head_dim, n_pages=64, page_size=4,
         dtype=next(model.parameters()).dtype, device=device,
     )  # fmt: skip
-    steps = CudaSteps(model, cache, max_rows=8, max_seq_len=96, graphs=False)
+    steps = CudaSteps(model, cache.kv, max_rows=8, max_seq_len=96, graphs=False)
     rng = np.random.default_rng(0)
     seqs, tokens = [], []
     for task_id, n in enumerate(contexts):
         assert cache.allocate(task_id, n + 1)
         seqs.append((task_id, 0, n))
         tokens += rng.integers(4, config.vocab_size, n).tolist()
-    steps.forward(seqs, tokens, np.cumsum(contexts) - 1, contexts)
+    steps.forward(batch_of(cache, seqs, tokens, contexts, np.cumsum(contexts) - 1))
     return cache, steps
 
 
@@ -79,15 +84,17 @@ def test_a_padded_decode_step_computes_what_the_unpadded_one_does(model):
     Its real rows' logits are the eager step's, and its padding stores nothing."""
     cache, steps = prefilled(model, [5, 17, 9], "cpu")
     decodes, tokens = [(0, 5, 1), (1, 17, 1), (2, 9, 1)], [11, 12, 13]
-    eager, _ = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
-    stored = cache.k_cache.clone(), cache.v_cache.clone()
-    layout = ragged_layout(cache, decodes, tokens, block_q=1, pad_seqs=5, table_width=24)
+    batch = batch_of(cache, decodes, tokens, [5, 17, 9], np.arange(3))
+    eager, _ = steps.forward(batch)
+    kv = cache.kv
+    stored = kv.k_cache.clone(), kv.v_cache.clone()
+    layout = ragged_layout(batch, block_q=1, pad_seqs=5, table_width=24)
     assert layout["slot_mapping"].tolist()[3:] == [-1] * 5
-    view = DeviceCacheView(cache, HostToDevice(cache.k_cache.device)(layout), block_q=1)
+    view = DeviceCacheView(kv, HostToDevice(kv.k_cache.device)(layout), block_q=1)
     padded, _ = steps._run(view, None)
     assert padded.shape[0] == 8
     torch.testing.assert_close(padded[:3], eager, atol=0, rtol=0)
-    assert torch.equal(cache.k_cache, stored[0]) and torch.equal(cache.v_cache, stored[1])
+    assert torch.equal(kv.k_cache, stored[0]) and torch.equal(kv.v_cache, stored[1])
 
 
 # -- on a GPU ---------------------------------------------------------------------------------
@@ -143,16 +150,17 @@ def test_a_graph_replayed_step_does_not_wait_for_the_gpu(llama_dir):
     where it reads the sampled tokens."""
     model = AutoModel.from_pretrained(llama_dir, dtype=torch.bfloat16, device="cuda")
     cache, _ = prefilled(model, [5, 17, 9], "cuda")
-    steps = CudaSteps(model, cache, max_rows=8, max_seq_len=96, graphs=True)
+    steps = CudaSteps(model, cache.kv, max_rows=8, max_seq_len=96, graphs=True)
     assert sorted(steps.graphs) == [1, 2, 4, 8]
     decodes, tokens = [(0, 5, 1), (1, 17, 1), (2, 9, 1)], [11, 12, 13]
-    steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
+    batch = batch_of(cache, decodes, tokens, [5, 17, 9], np.arange(3))
+    steps.forward(batch)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        replayed = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])[0].clone()
+        replayed = steps.forward(batch)[0].clone()
         steps.graphs.clear()
-        eager, _ = steps.forward(decodes, tokens, np.arange(3), [5, 17, 9])
+        eager, _ = steps.forward(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
@@ -185,5 +193,5 @@ def test_weights_and_kv_pool_live_on_the_gpu(llama_dir, tokenizer):
     free = torch.cuda.mem_get_info()[0]
     # a batch of 16384 full-length sequences could use far more than 1 % of the GPU
     with make_engine(model, tokenizer, kv_cache_memory=0.01, max_batch_size=16384) as engine:
-        pool_bytes = 2 * engine.cache.k_cache.nbytes
+        pool_bytes = engine.cache.kv.nbytes
     assert 0.009 * free <= pool_bytes <= 0.0101 * free

@@ -9,6 +9,7 @@ from tiny_models import tiny_config
 from astrai.inference.attention import CacheView
 from astrai.inference.executor import ModelExecutor, RecordedLayers
 from astrai.inference.kv_cache import PagedCache
+from astrai.inference.step_batch import StepBatch
 from astrai.kernels import SKINNY_MAX_ROWS, LinearPath, StepGraph, linear_ops, native
 from astrai.model import Transformer
 
@@ -59,7 +60,8 @@ class Steps:
 
     @torch.inference_mode()
     def logits(self, seqs: list[tuple[int, int, int]]) -> torch.Tensor:
-        view = CacheView(self.cache, seqs)
+        batch = StepBatch.build(seqs, [], self.cache.tasks.pages, self.cache.page_size)
+        view = CacheView(self.cache.kv, batch)
         ids = (view.positions * 5 + 3) % self.model.config.vocab_size
         h, cos, signed_sin = self.model.embed(ids, view.positions)
         if self.recorded is None:
@@ -221,7 +223,7 @@ def test_the_executor_times_the_linear_paths_of_its_model(monkeypatch):
     model = random_model(6)
     config = model.config
     cache = PagedCache(config.n_layers, config.n_kv_heads, config.head_dim, 8, page_size=4)
-    ModelExecutor(model, cache)
+    ModelExecutor(model, cache.kv)
     paths = linear_ops._paths[torch.float32]
     assert paths[0] is LinearPath.GEMM
     assert set(paths[1 : linear_ops.ROW_BUCKETS.index(SKINNY_MAX_ROWS) + 1]) == {LinearPath.KERNEL}

@@ -325,6 +325,6 @@ def test_a_large_pool_takes_no_memory_until_its_pages_are_written():
     budget, and a short answer touches a few pages: allocating must not write them all."""
     before = resident_bytes()
     cache = PagedCache(8, 4, 64, n_pages=8192, page_size=16)  # 2 x 1 GiB
-    assert cache.k_cache.nbytes == 1 << 30
+    assert cache.kv.k_cache.nbytes == 1 << 30
     assert resident_bytes() - before < 64 << 20
-    assert not cache.k_cache[:, ::997].any() and not cache.v_cache[:, ::997].any()
+    assert not cache.kv.k_cache[:, ::997].any() and not cache.kv.v_cache[:, ::997].any()

@@ -45,7 +45,7 @@ def test_a_half_width_cache_stays_close_to_fp32(
         model, tokenizer, max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype
     ) as engine:
         stored = {"bf16": torch.bfloat16, "fp16": torch.float16}[kv_cache_dtype]
-        assert engine.cache.k_cache.dtype == stored
+        assert engine.cache.kv.k_cache.dtype == stored
         ids, logprobs = greedy_with_logprobs(engine, prompts)
     assert ids == expected_ids
     difference = (logprobs - expected_logprobs).abs().max().item()
@@ -54,7 +54,7 @@ def test_a_half_width_cache_stays_close_to_fp32(
 
 def test_auto_is_the_model_dtype(model, tokenizer):
     with make_engine(model, tokenizer) as engine:
-        assert engine.cache.k_cache.dtype == next(model.parameters()).dtype == torch.float32
+        assert engine.cache.kv.k_cache.dtype == next(model.parameters()).dtype == torch.float32
 
 
 def test_bf16_pool_holds_twice_the_tokens_in_the_same_memory(model, tokenizer, caplog):
@@ -71,7 +71,7 @@ def test_bf16_pool_holds_twice_the_tokens_in_the_same_memory(model, tokenizer, c
             ) as engine,
         ):
             pools[kv_cache_dtype] = engine.cache.n_pages * engine.cache.page_size
-            pool_bytes.add(engine.cache.k_cache.nbytes + engine.cache.v_cache.nbytes)
+            pool_bytes.add(engine.cache.kv.nbytes)
         (start,) = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
         dtype_name = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[kv_cache_dtype]
         assert f" MB {dtype_name} reserved" in start

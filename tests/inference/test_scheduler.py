@@ -260,7 +260,8 @@ def real_scheduler(model, n_pages, **config) -> InferenceScheduler:
     c = model.config
     cache = PagedCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages=n_pages, page_size=PAGE)
     config = EngineConfig(**config)
-    return InferenceScheduler(ModelExecutor(model, cache), cache, TaskManager(100), config)
+    executor = ModelExecutor(model, cache.kv, cache.tasks.pages)
+    return InferenceScheduler(executor, cache, TaskManager(100), config)
 
 
 def test_victims_are_requeued_at_the_head_oldest_first(model, make_task):

@@ -307,7 +307,7 @@ def test_the_draft_models_pool_takes_the_kv_cache_dtype(model, tokenizer, specul
     expected, _ = outputs(model, tokenizer, prompts, params, kv_cache_dtype="bf16")
     config = {**speculation["draft-same"], "kv_cache_dtype": "bf16"}
     with make_engine(model, tokenizer, **config) as engine:
-        assert engine.scheduler.speculator.proposer.executor.cache.k_cache.dtype == torch.bfloat16
+        assert engine.scheduler.speculator.proposer.cache.kv.k_cache.dtype == torch.bfloat16
         got = [[r.token_ids for r in group] for group in run_ids(engine, prompts, params)]
     assert got == expected
 
