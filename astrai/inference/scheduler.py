@@ -10,6 +10,8 @@ One step of the policy:
    pages to be had without preempting anyone.
 4. When a decode finds no page, or no chunk can run at all, the most recently admitted task is
    preempted: its pages are freed and it goes back to the head of the queue to recompute.
+5. With a speculator, decode chunks take guesses from what is left of the budget and the free
+   pages (no one is preempted for a guess), so the plan is the whole step.
 """
 
 from __future__ import annotations
@@ -45,12 +47,17 @@ class StepPlan:
 
 
 def schedule(
-    running: Sequence[Task], waiting: Iterable[Task], cache: PagedCache, config: EngineConfig
+    running: Sequence[Task],
+    waiting: Iterable[Task],
+    cache: PagedCache,
+    config: EngineConfig,
+    speculator: Speculator | None = None,
 ) -> StepPlan:
     """Plan one step by the policy in this module's docstring.
 
-    It changes nothing but the KV pages it reserves or frees and the status and num_computed
-    of the tasks it admits or preempts, so a test can drive it step by step.
+    It changes nothing but the KV pages it reserves or frees, the status and num_computed of
+    the tasks it admits or preempts, and the speculator's own state, so a test can drive it
+    step by step.
     """
     plan = StepPlan(running=list(running))
     hits: list[tuple[Task, int]] = []  # prefix hits, counted for tasks still admitted at the end
@@ -105,6 +112,9 @@ def schedule(
     for task, covered in hits:
         if task in plan.admitted:
             cache.count_hit(task.num_tokens, covered)
+    if speculator is not None and plan.chunks:
+        unused = config.max_num_batched_tokens - sum(chunk.length for chunk in plan.chunks)
+        speculator.extend(plan.chunks, unused, cache)
     return plan
 
 
@@ -177,14 +187,13 @@ class InferenceScheduler:
     def step(self) -> bool:
         """Run one iteration; returns False when there was nothing to run."""
         self._cleanup()
-        plan = schedule(self.running, self.manager.waiting(), self.cache, self.config)
+        started = time.perf_counter()  # a step's time includes its guessing
+        plan = schedule(
+            self.running, self.manager.waiting(), self.cache, self.config, self.speculator
+        )
         self._apply(plan)
         if not plan.chunks:
             return False
-        started = time.perf_counter()
-        if self.speculator is not None:
-            unused = self.config.max_num_batched_tokens - sum(c.length for c in plan.chunks)
-            self.speculator.extend(plan.chunks, unused, self.cache)
         ran, sampled = self._execute(plan.chunks)
         if self.speculator is not None:
             self.speculator.timed(plan.chunks, started)

@@ -11,6 +11,7 @@ from astrai.config import EngineConfig
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler, StepPlan, schedule
+from astrai.inference.speculative import NgramProposer, Speculator
 from astrai.inference.task import GenerationParams, Task, TaskManager, TaskStatus
 
 PAGE = 4
@@ -18,12 +19,12 @@ PAGE = 4
 
 @pytest.fixture
 def make_task(tokenizer):
-    """A task whose prompt is length tokens from first on; it ignores EOS, so it runs to
-    max_tokens."""
+    """A task whose prompt is length tokens from first on, repeating every period; it ignores
+    EOS, so it runs to max_tokens."""
 
-    def make(length, max_tokens=8, first=10, parent=None):
+    def make(length, max_tokens=8, first=10, parent=None, period=300):
         params = GenerationParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        prompt = [first + i % 300 for i in range(length)]
+        prompt = [first + i % period for i in range(length)]
         return Task(
             prompt, params, lambda task, event: None, tokenizer.detokenizer(), parent=parent
         )
@@ -89,6 +90,27 @@ def test_decodes_run_before_older_prompt_chunks(make_task):
     plan = schedule([], [prompt, decoding], cache, engine_config(budget=8))
     assert decoding.num_computed == 4  # its prefix hit leaves it one token, a decode
     assert chunks_of(plan) == [(decoding, 4, 1), (prompt, 0, 7)]
+
+
+def test_guesses_are_planned_with_the_step_from_the_budget_prompts_leave(make_task):
+    """The plan is the whole step: a decode's guesses are in it, taken from what is left of the
+    token budget after prompt chunks, with their pages reserved."""
+    cache = make_cache(16)
+    decoding = make_task(9, first=200, period=3)
+    warm(cache, make_task(9, first=200, period=3))
+    plan = schedule([], [decoding], cache, engine_config(budget=8), Speculator(NgramProposer(), 4))
+    [chunk] = plan.chunks
+    assert chunk.draft and chunk.draft == [200, 201, 202, 200][: len(chunk.draft)]
+    assert (chunk.start, chunk.length) == (8, 1 + len(chunk.draft))
+    assert len(cache.tasks.pages(decoding.id)) * PAGE >= decoding.num_tokens + len(chunk.draft)
+
+    cache = make_cache(16)
+    decoding = make_task(9, first=200, period=3)
+    warm(cache, make_task(9, first=200, period=3))
+    prompt = make_task(40)
+    speculator = Speculator(NgramProposer(), 4)
+    plan = schedule([], [decoding, prompt], cache, engine_config(budget=8), speculator)
+    assert chunks_of(plan) == [(decoding, 8, 1), (prompt, 0, 7)]  # the prompt took the budget
 
 
 def test_the_token_budget_is_never_exceeded(make_task):
