@@ -472,6 +472,60 @@ def write_llava_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+IDEFICS3_TOKENS = [
+    "<fake_token_around_image>",
+    IMAGE_TOKEN,
+    "<global-img>",
+    "<end_of_utterance>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+]
+# A SigLIP tower of 50x50 tiles in 2x2 patches: 25 patches a side, a side whose Idefics3
+# positions repeat one (see idefics3_position_ids), shuffled 5x5 into 25 tokens a tile.
+TINY_SIGLIP = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=50,
+    patch_size=2,
+)
+
+
+def write_idefics3_model(
+    directory: Path, model_type: str = "smolvlm", split: bool = True, seed: int = 0
+) -> Path:
+    """Write a random-weight SmolVLM (or Idefics3) checkpoint: a SigLIP tower, the pixel-shuffle
+    connector, Llama; its image processor (images resized to 100 pixels on the longest edge,
+    split into 50-pixel tiles when split) and the test tokenizer with the image tokens added."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    write_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(IDEFICS3_TOKENS)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    name = {"smolvlm": "SmolVLM", "idefics3": "Idefics3"}[model_type]
+    config = getattr(transformers, f"{name}Config")(
+        vision_config=getattr(transformers, f"{name}VisionConfig")(**TINY_SIGLIP),
+        text_config=transformers.LlamaConfig(**TINY),
+        image_token_id=tokenizer.token_to_id(IMAGE_TOKEN),
+        scale_factor=5,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear-cut greedy choices, as write_hf_model
+        # Larger image embeddings make what the image shows matter to the next token.
+        model.model.connector.modality_projection.proj.weight.mul_(20.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    getattr(transformers, f"{name}ImageProcessorPil")(
+        size={"longest_edge": 100},
+        max_image_size={"longest_edge": TINY_SIGLIP["image_size"]},
+        do_image_splitting=split,
+    ).save_pretrained(directory)
+    return directory
+
+
 def noise_image(seed: int, size: tuple[int, int] = (40, 32), mode: str = "RGB"):
     """A random-noise Pillow image, the same for the same seed."""
     import numpy as np

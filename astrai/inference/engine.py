@@ -710,8 +710,10 @@ class InferenceEngine:
     def image_prompt(self, token_ids: Sequence[int], images: Sequence[Image.Image]) -> ImagePrompt:
         """The prompt of token_ids that hold one placeholder token (the model's image token)
         where each image goes: each placeholder expanded to the tokens its image stands for
-        (as transformers' LlavaProcessor expands `<image>`), the images preprocessed; a
-        RequestError for a model without vision, too many images or a miscount."""
+        (as transformers' processor of the model expands `<image>`: LLaVA's a run of image
+        tokens, Idefics3's a run per tile within its layout text), the images preprocessed
+        (each tile a PromptImage); a RequestError for a model without vision, too many images
+        or a miscount."""
         token_ids = list(token_ids)
         vision = self.check_images(len(images))
         image_token = vision.image_token_id
@@ -723,18 +725,24 @@ class InferenceEngine:
             )
         expanded: list[int] = []
         prompt_images: list[PromptImage] = []
-        pixels = iter(vision.processor(image) for image in images)
+        tiled = iter(vision.tile(image) for image in images)
         for token in token_ids:
             if token != image_token:
                 expanded.append(token)
                 continue
-            pixel_values = next(pixels)
-            digest = hashlib.blake2b(pixel_values.numpy().tobytes(), digest_size=16).digest()
-            prompt_images.append(
-                PromptImage(pixel_values, digest, len(expanded), vision.tokens_per_image)
-            )
-            expanded += [image_token] * vision.tokens_per_image
+            image = next(tiled)
+            ids, starts = image.token_ids(image_token, vision.tokens_per_image, self._layout_ids)
+            for pixel_values, start in zip(image.pixel_values, starts, strict=True):
+                digest = hashlib.blake2b(pixel_values.numpy().tobytes(), digest_size=16).digest()
+                prompt_images.append(
+                    PromptImage(pixel_values, digest, len(expanded) + start, vision.tokens_per_image)
+                )
+            expanded += ids
         return ImagePrompt(expanded, tuple(prompt_images))
+
+    def _layout_ids(self, text: str) -> list[int]:
+        """The token ids of an image layout's text (astrai.model.vision.tiled_image)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _sample_tasks(
         self,

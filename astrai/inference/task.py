@@ -402,8 +402,9 @@ _task_ids = itertools.count()
 
 @dataclass(eq=False)
 class PromptImage:
-    """One image of a prompt: its pixel values, a digest of them (part of the prefix cache's
-    key), and the prompt positions start .. end - 1 of its placeholder tokens.
+    """One image of a prompt (one tile of it, for a model that tiles images): its pixel values,
+    a digest of them (part of the prefix cache's key), and the prompt positions
+    start .. end - 1 of its placeholder tokens.
 
     embeddings [end - start, dim] are the vision encoder's output, made by the first step that
     computes one of its placeholders and dropped once the prompt is computed past them; a task

@@ -19,6 +19,7 @@ from astrai.model.families.gguf_config import read_gguf_config
 from astrai.model.families.gguf_metadata import metadata_value
 from astrai.model.families.granite import GRANITE
 from astrai.model.families.hf_config import partial_rotary_factor, read_hf_config
+from astrai.model.families.idefics3 import IDEFICS3
 from astrai.model.families.llama import LLAMA, MISTRAL, MIXTRAL
 from astrai.model.families.llava import LLAVA
 from astrai.model.families.olmo2 import OLMO2
@@ -30,7 +31,7 @@ FAMILIES = (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, PHI3, OLMO2,
     GRANITE,
 )  # fmt: skip
-VISION_FAMILIES = (LLAVA,)
+VISION_FAMILIES = (LLAVA, IDEFICS3)
 HF_MODEL_TYPES = tuple(
     model_type for family in (*FAMILIES, *VISION_FAMILIES) for model_type in family.model_types
 )

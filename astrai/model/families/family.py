@@ -10,6 +10,7 @@ they name no family.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,3 +147,20 @@ class VisionFamily:
             if name.startswith(prefix):
                 return renamed + name[len(prefix) :]
         return name
+
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+def preprocessor_config(directory: Path, family: str) -> dict[str, Any]:
+    """A vision-language checkpoint's image processor settings (preprocessor_config.json)."""
+    path = directory / PREPROCESSOR_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {PREPROCESSOR_FILE} in {str(directory)!r}; a {family} checkpoint needs its "
+            "image processor's settings (save the model's processor with it)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from error

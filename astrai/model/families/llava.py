@@ -3,30 +3,17 @@ projector (astrai.model.vision.llava) beside a language model of a family astrai
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from astrai.config import ConfigError
-from astrai.model.families.family import VisionFamily
+from astrai.model.families.family import VisionFamily, preprocessor_config
 from astrai.model.vision.image_processor import ClipImageProcessor
 from astrai.model.vision.llava import LlavaVision
 
-PREPROCESSOR_FILE = "preprocessor_config.json"
-
 
 def _build(hf: dict[str, Any], directory: Path) -> LlavaVision:
-    path = directory / PREPROCESSOR_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no {PREPROCESSOR_FILE} in {str(directory)!r}; a LLaVA checkpoint needs its image "
-            "processor's settings (save the model's processor with it)"
-        )
-    try:
-        processor = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON: {error}") from error
-    return LlavaVision(hf, ClipImageProcessor.from_hf(processor))
+    processor = ClipImageProcessor.from_hf(preprocessor_config(directory, "LLaVA"))
+    return LlavaVision(hf, processor)
 
 
 LLAVA = VisionFamily(

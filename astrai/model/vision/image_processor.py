@@ -71,18 +71,14 @@ class ClipImageProcessor:
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         """The image's pixel values [3, crop_height, crop_width] float32."""
-        image = _rgb(image)
+        image = rgb(image)
         width, height = image.size
         short, long = min(width, height), max(width, height)
         new_long = int(self.shortest_edge * long / short)  # transformers truncates too
         size = (self.shortest_edge, new_long) if width <= height else (new_long, self.shortest_edge)
         pixels = np.asarray(image.resize(size, resample=self.resample))  # [H, W, 3] uint8
         pixels = self._center_crop(pixels)
-        scaled = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        mean = np.asarray(self.image_mean, dtype=np.float32)
-        std = np.asarray(self.image_std, dtype=np.float32)
-        normalized = (scaled - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(normalized.transpose(2, 0, 1)))
+        return normalized(pixels, self.rescale_factor, self.image_mean, self.image_std)
 
     def _center_crop(self, pixels: np.ndarray) -> np.ndarray:
         """The middle crop_size of pixels [H, W, 3], zero-padded around where the image is
@@ -100,9 +96,22 @@ class ClipImageProcessor:
         return pixels[top : top + crop_height, left : left + crop_width]
 
 
-def _rgb(image: Image.Image) -> Image.Image:
+def rgb(image: Image.Image) -> Image.Image:
     """The image in RGB; transparent pixels composited on white, as transformers does."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
+
+
+def normalized(
+    pixels: np.ndarray,
+    rescale_factor: float,
+    mean: tuple[float, float, float],
+    std: tuple[float, float, float],
+) -> torch.Tensor:
+    """Pixels [H, W, 3] uint8 rescaled and normalized, as transformers' rescale and normalize
+    round them: pixel values [3, H, W] float32."""
+    scaled = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    result = (scaled - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(result.transpose(2, 0, 1)))

@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor, nn
 
 from astrai.config import ConfigError
-from astrai.model.vision.clip import ClipVisionConfig, ClipVisionTower
+from astrai.model.vision.clip import ClipVisionTower, clip_config
 from astrai.model.vision.image_processor import ClipImageProcessor
+from astrai.model.vision.tiled_image import TiledImage
 
 PROJECTOR_ACTIVATIONS = {"gelu": F.gelu}
 SELECT_STRATEGIES = ("default", "full")
@@ -40,7 +42,7 @@ class LlavaVision(nn.Module):
 
     def __init__(self, hf: dict[str, Any], processor: ClipImageProcessor):
         super().__init__()
-        vision = ClipVisionConfig.from_hf(hf.get("vision_config") or {})
+        vision = clip_config(hf.get("vision_config") or {})
         layer = hf.get("vision_feature_layer", -2)
         if not isinstance(layer, int) or not -vision.num_hidden_layers - 1 <= layer <= (
             vision.num_hidden_layers
@@ -78,6 +80,10 @@ class LlavaVision(nn.Module):
         text_dim = hf["text_config"]["hidden_size"]
         bias = hf.get("multimodal_projector_bias", True)
         self.multi_modal_projector = LlavaProjector(vision.hidden_size, text_dim, bias)
+
+    def tile(self, image: Image.Image) -> TiledImage:
+        """The image as one tile of tokens_per_image image tokens, with no text around them."""
+        return TiledImage(self.processor(image)[None], ("", ""))
 
     @torch.inference_mode()
     def encode(self, pixel_values: Tensor) -> Tensor:

@@ -1,0 +1,38 @@
+"""An image as a vision-language model's prompt holds it: the tiles its encoder sees, each
+standing for a run of image tokens, and the text the model's layout puts around them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TiledImage:
+    """pixel_values [n_tiles, 3, size, size]: one row per tile the encoder sees (LLaVA: the
+    image; Idefics3: its crops, then the whole image scaled down). texts has n_tiles + 1
+    entries: texts[i] comes before tile i's image tokens, texts[-1] after the last tile's."""
+
+    pixel_values: Tensor
+    texts: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.texts) == len(self.pixel_values) + 1
+
+    def token_ids(
+        self, image_token: int, tokens_per_tile: int, encode: Callable[[str], list[int]]
+    ) -> tuple[list[int], list[int]]:
+        """The token ids the image's one placeholder expands to, and where each tile's run of
+        tokens_per_tile image tokens starts in them. encode tokenizes a text without special
+        tokens added; the layout's texts end at special tokens or the image tokens, so each
+        encodes as it would within the whole prompt."""
+        ids: list[int] = []
+        starts: list[int] = []
+        for text in self.texts[:-1]:
+            ids += encode(text) if text else []
+            starts.append(len(ids))
+            ids += [image_token] * tokens_per_tile
+        ids += encode(self.texts[-1]) if self.texts[-1] else []
+        return ids, starts
