@@ -35,7 +35,12 @@ def interpret_triton_kernels() -> None:
 if not torch.cuda.is_available():
     interpret_triton_kernels()
 
-from tiny_models import write_hf_model, write_llava_model, write_tokenizer  # noqa: E402
+from tiny_models import (  # noqa: E402
+    write_hf_model,
+    write_idefics3_model,
+    write_llava_model,
+    write_tokenizer,
+)
 
 from astrai.kernels import linear_ops, quant_ops  # noqa: E402
 
@@ -63,3 +68,15 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory) -> Path:
     return write_llava_model(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="session")
+def smolvlm_dir(tmp_path_factory) -> Path:
+    """A tiny SmolVLM whose images are split into tiles."""
+    return write_idefics3_model(tmp_path_factory.mktemp("smolvlm"), "smolvlm")
+
+
+@pytest.fixture(scope="session")
+def idefics3_dir(tmp_path_factory) -> Path:
+    """A tiny Idefics3 whose images are each one tile (do_image_splitting off)."""
+    return write_idefics3_model(tmp_path_factory.mktemp("idefics3"), "idefics3", split=False)

@@ -1,0 +1,106 @@
+"""Images in the prompt of a tiny SmolVLM (images split into tiles) and a tiny Idefics3 (one
+tile an image): greedy output equals transformers' generate with one and two images, alone,
+batched with text, in small chunks and from the prefix cache; another image with the same
+text never reuses the first one's KV."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import make_engine, noise_image, run_ids
+
+from astrai.inference import GenerationParams
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
+
+MAX_TOKENS = 10
+GREEDY = GenerationParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+TEXTS = [
+    ("Hello world!<image> What is this?", [noise_image(1)]),
+    (
+        "Paged attention<image> and<image> the quick brown fox",
+        [noise_image(2, (30, 50)), noise_image(3, (100, 20))],
+    ),
+    ("Hello world!<image> What is this?", [noise_image(4)]),
+]
+
+
+@pytest.fixture(scope="module", params=["smolvlm_dir", "idefics3_dir"])
+def checkpoint(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def vlm(checkpoint):
+    return AutoModel.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoint, vlm):
+    """(text, images) prompts, as token ids and images, and transformers' greedy output of
+    each, its prompt made by transformers' own processor."""
+    import transformers
+
+    model_type = json.loads((checkpoint / "config.json").read_text())["model_type"]
+    name = {"smolvlm": "SmolVLM", "idefics3": "Idefics3"}[model_type]
+    hf = getattr(transformers, f"{name}ForConditionalGeneration").from_pretrained(checkpoint)
+    processor = transformers.Idefics3Processor(
+        getattr(transformers, f"{name}ImageProcessorPil").from_pretrained(checkpoint),
+        transformers.AutoTokenizer.from_pretrained(checkpoint),
+        image_seq_len=vlm[0].vision.tokens_per_image,
+    )
+    expected = []
+    for text, images in TEXTS:
+        inputs = processor(text=[text], images=[images], return_tensors="pt")
+        with torch.no_grad():
+            out = hf.eval().generate(
+                **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )
+        expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    # A different image changes the output: the tests below would notice one left out.
+    assert expected[0] != expected[2]
+    prompts = [(vlm[1].encode(text), images) for text, images in TEXTS]
+    return prompts, expected
+
+
+def outputs(engine, prompts) -> list[list[int]]:
+    """The greedy output of each prompt: token ids, or (token ids, images) pairs."""
+    prompts = [p if isinstance(p[0], int) else engine.image_prompt(*p) for p in prompts]
+    return [r[0].token_ids for r in run_ids(engine, prompts, [GREEDY] * len(prompts))]
+
+
+def test_greedy_with_images_equals_transformers_alone(vlm, cases):
+    prompts, expected = cases
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        with make_engine(*vlm) as engine:
+            assert outputs(engine, [prompt]) == [tokens]
+
+
+def test_batched_with_text_in_small_chunks(vlm, cases):
+    """7 tokens a step: every tile's 25 image tokens, and the layout text between tiles, are
+    split across chunks of a ragged batch with text-only requests."""
+    prompts, expected = cases
+    text = [vlm[1].encode("The quick brown fox jumps over the lazy dog." * 3)]
+    with make_engine(*vlm, enable_prefix_cache=False) as engine:
+        [text_alone] = outputs(engine, text)
+    with make_engine(*vlm, max_num_batched_tokens=7, enable_prefix_cache=False) as engine:
+        assert outputs(engine, [text[0], *prompts, text[0]]) == [text_alone, *expected, text_alone]
+
+
+def test_prefix_hits_keep_outputs_and_images_never_share_kv(vlm, cases):
+    prompts, expected = cases
+    with make_engine(*vlm, max_num_batched_tokens=16) as engine:
+        first, again, other = (
+            run_ids(engine, [engine.image_prompt(*prompt)], [GREEDY])[0][0]
+            for prompt in (prompts[0], prompts[0], prompts[2])
+        )
+    assert first.cached_tokens == 0
+    assert again.cached_tokens > 0
+    assert other.cached_tokens == 0
+    assert [first.token_ids, again.token_ids, other.token_ids] == [
+        expected[0],
+        expected[0],
+        expected[2],
+    ]
