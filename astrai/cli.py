@@ -639,6 +639,7 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
     from astrai.inference import GenerationRequest, InferenceEngine
+    from astrai.model.vision.tiled_image import expand_image_tokens
 
     model_dir = _model_path(args)
     params = _adapter_params(
@@ -656,7 +657,15 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
         prompt = GenerationRequest(({"role": "user", "content": content},), params)
         placeholder = tokenizer.id_to_token(model.vision.image_token_id)
         prompt_ids = tokenizer.apply_chat_template(prompt.rendered_messages(placeholder))
-        image_tokens = len(images) * (model.vision.tokens_per_image - 1)
+        vision = model.vision
+        expanded, _ = expand_image_tokens(
+            prompt_ids,
+            [vision.tile(image) for image in images],
+            vision.image_token_id,
+            vision.tokens_per_image,
+            lambda text: tokenizer.encode(text, add_special_tokens=False),
+        )
+        image_tokens = len(expanded) - len(prompt_ids)
     elif args.chat:
         prompt = GenerationRequest(({"role": "user", "content": prompt},), params)
         prompt_ids = tokenizer.apply_chat_template(list(prompt.messages))

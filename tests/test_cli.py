@@ -80,21 +80,25 @@ def test_generate_streams_the_engines_greedy_text(llama_dir, engine):
     assert "demo model" not in run.stderr
 
 
-def test_generate_with_images_answers_as_the_engine(llava_dir, llama_dir, tmp_path):
+@pytest.mark.parametrize("vlm", ["llava_dir", "smolvlm_dir"])
+def test_generate_with_images_answers_as_the_engine(vlm, llama_dir, tmp_path, request):
+    """The KV pool the command sizes holds the prompt with every image expanded (SmolVLM's into
+    tiles and their layout text)."""
+    vlm_dir = request.getfixturevalue(vlm)
     files = [tmp_path / "a.png", tmp_path / "b.jpg"]
     for seed, file in enumerate(files):
         noise_image(seed).save(file)
-    model = AutoModel.from_pretrained(llava_dir)
+    model = AutoModel.from_pretrained(vlm_dir)
     images = [Image.open(file) for file in files]
     parts = [{"type": "image", "image": image} for image in images]
     request = GenerationRequest(
         ({"role": "user", "content": [*parts, {"type": "text", "text": "Hello"}]},),
         GenerationParams(max_tokens=10, temperature=0),
     )
-    with InferenceEngine(model, AutoTokenizer.from_pretrained(llava_dir)) as engine:
+    with InferenceEngine(model, AutoTokenizer.from_pretrained(vlm_dir)) as engine:
         expected = engine.generate(request)
     images_flags = [flag for file in files for flag in ("--image", str(file))]
-    run = astrai_cli("generate", "--model", str(llava_dir), *GREEDY, *images_flags, "Hello")
+    run = astrai_cli("generate", "--model", str(vlm_dir), *GREEDY, *images_flags, "Hello")
     assert run.returncode == 0, run.stderr
     assert run.stdout == expected + "\n"
     text_only = astrai_cli("generate", "--model", str(llama_dir), *GREEDY, *images_flags, "Hi")

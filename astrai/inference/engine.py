@@ -42,6 +42,7 @@ from astrai.inference.task import (
 )
 from astrai.model.automodel import resolve_dtype
 from astrai.model.lora import AdapterTable, LoraAdapter, read_adapter
+from astrai.model.vision.tiled_image import expand_image_tokens
 
 log = logging.getLogger(__name__)
 
@@ -723,26 +724,25 @@ class InferenceEngine:
                 f"the prompt holds {placeholders} image placeholder(s) but {len(images)} "
                 "image(s) came with it; give one placeholder token per image"
             )
-        expanded: list[int] = []
-        prompt_images: list[PromptImage] = []
-        tiled = iter(vision.tile(image) for image in images)
-        for token in token_ids:
-            if token != image_token:
-                expanded.append(token)
-                continue
-            image = next(tiled)
-            ids, starts = image.token_ids(image_token, vision.tokens_per_image, self._layout_ids)
-            for pixel_values, start in zip(image.pixel_values, starts, strict=True):
-                digest = hashlib.blake2b(pixel_values.numpy().tobytes(), digest_size=16).digest()
-                prompt_images.append(
-                    PromptImage(pixel_values, digest, len(expanded) + start, vision.tokens_per_image)
+        expanded, tiles = expand_image_tokens(
+            token_ids,
+            [vision.tile(image) for image in images],
+            image_token,
+            vision.tokens_per_image,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+        )
+        return ImagePrompt(
+            expanded,
+            tuple(
+                PromptImage(
+                    pixel_values,
+                    hashlib.blake2b(pixel_values.numpy().tobytes(), digest_size=16).digest(),
+                    start,
+                    vision.tokens_per_image,
                 )
-            expanded += ids
-        return ImagePrompt(expanded, tuple(prompt_images))
-
-    def _layout_ids(self, text: str) -> list[int]:
-        """The token ids of an image layout's text (astrai.model.vision.tiled_image)."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+                for pixel_values, start in tiles
+            ),
+        )
 
     def _sample_tasks(
         self,

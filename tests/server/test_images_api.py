@@ -83,6 +83,20 @@ def test_openai_image_url_parts(llava_server, clients, seeds):
     assert openai_answer(openai_client, content) == expected
 
 
+def test_openai_image_url_parts_to_a_smolvlm_that_tiles_them(smolvlm_dir):
+    """SmolVLM's images expand to tiles within their layout text (equal to transformers in
+    tests/inference/test_images_idefics3.py); over the API they answer as in the engine."""
+    import openai
+
+    with serving(make_engine(smolvlm_dir, max_seq_len=1024)) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+        content = openai_content(image_bytes(1), image_bytes(2))
+        assert openai_answer(client, content) == engine_answer(server.engine, 1, 2)
+        assert openai_answer(client, openai_content(image_bytes(1))) != openai_answer(
+            client, openai_content(image_bytes(2))
+        )
+
+
 @pytest.mark.parametrize("fmt", ["JPEG", "WEBP", "GIF"])
 def test_other_formats_decode_to_the_same_pixels_as_the_engine_reads_them(
     llava_server, clients, fmt

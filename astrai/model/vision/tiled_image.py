@@ -3,7 +3,7 @@ standing for a run of image tokens, and the text the model's layout puts around 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -36,3 +36,30 @@ class TiledImage:
             ids += [image_token] * tokens_per_tile
         ids += encode(self.texts[-1]) if self.texts[-1] else []
         return ids, starts
+
+
+def expand_image_tokens(
+    token_ids: Sequence[int],
+    images: Sequence[TiledImage],
+    image_token: int,
+    tokens_per_tile: int,
+    encode: Callable[[str], list[int]],
+) -> tuple[list[int], list[tuple[Tensor, int]]]:
+    """token_ids with their image tokens (one per image, in order) each expanded to its image's
+    tokens (TiledImage.token_ids), and every tile's pixel values [3, size, size] with the
+    position where its run of image tokens starts."""
+    expanded: list[int] = []
+    tiles: list[tuple[Tensor, int]] = []
+    remaining = iter(images)
+    for token in token_ids:
+        if token != image_token:
+            expanded.append(token)
+            continue
+        image = next(remaining)
+        ids, starts = image.token_ids(image_token, tokens_per_tile, encode)
+        tiles += [
+            (pixels, len(expanded) + start)
+            for pixels, start in zip(image.pixel_values, starts, strict=True)
+        ]
+        expanded += ids
+    return expanded, tiles

@@ -129,8 +129,6 @@ def _edited_copy(checkpoint, tmp_path, file="config.json", **settings):
         ("preprocessor_config.json", {"image_processor_type": "Foo"}, "'Foo'"),
     ],
 )
-def test_unsupported_settings_are_refused_by_name(
-    smolvlm_dir, tmp_path, file, settings, message
-):
+def test_unsupported_settings_are_refused_by_name(smolvlm_dir, tmp_path, file, settings, message):
     with pytest.raises(ConfigError, match=message):
         AutoModel.from_pretrained(_edited_copy(smolvlm_dir, tmp_path, file, **settings))
