@@ -225,6 +225,24 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         "addresses (comma-separated or repeated; '*' allows any); guards against DNS rebinding",
     )
     limits.add_argument(
+        "--allowed-media-domains",
+        action="extend",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=[],
+        metavar="NAMES",
+        help="hosts whose http(s) image URLs requests may send, fetched by the server "
+        "(comma-separated or repeated; exact names, no redirects elsewhere, public addresses "
+        "only); without it remote image URLs are refused",
+    )
+    limits.add_argument(
+        "--media-fetch-timeout",
+        type=_positive(float),
+        default=defaults.MEDIA_FETCH_TIMEOUT,
+        metavar="SECONDS",
+        help="most seconds fetching one image URL may take, redirects included (default: "
+        f"{defaults.MEDIA_FETCH_TIMEOUT:g})",
+    )
+    limits.add_argument(
         "--max-request-bytes",
         type=_positive(int),
         default=defaults.MAX_REQUEST_BYTES,
@@ -580,6 +598,8 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             lora_dir=args.lora_dir,
+            allowed_media_domains=args.allowed_media_domains,
+            media_fetch_timeout=args.media_fetch_timeout,
         )
     except BaseException:
         engine.close()

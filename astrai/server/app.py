@@ -33,6 +33,7 @@ from astrai.server.generation import GenerationService
 from astrai.server.hosts import HostCheck
 from astrai.server.lifecycle import Drain, DrainGate
 from astrai.server.limits import RequestBodyLimit
+from astrai.server.media import MediaFetcher
 from astrai.server.metrics import RequestCounter, ServerMetrics
 from astrai.server.reasoning import reasoning_parser_for
 from astrai.server.tool_parsers import tool_call_parser_for
@@ -56,6 +57,8 @@ def create_app(
     webui: bool = True,
     lora_dir: str | None = None,
     sampling: dict | None = None,
+    allowed_media_domains: Sequence[str] = (),
+    media_fetch_timeout: float = defaults.MEDIA_FETCH_TIMEOUT,
 ) -> FastAPI:
     """An app serving one loaded engine under model_name.
 
@@ -70,7 +73,9 @@ def create_app(
     serves the chat page (astrai/server/webui) at /, behind the key when there is one.
     lora_dir allows POST /v1/load_lora_adapter to load adapters found below it. sampling holds
     the GenerationParams settings a request that leaves them out gets (the engine's defaults
-    for those it lacks).
+    for those it lacks). allowed_media_domains are the hosts images may be fetched from by
+    their http(s) URLs (astrai.server.media), each within media_fetch_timeout seconds; with
+    none, such URLs are refused.
     """
     doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
@@ -83,6 +88,7 @@ def create_app(
         tool_call_parser_for(tool_call_parser, templates),
         reasoning_parser_for(reasoning_parser, templates),
         sampling,
+        _media_fetcher(engine, allowed_media_domains, media_fetch_timeout),
     )
     app.state.service = service
     app.state.drain = Drain(service)
@@ -162,6 +168,17 @@ def create_app(
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
     app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
     return app
+
+
+def _media_fetcher(
+    engine: InferenceEngine, allowed_domains: Sequence[str], timeout: float
+) -> MediaFetcher | None:
+    """The fetcher of images from the allowed hosts (at most the engine's image byte limit),
+    None where no host is allowed."""
+    if not allowed_domains:
+        return None
+    domains = frozenset(domain.lower() for domain in allowed_domains)
+    return MediaFetcher(domains, engine.config.max_image_bytes, timeout)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -33,6 +33,7 @@ from astrai.inference.engine import ImagePrompt, render_parts
 from astrai.model.lora import UnknownAdapterError
 from astrai.model.vision.decode import ImageError, ImageLimits, decode_image
 from astrai.server.errors import CLIENT_CLOSED, APIError
+from astrai.server.media import MediaFetcher, MediaFetchError
 from astrai.server.metrics import ServerMetrics
 from astrai.server.protocol import RequestImage
 from astrai.server.reasoning import ReasoningParser
@@ -193,8 +194,11 @@ class GenerationService:
         tool_parser: ToolCallParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
         sampling: dict | None = None,
+        media: MediaFetcher | None = None,
     ) -> None:
+        """media fetches the images of http(s) URLs; None refuses them."""
         self.engine = engine
+        self.media = media
         self.sampling = sampling or {}
         self.model_name = model_name
         self.metrics = metrics
@@ -384,6 +388,7 @@ class GenerationService:
         tokenizer = self.tokenizer
         messages = [{**m, "content": m.get("content") or ""} for m in messages]
         messages, images = self._placed_images(messages)
+        images = [(where, await self._fetched(where, image)) for where, image in images]
         if tools and self.shows_tools_itself:
             messages, tools = self.tool_parser.show_tools(messages, tools), None
         if continue_final_message:
@@ -443,6 +448,25 @@ class GenerationService:
             for m in messages
         ]
         return rendered, images
+
+    async def _fetched(self, where: str, image: RequestImage) -> RequestImage:
+        """The image with its bytes: fetched from its URL, if it has one and the operator
+        allows its host; a 400 naming the image otherwise."""
+        if image.url is None:
+            return image
+        if self.media is None:
+            raise APIError(
+                400,
+                f"{where} is a remote URL: astrai does not fetch images from URLs unless the "
+                "operator allows their hosts (astrai serve --allowed-media-domains), since "
+                "fetching them server-side would let a client reach the server's network; send "
+                "the image inline, base64-encoded",
+                param="messages",
+            )
+        try:
+            return RequestImage(await self.media.fetch(image.url))
+        except MediaFetchError as exc:
+            raise APIError(400, f"{where}: {exc}", param="messages") from exc
 
     def _image_prompt(self, ids: list[int], images: list[tuple[str, RequestImage]]) -> ImagePrompt:
         """The prompt of ids with the images decoded within the engine's limits; a 400 naming

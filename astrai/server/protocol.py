@@ -90,15 +90,11 @@ def _text_of(content: Any) -> str:
 @dataclass(frozen=True)
 class RequestImage:
     """An image a message carries: the bytes of its file, decoded (within the engine's limits)
-    when the prompt is built."""
+    when the prompt is built; or url, the http(s) URL the server fetches them from, if the
+    operator allows its host (astrai.server.media)."""
 
-    data: bytes
-
-
-REMOTE_IMAGES_REFUSED = (
-    "astrai does not fetch images from URLs (fetching them server-side would let a client "
-    "reach the server's network); send the image inline, base64-encoded"
-)
+    data: bytes = b""
+    url: str | None = None
 
 
 def _base64_image(data: Any, what: str) -> RequestImage:
@@ -111,7 +107,8 @@ def _base64_image(data: Any, what: str) -> RequestImage:
 
 
 def _openai_image(part: dict) -> RequestImage:
-    """An OpenAI image_url part's image, from its data: URL."""
+    """An OpenAI image_url part's image, from its data: URL (or its http(s) URL, fetched if the
+    operator allows the host)."""
     image_url = part.get("image_url")
     unknown = sorted(set(part) - {"type", "image_url"})
     if unknown:
@@ -130,17 +127,20 @@ def _openai_image(part: dict) -> RequestImage:
         raise ValueError(f"image_url's {unknown[0]!r} is not supported by astrai")
     url = image_url["url"]
     if url.startswith(("http://", "https://")):
-        raise ValueError(f"image_url.url is a remote URL: {REMOTE_IMAGES_REFUSED} (a data: URL)")
+        return RequestImage(url=url)
     header, comma, payload = url.partition(",")
     if not header.startswith("data:") or not comma:
-        raise ValueError("image_url.url must be a data: URL, data:image/png;base64,...")
+        raise ValueError(
+            "image_url.url must be a data: URL, data:image/png;base64,..., or an http(s) URL"
+        )
     if not header.endswith(";base64"):
         raise ValueError("image_url.url's data: URL must hold base64 data (data:...;base64,...)")
     return _base64_image(payload, "image_url.url's data")
 
 
 def _anthropic_image(block: dict) -> RequestImage:
-    """An Anthropic image block's image, from its base64 source."""
+    """An Anthropic image block's image, from its base64 source (or its url source, fetched if
+    the operator allows the host)."""
     unknown = sorted(key for key in block if key not in ("type", "source", "cache_control"))
     if unknown:
         raise ValueError(f"an image block's {unknown[0]!r} is not supported by astrai")
@@ -148,9 +148,13 @@ def _anthropic_image(block: dict) -> RequestImage:
     if not isinstance(source, dict):
         raise ValueError("an image block needs a source object")
     if source.get("type") == "url":
-        raise ValueError(f"an image block's source is a URL: {REMOTE_IMAGES_REFUSED}")
+        if not isinstance(source.get("url"), str):
+            raise ValueError("an image block's url source needs a string url")
+        return RequestImage(url=source["url"])
     if source.get("type") != "base64":
-        raise ValueError("an image block's source.type must be 'base64' (with media_type, data)")
+        raise ValueError(
+            "an image block's source.type must be 'base64' (with media_type, data) or 'url'"
+        )
     return _base64_image(source.get("data"), "the image block's source.data")
 
 
