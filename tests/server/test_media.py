@@ -39,9 +39,9 @@ def png(seed: int) -> bytes:
 
 
 class ImageHost(BaseHTTPRequestHandler):
-    """/cat.png, an image; /redirect?to=URL, a 302 to URL; /big.png and /big-unsized.png,
-    over the byte limit with and without a Content-Length; /slow.png, later than the time
-    limit; anything else 404."""
+    """/cat.png, an image; /redirect?to=URL, a 302 to URL; /big.png, over the byte limit by
+    its Content-Length; /endless.png, a body without length that never ends; /slow.png,
+    later than the time limit; anything else 404."""
 
     def do_GET(self):
         path, _, query = self.path.partition("?")
@@ -54,12 +54,13 @@ class ImageHost(BaseHTTPRequestHandler):
             self.end_headers()
         elif path == "/big.png":
             self._send(b"\0" * (MAX_IMAGE_BYTES + 1))
-        elif path == "/big-unsized.png":
+        elif path == "/endless.png":
             self.send_response(200)
             self.send_header("Connection", "close")
             self.end_headers()
-            for _ in range(4):
-                self.wfile.write(b"\0" * MAX_IMAGE_BYTES)
+            with contextlib.suppress(ConnectionError):  # until the fetch stops reading
+                while True:
+                    self.wfile.write(b"\0" * 4096)
         elif path == "/slow.png":
             time.sleep(3 * FETCH_TIMEOUT)
             with contextlib.suppress(ConnectionError):  # the fetch gave up long ago
@@ -197,8 +198,8 @@ REFUSALS = {
         "http://images.test:{port}/big.png",
         f"over the limit of {MAX_IMAGE_BYTES} bytes",
     ),
-    "an unsized image over the byte limit": (
-        "http://images.test:{port}/big-unsized.png",
+    "an endless image": (
+        "http://images.test:{port}/endless.png",
         f"over the limit of {MAX_IMAGE_BYTES} bytes",
     ),
     "a slow image": ("http://images.test:{port}/slow.png", "did not arrive within 1 seconds"),
@@ -207,9 +208,7 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("name", REFUSALS)
-def test_refusals_are_clear_400s_and_the_server_serves_on(
-    media_server, clients, image_host, name
-):
+def test_refusals_are_clear_400s_and_the_server_serves_on(media_server, clients, image_host, name):
     import openai
 
     openai_client, _ = clients
