@@ -104,3 +104,21 @@ def test_prefix_hits_keep_outputs_and_images_never_share_kv(vlm, cases):
         expected[0],
         expected[2],
     ]
+
+
+def test_preempted_requests_recompute_with_their_tiles(vlm, cases):
+    prompts, expected = cases
+    model, tokenizer = vlm
+    c = model.config
+    token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
+    with make_engine(model, tokenizer) as engine:
+        prompt_tokens = sum(len(engine.image_prompt(*prompt)) for prompt in prompts)
+    # Room for the three prompts and a page more: they cannot all grow to their outputs.
+    pages = -(-prompt_tokens // 16) + 1
+    with make_engine(
+        model, tokenizer, kv_cache_memory=pages * 16 * token_bytes, enable_prefix_cache=False
+    ) as engine:
+        results = outputs(engine, prompts)
+        preemptions = engine.get_stats().preemptions
+    assert preemptions > 0
+    assert results == expected
