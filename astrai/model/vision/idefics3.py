@@ -45,6 +45,9 @@ def idefics3_position_ids(side: int) -> Tensor:
 
 
 class Idefics3Projection(nn.Module):
+    """The connector's linear map, under the name checkpoints give it (modality_projection.proj);
+    Idefics3Connector applies it."""
+
     def __init__(self, in_dim: int, text_dim: int):
         super().__init__()
         self.proj = nn.Linear(in_dim, text_dim, bias=False)
