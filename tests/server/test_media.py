@@ -146,7 +146,7 @@ def engine_answer(engine) -> str:
     return engine.generate(request)
 
 
-def test_an_allowed_host_is_fetched_directly_and_after_a_redirect(
+def test_an_allowed_host_is_fetched_directly_after_a_redirect_and_over_each_api(
     media_server, clients, image_host
 ):
     openai_client, anthropic_client = clients
@@ -169,6 +169,21 @@ def test_an_allowed_host_is_fetched_directly_and_after_a_redirect(
         extra_body={"temperature": 0},
     )
     assert reply.content[0].text == expected
+    response = openai_client.responses.create(
+        model="tiny-llama",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": cat},
+                    {"type": "input_text", "text": "What is this?"},
+                ],
+            }
+        ],
+        temperature=0,
+        max_output_tokens=MAX_TOKENS,
+    )
+    assert response.output_text == expected
 
 
 REFUSALS = {
