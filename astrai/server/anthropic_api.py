@@ -18,14 +18,11 @@ from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import Generation, GenerationService
 from astrai.server.protocol import CountTokensRequest, MessagesRequest
 from astrai.server.reasoning import ReasoningStream
+from astrai.server.registry import model_service
 from astrai.server.sse import EventStreamResponse, sse_event
 from astrai.server.tool_parsers import ToolCallDelta, ToolChoice, ToolUse
 
 router = APIRouter()
-
-
-def _service(request: Request) -> GenerationService:
-    return request.app.state.service
 
 
 async def _prompt(
@@ -163,16 +160,14 @@ def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
-    service = _service(request)
-    service.check_model(body.model)
+    service = await model_service(request, body.model)
     refuse_unsupported(body)
     return {"input_tokens": len(await _prompt(service, body, _tool_use(service, body)))}
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    service = _service(request)
-    service.check_model(body.model)
+    service = await model_service(request, body.model)
     refuse_unsupported(body)
     # Anthropic's temperature range is narrower than the engine's.
     if body.temperature is not None and body.temperature > 1:

@@ -3,9 +3,11 @@ auth, errors, /health, /metrics and /version."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,7 @@ from astrai.server.limits import RequestBodyLimit
 from astrai.server.media import MediaFetcher
 from astrai.server.metrics import RequestCounter, ServerMetrics
 from astrai.server.reasoning import reasoning_parser_for
+from astrai.server.registry import ModelLeases, ModelRegistry, ServedModel
 from astrai.server.tool_parsers import tool_call_parser_for
 
 log = logging.getLogger(__name__)
@@ -43,57 +46,152 @@ log = logging.getLogger(__name__)
 WEBUI_DIR = Path(__file__).resolve().parent / "webui"
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A model a router app loads on demand: its served name, its file or directory, and load,
+    which builds its engine (in a worker thread) and returns it with the sampling settings a
+    request that leaves them out gets."""
+
+    name: str
+    path: Path
+    load: Callable[[], tuple[InferenceEngine, dict]]
+
+
+class _ServiceMaker:
+    """Builds each model's GenerationService with what all of an app's models share: the
+    metrics, the tool-call and reasoning parsers named, and the hosts images may be fetched
+    from (allowed_domains, each fetch within timeout seconds; none: image URLs are refused)."""
+
+    def __init__(
+        self,
+        tool_call_parser: str | None,
+        reasoning_parser: str | None,
+        allowed_domains: Sequence[str],
+        timeout: float,
+    ) -> None:
+        self.metrics = ServerMetrics()
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        self.allowed_domains = frozenset(domain.lower() for domain in allowed_domains)
+        self.timeout = timeout
+
+    def service(self, engine: InferenceEngine, name: str, sampling: dict | None):
+        templates = engine.tokenizer.chat_templates.values()
+        return GenerationService(
+            engine,
+            name,
+            self.metrics,
+            tool_call_parser_for(self.tool_call_parser, templates),
+            reasoning_parser_for(self.reasoning_parser, templates),
+            sampling,
+            self._media_fetcher(engine),
+        )
+
+    def _media_fetcher(self, engine: InferenceEngine) -> MediaFetcher | None:
+        """The fetcher of images from the allowed hosts (at most the engine's image byte
+        limit), None where no host is allowed."""
+        if not self.allowed_domains:
+            return None
+        return MediaFetcher(self.allowed_domains, engine.config.max_image_bytes, self.timeout)
+
+    def load(self, source: ModelSource) -> GenerationService:
+        engine, sampling = source.load()
+        try:
+            return self.service(engine, source.name, sampling)
+        except BaseException:
+            engine.close()
+            raise
+
+
 def create_app(
     engine: InferenceEngine,
     model_name: str,
+    api_key: str | None = None,
+    *,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    allowed_media_domains: Sequence[str] = (),
+    media_fetch_timeout: float = defaults.MEDIA_FETCH_TIMEOUT,
+    lora_dir: str | None = None,
+    sampling: dict | None = None,
+    **options,
+) -> FastAPI:
+    """An app serving one loaded engine under model_name.
+
+    tool_call_parser names the format tool calls are read in (astrai.server.tool_parsers.PARSERS);
+    without it the chat template shows it, or chat requests with tools are refused.
+    reasoning_parser names the format of the model's think blocks (astrai.server.reasoning.PARSERS),
+    which answers give apart from the text; without it a chat template that mentions <think>
+    picks the think parser. allowed_media_domains are the hosts images may be fetched from by
+    their http(s) URLs (astrai.server.media), each within media_fetch_timeout seconds; with
+    none, such URLs are refused. lora_dir allows POST /v1/load_lora_adapter to load adapters
+    found below it. sampling holds the GenerationParams settings a request that leaves them
+    out gets (the engine's defaults for those it lacks). options are _app's.
+    """
+    maker = _ServiceMaker(
+        tool_call_parser, reasoning_parser, allowed_media_domains, media_fetch_timeout
+    )
+    service = maker.service(engine, model_name, sampling)
+    models = ModelRegistry([ServedModel(model_name, service=service)])
+    app = _app(models, maker.metrics, api_key, **options)
+    app.state.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
+    return app
+
+
+def create_router_app(
+    sources: Sequence[ModelSource],
+    api_key: str | None = None,
+    *,
+    max_loaded_models: int | None = None,
+    idle_unload: float | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    allowed_media_domains: Sequence[str] = (),
+    media_fetch_timeout: float = defaults.MEDIA_FETCH_TIMEOUT,
+    **options,
+) -> FastAPI:
+    """An app serving several models, each loaded when a request names it (ModelRegistry): at
+    most max_loaded_models at once (default: all), each unloaded after idle_unload seconds
+    unused (default: never). The parsers and media hosts named apply to every model, as
+    create_app's; options are _app's."""
+    maker = _ServiceMaker(
+        tool_call_parser, reasoning_parser, allowed_media_domains, media_fetch_timeout
+    )
+    models = ModelRegistry(
+        [ServedModel(s.name, load=functools.partial(maker.load, s), path=s.path) for s in sources],
+        max_loaded_models,
+        idle_unload,
+    )
+    app = _app(models, maker.metrics, api_key, **options)
+    app.state.lora_dir = None
+    return app
+
+
+def _app(
+    models: ModelRegistry,
+    metrics: ServerMetrics,
     api_key: str | None = None,
     *,
     allowed_hosts: Sequence[str] = (),
     max_request_bytes: int = defaults.MAX_REQUEST_BYTES,
     read_timeout: float = defaults.READ_TIMEOUT,
     docs: bool = False,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
     webui: bool = True,
-    lora_dir: str | None = None,
-    sampling: dict | None = None,
-    allowed_media_domains: Sequence[str] = (),
-    media_fetch_timeout: float = defaults.MEDIA_FETCH_TIMEOUT,
 ) -> FastAPI:
-    """An app serving one loaded engine under model_name.
+    """The app serving models.
 
     api_key guards every endpoint but /health and /metrics. Requests must name a loopback host,
     an IP address or one of allowed_hosts ("*" allows any). A body must be at most
     max_request_bytes and arrive within read_timeout seconds. /docs, /redoc and /openapi.json
-    exist only with docs, behind the key when there is one. tool_call_parser names the format
-    tool calls are read in (astrai.server.tool_parsers.PARSERS); without it the chat template
-    shows it, or chat requests with tools are refused. reasoning_parser names the format of the
-    model's think blocks (astrai.server.reasoning.PARSERS), which answers give apart from the
-    text; without it a chat template that mentions <think> picks the think parser. webui
-    serves the chat page (astrai/server/webui) at /, behind the key when there is one.
-    lora_dir allows POST /v1/load_lora_adapter to load adapters found below it. sampling holds
-    the GenerationParams settings a request that leaves them out gets (the engine's defaults
-    for those it lacks). allowed_media_domains are the hosts images may be fetched from by
-    their http(s) URLs (astrai.server.media), each within media_fetch_timeout seconds; with
-    none, such URLs are refused.
+    exist only with docs, behind the key when there is one. webui serves the chat page
+    (astrai/server/webui) at /, behind the key when there is one.
     """
     doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
-    metrics = ServerMetrics(engine)
-    templates = engine.tokenizer.chat_templates.values()
-    service = GenerationService(
-        engine,
-        model_name,
-        metrics,
-        tool_call_parser_for(tool_call_parser, templates),
-        reasoning_parser_for(reasoning_parser, templates),
-        sampling,
-        _media_fetcher(engine, allowed_media_domains, media_fetch_timeout),
-    )
-    app.state.service = service
-    app.state.drain = Drain(service)
+    metrics.watch(models)
+    app.state.models = models
+    app.state.drain = Drain(models)
     app.state.responses = responses_api.ResponseStore()
-    app.state.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
@@ -105,9 +203,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not engine.is_running:
-            return JSONResponse({"status": "engine stopped", "model": model_name}, 503)
-        return JSONResponse({"status": "ok", "model": model_name})
+        loaded = models.loaded()
+        stopped = [model.name for model in loaded if not model.service.engine.is_running]
+        if not models.loads_on_demand:
+            [model] = loaded
+            status = "engine stopped" if stopped else "ok"
+            return JSONResponse({"status": status, "model": model.name}, 503 if stopped else 200)
+        if stopped:
+            return JSONResponse({"status": "engine stopped", "models": stopped}, 503)
+        return JSONResponse({"status": "ok", "loaded": [model.name for model in loaded]})
 
     @app.get("/version")
     async def version() -> dict:
@@ -147,7 +251,9 @@ def create_app(
         return error_response(request.url.path, APIError(500, message))
 
     # The last added runs first: count every request, then check its Host, refuse it while
-    # shutting down, check its key, and only then read its body.
+    # shutting down, check its key, only then read its body, and release the models it held
+    # once its response is sent.
+    app.add_middleware(ModelLeases, registry=models)
     app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes, timeout=read_timeout)
     if api_key:
         app.add_middleware(APIKeyAuth, api_key=api_key)
@@ -168,17 +274,6 @@ def create_app(
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
     app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
     return app
-
-
-def _media_fetcher(
-    engine: InferenceEngine, allowed_domains: Sequence[str], timeout: float
-) -> MediaFetcher | None:
-    """The fetcher of images from the allowed hosts (at most the engine's image byte limit),
-    None where no host is allowed."""
-    if not allowed_domains:
-        return None
-    domains = frozenset(domain.lower() for domain in allowed_domains)
-    return MediaFetcher(domains, engine.config.max_image_bytes, timeout)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:

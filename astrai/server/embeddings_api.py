@@ -22,16 +22,13 @@ from fastapi import APIRouter, Request
 from astrai.server.errors import APIError
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import GenerationService
-from astrai.server.ollama_api import JSONBodyRoute, check_keep_alive, served_name
+from astrai.server.ollama_api import JSONBodyRoute, check_keep_alive, ollama_name
 from astrai.server.protocol import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
+from astrai.server.registry import model_service
 
 router = APIRouter()
 # Ollama's routes read their body as JSON whatever its Content-Type, as Ollama's own do.
 ollama_router = APIRouter(route_class=JSONBodyRoute)
-
-
-def _service(request: Request) -> GenerationService:
-    return request.app.state.service
 
 
 async def _embeddings(
@@ -73,8 +70,7 @@ def _check_lengths(prompts: Sequence[list[int]], limit: int, what: str, fix: str
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
-    service = _service(request)
-    service.check_model(body.model)
+    service = await model_service(request, body.model)
     refuse_unsupported(body)
     inputs = body.input
     if isinstance(inputs, str) or all(isinstance(item, int) for item in inputs):
@@ -152,8 +148,9 @@ async def _ollama_prompts(
 @ollama_router.post("/api/embed")
 async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
     started = time.perf_counter()
-    service = _service(request)
-    model = served_name(service, body.model)
+    model = ollama_name(body.model)
+    service = await model_service(request, model)
+    ready = time.perf_counter()
     check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     texts = [body.input] if isinstance(body.input, str) else body.input
@@ -166,15 +163,15 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
         "model": body.model,
         "embeddings": [vector.tolist() for vector in vectors],
         "total_duration": int((time.perf_counter() - started) * 1e9),
-        "load_duration": 0,  # the model is loaded when the server starts
+        "load_duration": int((ready - started) * 1e9),  # the model's load, if it was not
         "prompt_eval_count": sum(len(prompt) for prompt in prompts),
     }
 
 
 @ollama_router.post("/api/embeddings")
 async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> dict:
-    service = _service(request)
-    model = served_name(service, body.model)
+    model = ollama_name(body.model)
+    service = await model_service(request, model)
     check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     if not body.prompt:

@@ -302,11 +302,6 @@ class GenerationService:
         """The names a request's model field may take: the base model's, then its adapters'."""
         return [self.model_name, *self.engine.adapter_names()]
 
-    def check_model(self, requested: str | None) -> None:
-        """A 404 naming what is served, unless requested is the base model or an adapter."""
-        if requested is not None and requested not in self.served_models():
-            raise _unknown_model(requested, self.served_models())
-
     def adapter_for(self, requested: str | None) -> str | None:
         """The LoRA adapter a request's model field names (None: the base model)."""
         return None if requested in (None, self.model_name) else requested
@@ -526,7 +521,7 @@ class GenerationService:
             try:
                 return self.engine.submit_all_async(prompts, params)
             except UnknownAdapterError as exc:  # unloaded since the request's model was checked
-                raise _unknown_model(params.lora, self.served_models()) from exc
+                raise unknown_model(params.lora, self.served_models()) from exc
 
         return self._submit(prompts, params.n, start)
 
@@ -540,7 +535,7 @@ class GenerationService:
             try:
                 return self.engine.embed_async(prompts, lora=lora)
             except UnknownAdapterError as exc:  # unloaded since the request's model was checked
-                raise _unknown_model(lora, self.served_models()) from exc
+                raise unknown_model(lora, self.served_models()) from exc
 
         return self._submit(prompts, 1, start)
 
@@ -595,7 +590,7 @@ def _template_shows_tools(tokenizer) -> bool:
     return name in text
 
 
-def _unknown_model(requested: str, served: list[str]) -> APIError:
+def unknown_model(requested: str, served: list[str]) -> APIError:
     return APIError(
         404,
         f"the model {requested!r} does not exist; this server serves {served}",

@@ -12,8 +12,8 @@ import uvicorn
 
 from astrai.server import defaults
 from astrai.server.errors import APIError, error_response
-from astrai.server.generation import GenerationService
 from astrai.server.limits import StrictH11Protocol
+from astrai.server.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,8 @@ class Drain:
     stops those still running when the grace period ends.
     """
 
-    def __init__(self, service: GenerationService) -> None:
-        self.service = service
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()
@@ -51,8 +51,9 @@ class Drain:
             await self._wait_idle(_STOPPED_REQUESTS_TIMEOUT)
 
     def stop_running(self) -> None:
-        """End every running generation now, each with an error saying the server stops."""
-        self.service.stop_running()
+        """End every running generation now, each with an error saying the server stops, and
+        load no more models."""
+        self.models.stop_running()
 
     async def _wait_idle(self, seconds: float) -> bool:
         try:

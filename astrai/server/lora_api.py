@@ -23,7 +23,8 @@ router = APIRouter()
 
 
 def _service(request: Request) -> GenerationService:
-    return request.app.state.service
+    """The one model's service: adapters load into a server of one model only."""
+    return request.app.state.models.sole_service()
 
 
 @router.post("/v1/load_lora_adapter")

@@ -13,13 +13,28 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class EngineStatsCollector(Collector):
-    """Reads the engine's stats at scrape time, so gauges are never stale."""
+    """Reads the loaded engines' stats at scrape time, so gauges are never stale.
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    A server of several models labels each series with its model; the series of a model go
+    when it is unloaded."""
+
+    def __init__(self, models) -> None:
+        self.models = models  # a ModelRegistry
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.get_stats()
+        labels = ["model"] if self.models.loads_on_demand else []
+        families: dict[str, Metric] = {}
+        for model in self.models.loaded():
+            for name, documentation, kind, value in self._values(model.service.engine):
+                if name not in families:
+                    families[name] = kind(name, documentation, labels=labels)
+                families[name].add_metric([model.name] if labels else [], value)
+        yield from families.values()
+
+    @staticmethod
+    def _values(engine) -> Iterator[tuple]:
+        """(name, documentation, metric family class, value) of each of the engine's stats."""
+        stats = engine.get_stats()
         checks, proposed, accepted = (
             stats.speculative_steps,
             stats.proposed_tokens,
@@ -58,15 +73,15 @@ class EngineStatsCollector(Collector):
             "astrai_speculative_accepted_tokens": ("Guessed tokens the model kept", accepted),
         }
         for name, (documentation, value) in gauges.items():
-            yield GaugeMetricFamily(name, documentation, value=value)
+            yield name, documentation, GaugeMetricFamily, value
         for name, (documentation, value) in counters.items():
-            yield CounterMetricFamily(name, documentation, value=value)
+            yield name, documentation, CounterMetricFamily, value
 
 
 class ServerMetrics:
     """The metrics of one app, in a registry of its own so several apps can live in one process."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "astrai_http_requests",
@@ -92,7 +107,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(EngineStatsCollector(engine))
+
+    def watch(self, models) -> None:
+        """Report the stats of models' loaded engines (a ModelRegistry's) at every scrape."""
+        self.registry.register(EngineStatsCollector(models))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,8 +2,9 @@
 or one object), the model list and its facts, the running model, the version.
 
 Ollama's clients (its Python and JavaScript libraries, Open WebUI, editors' local-model modes)
-find the served model under its name or name:latest. The model is loaded for as long as the
-server runs, which is what a negative keep_alive asks; astrai cannot unload it sooner.
+find a served model under its name or name:latest. A model stays loaded until --idle-unload
+or --max-loaded-models unloads it, which is what a negative keep_alive asks; a request cannot
+set its own time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +35,7 @@ from astrai.server.protocol import (
     OllamaShowRequest,
 )
 from astrai.server.reasoning import ReasoningStream
+from astrai.server.registry import ModelRegistry, ServedModel, model_service
 from astrai.server.sse import NDJSONResponse, ndjson_line
 from astrai.server.tool_parsers import ToolCallStream, ToolChoice, ToolUse
 
@@ -67,26 +70,22 @@ _DURATION = re.compile(
 )
 
 
-def _service(request: Request) -> GenerationService:
-    return request.app.state.service
-
-
 def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def served_name(service: GenerationService, name: str | None) -> str | None:
-    """The served model (or LoRA adapter) a request names, checked (a 404 otherwise). Ollama's
-    names carry a tag, latest when left out: a served model answers to both."""
+def ollama_name(name: str | None) -> str | None:
+    """The served name of a model (or LoRA adapter) as Ollama names it: with a tag, latest
+    when left out; a served model answers to both."""
     if name is not None and name.endswith(":latest"):
-        name = name.removesuffix(":latest")
-    service.check_model(name)
+        return name.removesuffix(":latest")
     return name
 
 
 def check_keep_alive(keep_alive: float | str | None) -> None:
-    """A negative keep_alive keeps the model loaded for ever, as astrai serve does; any other
-    asks to unload it after a while, which astrai cannot: a 400."""
+    """A negative keep_alive keeps the model loaded until the server unloads it, as astrai serve
+    does; any other asks to unload it after a time of the request's own, which astrai cannot: a
+    400."""
     if keep_alive is None:
         return
     if isinstance(keep_alive, str) and not _DURATION.fullmatch(keep_alive):
@@ -101,7 +100,8 @@ def check_keep_alive(keep_alive: float | str | None) -> None:
     raise APIError(
         400,
         f"keep_alive {keep_alive!r} asks to unload the model after that long, but astrai serve "
-        "keeps its one model loaded until it stops; leave keep_alive out or send -1",
+        "unloads models only as --idle-unload and --max-loaded-models say; leave keep_alive out "
+        "or send -1",
         param="keep_alive",
     )
 
@@ -206,14 +206,23 @@ async def _constraint(
     return await service.compiled("format", constraint)
 
 
-def _metrics(generation: Generation, result: TaskResult, received: float) -> dict:
-    """Ollama's final counts and durations in nanoseconds: the model is loaded before any request
-    (load 0), the prompt is evaluated until the first token, the rest is generation."""
+@dataclass(frozen=True)
+class _Arrival:
+    """When a request came and when its model was ready for it (perf_counter): at once when it
+    was loaded, after its load when it was not."""
+
+    received: float
+    ready: float
+
+
+def _metrics(generation: Generation, result: TaskResult, arrival: _Arrival) -> dict:
+    """Ollama's final counts and durations in nanoseconds: the model's load, the prompt's
+    evaluation until the first token, the rest is generation."""
     end = generation.end_time or time.perf_counter()
     first = generation.first_token_time or end
     return {
-        "total_duration": int((end - received) * 1e9),
-        "load_duration": 0,
+        "total_duration": int((end - arrival.received) * 1e9),
+        "load_duration": int((arrival.ready - arrival.received) * 1e9),
         "prompt_eval_count": result.prompt_tokens,
         "prompt_eval_duration": int((first - generation.arrival) * 1e9),
         "eval_count": result.completion_tokens,
@@ -312,7 +321,7 @@ async def _records(
     head: dict,
     pieces: _StreamedMessage,
     render: Callable[[dict], dict],
-    received: float,
+    arrival: _Arrival,
     logprobs: bool,
 ) -> AsyncIterator[str]:
     """The NDJSON lines of a streamed answer: one per piece (a token's logprobs on the first
@@ -340,7 +349,7 @@ async def _records(
                 yield ndjson_line({**head, "created_at": _now(), **render(piece), "done": False})
             final = {**head, "created_at": _now(), **render(empty)}
             yield ndjson_line(
-                {**final, **_done(event.result), **_metrics(generation, event.result, received)}
+                {**final, **_done(event.result), **_metrics(generation, event.result, arrival)}
             )
 
 
@@ -352,8 +361,9 @@ def _loaded(head: dict, body: dict) -> dict:
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: Request):
     received = time.perf_counter()
-    service = _service(request)
-    model = served_name(service, body.model)
+    model = ollama_name(body.model)
+    service = await model_service(request, model)
+    arrival = _Arrival(received, time.perf_counter())
     refuse_unsupported(body)
     check_keep_alive(body.keep_alive)
     head = {"model": body.model}
@@ -381,7 +391,7 @@ async def chat(body: OllamaChatRequest, request: Request):
     if body.stream:
         pieces = _StreamedMessage(tools, parser and parser.stream(opened))
         return NDJSONResponse(
-            _records(service, generation, head, pieces, _chat_piece, received, body.logprobs)
+            _records(service, generation, head, pieces, _chat_piece, arrival, body.logprobs)
         )
     [output] = await generation.collect(request)
     result = output.result
@@ -389,7 +399,7 @@ async def chat(body: OllamaChatRequest, request: Request):
     reply["message"] = _whole_message(service, result.text, tools, opened)
     if body.logprobs:
         reply["logprobs"] = _token_logprobs(service, output.logprobs)
-    return {**reply, **_done(result), **_metrics(generation, result, received)}
+    return {**reply, **_done(result), **_metrics(generation, result, arrival)}
 
 
 def _chat_piece(piece: dict) -> dict:
@@ -434,8 +444,9 @@ async def _generate_prompt(
 @router.post("/api/generate")
 async def generate(body: OllamaGenerateRequest, request: Request):
     received = time.perf_counter()
-    service = _service(request)
-    model = served_name(service, body.model)
+    model = ollama_name(body.model)
+    service = await model_service(request, model)
+    arrival = _Arrival(received, time.perf_counter())
     refuse_unsupported(body)
     check_keep_alive(body.keep_alive)
     head = {"model": body.model}
@@ -457,7 +468,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
     if body.stream:
         pieces = _StreamedMessage(ToolUse(), parser and parser.stream(opened))
         return NDJSONResponse(
-            _records(service, generation, head, pieces, _generate_piece, received, body.logprobs)
+            _records(service, generation, head, pieces, _generate_piece, arrival, body.logprobs)
         )
     [output] = await generation.collect(request)
     result = output.result
@@ -467,27 +478,30 @@ async def generate(body: OllamaGenerateRequest, request: Request):
         reply["thinking"] = message["thinking"]
     if body.logprobs:
         reply["logprobs"] = _token_logprobs(service, output.logprobs)
-    return {**reply, **_done(result), **_metrics(generation, result, received)}
+    return {**reply, **_done(result), **_metrics(generation, result, arrival)}
 
 
-def _size(service: GenerationService) -> int:
-    """The bytes the model's weights take in memory."""
-    model = service.engine.model
-    tensors = [*model.parameters(), *model.buffers()]
+def _size(model: ServedModel) -> int:
+    """The bytes the model's weights take in memory, or its files on disk while unloaded."""
+    if model.service is None:
+        return model.disk_bytes()
+    weights = model.service.engine.model
+    tensors = [*weights.parameters(), *weights.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _model_entry(service: GenerationService, name: str) -> dict:
-    """What Ollama's lists say of a served model or LoRA adapter (whose parent is the base
-    model). astrai keeps no Ollama blobs: the digest is a hash of the served name, and details
-    that only a Modelfile would say are empty."""
+def _model_entry(model: ServedModel, name: str) -> dict:
+    """What Ollama's lists say of a served model or LoRA adapter (whose parent is the model).
+    astrai keeps no Ollama blobs: the digest is a hash of the served name, and details that
+    only a Modelfile would say are empty."""
+    service = model.service
     return {
         "name": name,
         "model": name,
-        "size": _size(service),
+        "size": _size(model),
         "digest": hashlib.sha256(name.encode()).hexdigest(),
         "details": {
-            "parent_model": service.model_name if service.adapter_for(name) else "",
+            "parent_model": model.name if service and service.adapter_for(name) else "",
             "format": "",
             "family": "",
             "families": None,
@@ -497,41 +511,58 @@ def _model_entry(service: GenerationService, name: str) -> dict:
     }
 
 
-def _modified_at(service: GenerationService) -> str:
-    """When the server loaded the model."""
-    return datetime.fromtimestamp(service.created, UTC).isoformat().replace("+00:00", "Z")
+def _timestamp(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _served(model: ServedModel) -> list[str]:
+    """The names model goes by: its own, and its adapters' while it is loaded."""
+    return [model.name] if model.service is None else model.service.served_models()
 
 
 @router.get("/api/tags")
 async def tags(request: Request) -> dict:
-    service = _service(request)
-    modified_at = _modified_at(service)
-    entries = [_model_entry(service, name) for name in service.served_models()]
-    return {"models": [{**entry, "modified_at": modified_at} for entry in entries]}
-
-
-@router.get("/api/ps")
-async def running(request: Request) -> dict:
-    service = _service(request)
-    on_gpu = next(service.engine.model.parameters()).device.type != "cpu"
-    entries = [_model_entry(service, name) for name in service.served_models()]
+    models: ModelRegistry = request.app.state.models
     return {
         "models": [
-            {
-                **entry,
-                "expires_at": NEVER,
-                "size_vram": entry["size"] if on_gpu else 0,
-                "context_length": service.engine.max_seq_len,
-            }
-            for entry in entries
+            {**_model_entry(model, name), "modified_at": _timestamp(model.modified())}
+            for model in models.models.values()
+            for name in _served(model)
         ]
     }
 
 
+@router.get("/api/ps")
+async def running(request: Request) -> dict:
+    """The loaded models, each to be unloaded --idle-unload seconds after its last use (or
+    never)."""
+    models: ModelRegistry = request.app.state.models
+    entries = []
+    for model in models.loaded():
+        engine = model.service.engine
+        on_gpu = next(engine.model.parameters()).device.type != "cpu"
+        expires_at = NEVER
+        if models.idle_unload is not None and model.load is not None:
+            idle = 0.0 if model.leases else time.monotonic() - model.last_used
+            expires_at = _timestamp(time.time() + models.idle_unload - idle)
+        for name in _served(model):
+            entry = _model_entry(model, name)
+            entries.append(
+                {
+                    **entry,
+                    "expires_at": expires_at,
+                    "size_vram": entry["size"] if on_gpu else 0,
+                    "context_length": engine.max_seq_len,
+                }
+            )
+    return {"models": entries}
+
+
 @router.post("/api/show")
 async def show(body: OllamaShowRequest, request: Request) -> dict:
-    service = _service(request)
-    model = served_name(service, body.model or body.name)
+    model = ollama_name(body.model or body.name)
+    service = await model_service(request, model)
+    served: ServedModel = request.app.state.models.find(model)
     refuse_unsupported(body)
     config = service.engine.model.config
     # Clients read the context length as model_info[f"{general.architecture}.context_length"].
@@ -547,7 +578,7 @@ async def show(body: OllamaShowRequest, request: Request) -> dict:
         "modelfile": "",
         "parameters": "",
         "template": templates.get("default", next(iter(templates.values()), "")),
-        "details": _model_entry(service, model)["details"],
+        "details": _model_entry(served, model)["details"],
         "model_info": {
             "general.architecture": arch,
             f"{arch}.context_length": service.engine.max_seq_len,
@@ -558,7 +589,7 @@ async def show(body: OllamaShowRequest, request: Request) -> dict:
             f"{arch}.vocab_size": config.vocab_size,
         },
         "capabilities": capabilities,
-        "modified_at": _modified_at(service),
+        "modified_at": _timestamp(served.modified()),
     }
 
 

@@ -23,6 +23,7 @@ from astrai.server.logprobs import (
 )
 from astrai.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from astrai.server.reasoning import ReasoningStream
+from astrai.server.registry import ModelRegistry, ServedModel, model_service
 from astrai.server.sse import EventStreamResponse, sse_data
 from astrai.server.tool_parsers import (
     ToolCall,
@@ -33,10 +34,6 @@ from astrai.server.tool_parsers import (
 )
 
 router = APIRouter()
-
-
-def _service(request: Request) -> GenerationService:
-    return request.app.state.service
 
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict:
@@ -189,13 +186,10 @@ def _template_kwargs(body: ChatCompletionRequest) -> dict:
     return kwargs
 
 
-def _check_request(
-    service: GenerationService, body: ChatCompletionRequest | CompletionRequest
-) -> None:
-    """The checks both endpoints share: the model, refused fields, stream options.
+def _check_request(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """The checks both endpoints share: refused fields, stream options.
 
     Token ids in stop_token_ids, logit_bias and allowed_token_ids are the engine's to check."""
-    service.check_model(body.model)
     refuse_unsupported(body)
     if body.stream_options is not None and not body.stream:
         raise APIError(
@@ -212,25 +206,44 @@ def _check_request(
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    service = _service(request)
-    return {"object": "list", "data": [_model_card(service, m) for m in service.served_models()]}
+    models: ModelRegistry = request.app.state.models
+    cards = [
+        _model_card(model, name)
+        for model in models.models.values()
+        for name in ([model.name] if model.service is None else model.service.served_models())
+    ]
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict:
-    service = _service(request)
-    service.check_model(model_id)
-    return _model_card(service, model_id)
+    models: ModelRegistry = request.app.state.models
+    return _model_card(models.find(model_id), model_id)
 
 
-def _model_card(service: GenerationService, model_id: str) -> dict:
-    """The base model's card, or a LoRA adapter's: its parent is the base model (vLLM's)."""
-    parser = service.tool_parser
-    return {
+def _model_card(model: ServedModel, model_id: str) -> dict:
+    """The card of a model, or of a LoRA adapter of it: its parent is the model (vLLM's).
+
+    status says whether it is loaded (llama.cpp's); what only the loaded model tells is null
+    while it is not."""
+    service = model.service
+    card = {
         "id": model_id,
         "object": "model",
-        "created": service.created,
+        "created": int(model.modified()),
         "owned_by": "astrai",
+        "parent": None,
+        "max_model_len": None,
+        "tool_call_parser": None,
+        "tools_shown_by": None,
+        "status": {"value": model.status},
+    }
+    if service is None:
+        return card
+    parser = service.tool_parser
+    return {
+        **card,
+        "created": service.created,
         "parent": service.adapter_for(model_id) and service.model_name,
         "max_model_len": service.engine.max_seq_len,
         # astrai's: the format tool calls are read in under tool_choice auto (null: only forced
@@ -244,8 +257,8 @@ def _model_card(service: GenerationService, model_id: str) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    service = _service(request)
-    _check_request(service, body)
+    service = await model_service(request, body.model)
+    _check_request(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     # vLLM refuses both set true; left out, add_generation_prompt gives way.
@@ -551,8 +564,8 @@ def _echoes(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    service = _service(request)
-    _check_request(service, body)
+    service = await model_service(request, body.model)
+    _check_request(body)
     best_of = _best_of(body)
     echo_scored = body.echo and body.logprobs is not None
     if echo_scored and body.stream and best_of > 1:

@@ -35,6 +35,7 @@ from astrai.server.protocol import (
     ResponsesRequest,
 )
 from astrai.server.reasoning import ReasoningStream
+from astrai.server.registry import model_service
 from astrai.server.sse import EventStreamResponse, sse_event
 from astrai.server.tool_parsers import ToolCallDelta, ToolChoice, ToolUse
 
@@ -42,10 +43,6 @@ router = APIRouter()
 
 # How many stored responses a server keeps; the least recently used goes first.
 STORED_RESPONSES = 1024
-
-
-def _service(request: Request) -> GenerationService:
-    return request.app.state.service
 
 
 def _store(request: Request) -> ResponseStore:
@@ -172,8 +169,7 @@ async def _constraint(
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    service, store = _service(request), _store(request)
-    service.check_model(body.model)
+    service, store = await model_service(request, body.model), _store(request)
     refuse_unsupported(body)
     earlier = []
     if body.previous_response_id is not None:

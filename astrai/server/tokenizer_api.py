@@ -5,21 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from astrai.server.fields import refuse_unsupported
-from astrai.server.generation import GenerationService
 from astrai.server.protocol import DetokenizeRequest, TokenizeRequest
+from astrai.server.registry import model_service
 
 router = APIRouter()
-
-
-def _service(request: Request) -> GenerationService:
-    return request.app.state.service
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     """The ids the engine would run for a completion prompt or a chat, as vLLM answers them."""
-    service = _service(request)
-    service.check_model(body.model)
+    service = await model_service(request, body.model)
     refuse_unsupported(body)
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -40,7 +35,6 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    service = _service(request)
-    service.check_model(body.model)
+    service = await model_service(request, body.model)
     service.check_token_ids(body.tokens, "tokens")
     return {"prompt": service.tokenizer.decode(body.tokens)}
