@@ -90,6 +90,8 @@ def _take_positional_model(args: argparse.Namespace) -> None:
             f"the model is given twice: {positional} and --model {given}; give one of them"
         )
     args.model = positional
+    if given is None:
+        args.models = [positional]
 
 
 def _caused_by_user(exc: Exception) -> bool:
@@ -111,6 +113,7 @@ def add_flags(
     title: str,
     cls: type,
     parsers: dict[str, typing.Callable[[str], typing.Any]] | None = None,
+    actions: dict[str, type[argparse.Action]] | None = None,
 ) -> None:
     """Add a group of flags, one per field of the dataclass cls, so a new field needs no CLI edit.
 
@@ -119,7 +122,9 @@ def add_flags(
     field's metadata, its type from the annotation: a bool
     is --flag/--no-flag, an optional type keeps None when the flag is absent, and a tuple is
     a flag given once per item. parsers gives a field's parser where it lives above
-    astrai.config, which cannot import it (LoadConfig.quantization's, in astrai.model).
+    astrai.config, which cannot import it (LoadConfig.quantization's, in astrai.model); actions
+    gives a field's argparse action where a command reads the flag otherwise (serve's --model,
+    given once per model).
     """
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
@@ -136,6 +141,8 @@ def add_flags(
             if typing.get_origin(kind) is tuple:
                 kind = typing.get_args(kind)[0]
                 options["action"] = "append"
+            if spec.name in (actions or {}):
+                options["action"] = actions[spec.name]
             parse = (parsers or {}).get(spec.name, meta.get("parse"))
             parse = kind if parse is None else _flag_parser(parse)
             options["choices"] = meta.get("choices")
@@ -184,9 +191,20 @@ def _flag_parser(parse):
     return parse_flag
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, "model", LoadConfig, parsers={"quantization": _quantization})
+def _add_engine_flags(
+    parser: argparse.ArgumentParser, actions: dict[str, type[argparse.Action]] | None = None
+) -> None:
+    add_flags(parser, "model", LoadConfig, parsers={"quantization": _quantization}, actions=actions)
     add_flags(parser, "engine", EngineConfig)
+
+
+class _EachModel(argparse.Action):
+    """serve's --model, given once per model to serve: args.models holds them all, args.model
+    the last (what one --model sets)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.models = [*getattr(namespace, "models", []), values]
+        setattr(namespace, self.dest, values)
 
 
 def _quantization(text: str) -> str:
@@ -286,6 +304,34 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_router_flags(serve: argparse.ArgumentParser) -> None:
+    router = serve.add_argument_group(
+        "several models",
+        "serve several models, each loaded when a request names it (llama.cpp's router mode): "
+        "those in --models-dir and each --model given, when there are several. Engine flags "
+        "apply to each model; --kv-cache-memory is shared evenly among --max-loaded-models",
+    )
+    router.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        help="serve every model found in DIR and below it: .gguf files (but mmproj ones) and "
+        "model directories (with a config.json), each named by its path under DIR",
+    )
+    router.add_argument(
+        "--max-loaded-models",
+        type=_positive(int),
+        metavar="N",
+        help="most models loaded at once; loading one more first unloads the least recently "
+        "used model that no request is using (default: all of them)",
+    )
+    router.add_argument(
+        "--idle-unload",
+        type=_positive(float),
+        metavar="SECONDS",
+        help="unload a model no request has used for this long (default: never)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="astrai",
@@ -343,7 +389,8 @@ def _parser() -> argparse.ArgumentParser:
         f"{', '.join(GENERATION_CONFIG_SAMPLING)})",
     )
     _add_serve_limits(serve)
-    _add_engine_flags(serve)
+    _add_router_flags(serve)
+    _add_engine_flags(serve, actions={"model": _EachModel})
     serve.set_defaults(command=_serve, parser=serve, settings=(EngineConfig,))
 
     generate = commands.add_parser(
@@ -515,9 +562,7 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
     from astrai.tokenize import AutoTokenizer
 
     load = from_flags(LoadConfig, args)
-    device = load.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _device(load)
     dtype = load.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
@@ -533,6 +578,15 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=load.chat_template)
     return model, tokenizer
+
+
+def _device(load: LoadConfig) -> str:
+    """The device --device names; auto is CUDA where there is one."""
+    import torch
+
+    if load.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return load.device
 
 
 def _load_sharded(load: LoadConfig, config: EngineConfig, model_dir: Path, dtype, device):
@@ -574,14 +628,20 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
 
     Returns (engine, app); the caller closes the engine. astrai.deploy's replicas run this too.
     """
-    from astrai.model.pooling import checkpoint_pooling
     from astrai.server import create_app
 
+    if _serves_several(args):
+        raise ConfigError(
+            "this command serves one model; --models-dir and several --model are astrai serve's"
+        )
+    if args.max_loaded_models is not None or args.idle_unload is not None:
+        raise ConfigError(
+            "--max-loaded-models and --idle-unload are for several models (--models-dir, or "
+            "--model given more than once); one model stays loaded while the server runs"
+        )
     model_dir = _model_path(args)
     name = args.model_name or _model_name(args, model_dir)
-    if config.pooling is None and (pooling := checkpoint_pooling(model_dir)) is not None:
-        log.info("embeddings pool by %s, as the checkpoint's pooling config says", pooling)
-        config = dataclasses.replace(config, pooling=pooling)
+    config = _checkpoint_pooling(config, model_dir)
     sampling = _server_sampling(args, model_dir)
     engine = _load_engine(args, config, model_dir)
     try:
@@ -608,6 +668,143 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
     return engine, app
 
 
+def _checkpoint_pooling(config: EngineConfig, model_dir: Path) -> EngineConfig:
+    """config pooling embeddings as the checkpoint says, unless --pooling says otherwise."""
+    from astrai.model.pooling import checkpoint_pooling
+
+    if config.pooling is None and (pooling := checkpoint_pooling(model_dir)) is not None:
+        log.info("embeddings pool by %s, as the checkpoint's pooling config says", pooling)
+        config = dataclasses.replace(config, pooling=pooling)
+    return config
+
+
+def _serves_several(args: argparse.Namespace) -> bool:
+    """Whether `astrai serve` serves several models, each loaded on demand."""
+    return args.models_dir is not None or len(getattr(args, "models", [])) > 1
+
+
+def open_router(args: argparse.Namespace, config: EngineConfig):
+    """The app serving the models of --models-dir and of each --model, none loaded yet.
+
+    Returns (registry, app); the caller closes the registry (every model still loaded).
+    """
+    from astrai.server.app import ModelSource, create_router_app
+
+    _refuse_for_several(args, config)
+    sources = _router_models(args)
+    if not sources:
+        raise ConfigError(
+            f"--models-dir {args.models_dir} holds no model (.gguf file or model "
+            "directory with a config.json); put models there or give --model"
+        )
+    loaded_at_once = args.max_loaded_models or len(sources)
+    config = _kv_share(config, from_flags(LoadConfig, args), loaded_at_once)
+
+    def loader(path: Path):
+        def load():
+            model_config = _checkpoint_pooling(config, path)
+            sampling = _server_sampling(args, path)
+            return _load_engine(args, model_config, path), sampling
+
+        return load
+
+    app = create_router_app(
+        [ModelSource(name, path, loader(path)) for name, path in sources.items()],
+        max_loaded_models=args.max_loaded_models,
+        idle_unload=args.idle_unload,
+        api_key=args.api_key,
+        allowed_hosts=[args.host, *args.allowed_hosts],
+        max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+        docs=args.docs,
+        webui=args.webui,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
+    for name, path in sources.items():
+        log.info("serving model %r from %s, loaded when a request names it", name, path)
+    log.info(
+        "models loaded at once: %d at most%s%s",
+        loaded_at_once,
+        "" if args.idle_unload is None else f"; each unloaded after {args.idle_unload:g}s idle",
+        " (API key required)" if args.api_key else "",
+    )
+    return app.state.models, app
+
+
+def _refuse_for_several(args: argparse.Namespace, config: EngineConfig) -> None:
+    """A ConfigError for the flags that name one model's settings, given with several models."""
+    per_model = {
+        "--lora": config.loras,
+        "--max-loras": config.max_loras,
+        "--lora-dir": args.lora_dir,
+        "--model-name": args.model_name,
+        "--revision": getattr(args, "revision", None),
+        "--gguf-file": getattr(args, "gguf_file", None),
+    }
+    given = [flag for flag, value in per_model.items() if value]
+    if config.tensor_parallel_size > 1:
+        given.append("--tensor-parallel-size")
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} set one model's settings, but --models-dir or several --model "
+            "serve several models; leave them out, or serve that model alone with --model"
+        )
+
+
+def _router_models(args: argparse.Namespace) -> dict[str, Path]:
+    """Each model to serve on demand by its name: the models found in --models-dir, named by
+    their path under it, then each --model, named as one model served alone is."""
+    from astrai.model.weights.hub import resolve_model
+
+    sources: dict[str, Path] = {}
+    if args.models_dir is not None:
+        sources.update(_models_in(Path(args.models_dir)))
+    for model in getattr(args, "models", []):
+        path = resolve_model(model)
+        local = Path(model).exists()
+        name = path.resolve().name if local else model
+        if name in sources and sources[name] != path:
+            raise ConfigError(
+                f"two models go by the name {name!r}: {sources[name]} and {path}; rename one"
+            )
+        sources[name] = path
+    return sources
+
+
+def _models_in(directory: Path) -> dict[str, Path]:
+    """The models below directory by their path under it: .gguf files (but vision projectors,
+    mmproj*.gguf) and directories with a config.json (not looked into further)."""
+    if not directory.is_dir():
+        raise ConfigError(f"--models-dir {directory} is not a directory")
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        if any(parent in found.values() for parent in path.parents):
+            continue  # a file of a model directory
+        is_gguf = path.suffix == ".gguf" and path.is_file() and not path.name.startswith("mmproj")
+        if is_gguf or (path.is_dir() and (path / "config.json").is_file()):
+            found[path.relative_to(directory).as_posix()] = path
+    return found
+
+
+def _kv_share(config: EngineConfig, load: LoadConfig, models: int) -> EngineConfig:
+    """config with its KV budget split evenly among the models loaded at once: a fraction of
+    free memory is taken of the memory free now, before any model loads."""
+    from astrai.inference.kv_cache import free_memory
+
+    budget = config.kv_cache_memory
+    if budget <= 1:
+        budget *= free_memory(_device(load))
+    share = int(budget // models)
+    log.info(
+        "KV cache budget %.0f MB: %.0f MB for each model, %d loaded at once at most",
+        budget / 2**20,
+        share / 2**20,
+        models,
+    )
+    return dataclasses.replace(config, kv_cache_memory=share)
+
+
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
     # Bound before the model loads (seconds to minutes), so a busy port fails at once;
     # torchrun's other ranks serve steps, not HTTP.
@@ -615,7 +812,12 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from astrai.server import run_server
 
     try:
-        engine, app = open_server(args, config)
+        if _serves_several(args):
+            models, app = open_router(args, config)
+            close = models.close
+        else:
+            engine, app = open_server(args, config)
+            close = engine.close
     except BaseException:
         if sock is not None:
             sock.close()
@@ -634,7 +836,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
             sock=sock,
         )
     finally:
-        engine.close()
+        close()
     return 0
 
 

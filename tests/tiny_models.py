@@ -220,11 +220,14 @@ def write_gguf(
     arch: str,
     extra_tensors: dict | None = None,
     types: dict | None = None,
+    tokenizer: bool = False,
     **metadata_overrides,
 ) -> Path:
     """Write hf_dir's checkpoint (and extra_tensors) as a GGUF file of architecture arch, each
     tensor F32 unless types maps the end of its GGUF name to a block type. A layer's experts
-    are one [n_experts, out, in] tensor per projection, as llama.cpp writes them."""
+    are one [n_experts, out, in] tensor per projection, as llama.cpp writes them. tokenizer
+    adds hf_dir's tokenizer (the test tokenizer) and chat template, as llama.cpp's converter
+    writes them."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -294,11 +297,36 @@ def write_gguf(
         add(gguf_name, np.stack([weights[e] for e in sorted(weights)]))
     for name, array in (extra_tensors or {}).items():
         writer.add_tensor(name, array)
+    if tokenizer:
+        _add_gguf_tokenizer(writer, hf_dir)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_gguf_tokenizer(writer, hf_dir: Path) -> None:
+    """The byte-level BPE tokenizer of hf_dir (write_tokenizer's) as GGUF metadata: its end of
+    turn is <|im_end|>, which the directory's generation_config.json stops at besides </s>."""
+    backend = json.loads((hf_dir / "tokenizer.json").read_text())
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = backend["model"]["vocab"]
+    for added in backend["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {added["content"] for added in backend["added_tokens"] if added["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in special else 1 for token in tokens])
+    merges = backend["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(vocab[config["bos_token"]])
+    writer.add_eos_token_id(vocab[config["eos_token"]])
+    writer.add_eot_token_id(vocab["<|im_end|>"])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(config["chat_template"])
 
 
 def write_lora_adapter(base_dir, directory, targets, rank, seed, use_rslora=False):
