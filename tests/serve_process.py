@@ -20,14 +20,17 @@ REPO_ROOT = Path(astrai.__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def astrai_serve(
-    model: Path, *flags: str, api_key: str = "", startup_timeout: float = 120
+    model: Path | None, *flags: str, api_key: str = "", startup_timeout: float = 120
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """(the process, its base URL) once /health answers; killed on exit if still running."""
+    """(the process, its base URL) once /health answers; killed on exit if still running.
+
+    model None gives no --model (flags name the models: --models-dir)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "astrai", "serve", "--model", str(model), "--port", str(port)]
+        [sys.executable, "-m", "astrai", "serve", "--port", str(port)]
+        + (["--model", str(model)] if model is not None else [])
         + list(flags),
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "ASTRAI_API_KEY": api_key},
         cwd=REPO_ROOT,

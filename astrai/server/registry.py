@@ -46,16 +46,19 @@ class ServedModel:
     path: Path | None = None
     service: GenerationService | None = None
     loading: asyncio.Future | None = None
+    unloading: bool = False  # its engine is closing, its memory not yet given back
     leases: int = 0  # requests holding it
     last_used: float = field(default_factory=time.monotonic)
     _idle_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def status(self) -> str:
-        """loaded, loading or unloaded, as llama.cpp's router lists them."""
+        """loaded, loading or unloaded, as llama.cpp's router lists them, or unloading."""
         if self.service is not None:
             return "loaded"
-        return "unloaded" if self.loading is None else "loading"
+        if self.loading is not None:
+            return "loading"
+        return "unloading" if self.unloading else "unloaded"
 
     def disk_bytes(self) -> int:
         """The bytes its files take on disk (0 for a model given loaded)."""
@@ -211,12 +214,14 @@ class ModelRegistry:
         """Take model's service away now (no request can get it from here on), then close its
         engine in a worker thread; its slot is free once the engine is closed."""
         engine, model.service = model.service.engine, None
+        model.unloading = True
         log.info("unloading model %r", model.name)
         try:
             await asyncio.to_thread(engine.close)
         finally:
             del engine  # the last reference: the weights and the KV pool can go
             await asyncio.to_thread(gc.collect)  # and whatever only reference cycles still hold
+            model.unloading = False
             self._free_slot()
 
     def _free_slot(self) -> None:
