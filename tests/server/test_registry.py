@@ -121,6 +121,9 @@ def test_models_are_listed_and_each_answers_as_served_alone(models_dir, expected
             for prompt in PROMPTS:
                 assert _chat(client, name, prompt) == expected[name, prompt]
         assert _statuses(base) == dict.fromkeys(MODELS, "loaded")
+        # --kv-cache-memory is shared by the models loaded at once: here both.
+        budgets = [model.service.engine.config.kv_cache_memory for model in models.loaded()]
+        assert budgets == [(64 << 20) // 2] * 2
         running = httpx.get(f"{base}/api/ps", timeout=10).json()["models"]
         assert sorted(entry["name"] for entry in running) == sorted(MODELS)
         # Ollama's clients name a model with its tag.
