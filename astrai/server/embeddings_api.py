@@ -150,7 +150,7 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
     started = time.perf_counter()
     model = ollama_name(body.model)
     service = await model_service(request, model)
-    ready = time.perf_counter()
+    ready = max(started, service.ready)
     check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     texts = [body.input] if isinstance(body.input, str) else body.input

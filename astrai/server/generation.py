@@ -203,6 +203,7 @@ class GenerationService:
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
+        self.ready = time.perf_counter()  # built once its model has loaded: Ollama's load time
         self.stopping = False
         self._running: weakref.WeakSet[Generation] = weakref.WeakSet()
         # A template that drops the tools can never show the model how to call them: astrai

@@ -208,8 +208,8 @@ async def _constraint(
 
 @dataclass(frozen=True)
 class _Arrival:
-    """When a request came and when its model was ready for it (perf_counter): at once when it
-    was loaded, after its load when it was not."""
+    """When a request came and when its model was ready for it (perf_counter): when it came if
+    the model was loaded, else once it had loaded."""
 
     received: float
     ready: float
@@ -363,7 +363,7 @@ async def chat(body: OllamaChatRequest, request: Request):
     received = time.perf_counter()
     model = ollama_name(body.model)
     service = await model_service(request, model)
-    arrival = _Arrival(received, time.perf_counter())
+    arrival = _Arrival(received, max(received, service.ready))
     refuse_unsupported(body)
     check_keep_alive(body.keep_alive)
     head = {"model": body.model}
@@ -446,7 +446,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
     received = time.perf_counter()
     model = ollama_name(body.model)
     service = await model_service(request, model)
-    arrival = _Arrival(received, time.perf_counter())
+    arrival = _Arrival(received, max(received, service.ready))
     refuse_unsupported(body)
     check_keep_alive(body.keep_alive)
     head = {"model": body.model}
