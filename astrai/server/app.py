@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI, Responses, Anthropic, Ollama, tokenizer and embeddings routers,
-auth, errors, /health, /metrics and /version."""
+auth, errors, /health, /metrics and /version, serving one loaded model (create_app) or several
+loaded on demand (create_router_app)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ class _ServiceMaker:
         self.allowed_domains = frozenset(domain.lower() for domain in allowed_domains)
         self.timeout = timeout
 
-    def service(self, engine: InferenceEngine, name: str, sampling: dict | None):
+    def service(
+        self, engine: InferenceEngine, name: str, sampling: dict | None
+    ) -> GenerationService:
         templates = engine.tokenizer.chat_templates.values()
         return GenerationService(
             engine,
