@@ -164,12 +164,17 @@ class ModelRegistry:
         model.leases -= 1
         model.last_used = time.monotonic()
         if model.leases == 0:
-            self._slot_freed.set()
-            if self.idle_unload is not None and model.load is not None:
-                if model._idle_timer is not None:
-                    model._idle_timer.cancel()
-                loop = asyncio.get_running_loop()
-                model._idle_timer = loop.call_later(self.idle_unload, self._unload_if_idle, model)
+            self._now_idle(model)
+
+    def _now_idle(self, model: ServedModel) -> None:
+        """No request holds model now: a load waiting for a slot may unload it, and its idle
+        timer starts."""
+        self._slot_freed.set()
+        if self.idle_unload is not None and model.load is not None:
+            if model._idle_timer is not None:
+                model._idle_timer.cancel()
+            loop = asyncio.get_running_loop()
+            model._idle_timer = loop.call_later(self.idle_unload, self._unload_if_idle, model)
 
     async def _load(self, model: ServedModel) -> None:
         """Load model once a slot is free, unloading the least recently used idle model for
@@ -201,6 +206,8 @@ class ModelRegistry:
         model.service = service
         if self.stopping:
             service.stop_running()
+        if model.leases == 0:  # every request that asked for it has gone meanwhile
+            self._now_idle(model)
 
     def _unload_if_idle(self, model: ServedModel) -> None:
         """The idle timer's end: every release restarts the timer, so no request has used the
@@ -208,14 +215,17 @@ class ModelRegistry:
         model._idle_timer = None
         if model.service is not None and model.leases == 0:
             log.info("model %r idle for %gs", model.name, self.idle_unload)
-            asyncio.ensure_future(self._unload(model))
+            self._unload(model)
 
-    async def _unload(self, model: ServedModel) -> None:
-        """Take model's service away now (no request can get it from here on), then close its
-        engine in a worker thread; its slot is free once the engine is closed."""
+    def _unload(self, model: ServedModel) -> asyncio.Future:
+        """Take model's service away now, before any other request can get it, and close its
+        engine in a worker thread (the future returned); its slot is free once it is closed."""
         engine, model.service = model.service.engine, None
         model.unloading = True
         log.info("unloading model %r", model.name)
+        return asyncio.ensure_future(self._close(model, engine))
+
+    async def _close(self, model: ServedModel, engine) -> None:
         try:
             await asyncio.to_thread(engine.close)
         finally:
