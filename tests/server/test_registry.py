@@ -4,6 +4,7 @@ names it, unloaded when idle or to make room, answering as a server of that mode
 from __future__ import annotations
 
 import asyncio
+import importlib
 import threading
 import time
 from collections.abc import Iterator
@@ -11,11 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import huggingface_hub.constants
 import openai
 import pytest
 from live_server import make_engine, serving, start_server, stop_server
 from serve_process import astrai_serve
-from tiny_models import write_gguf, write_hf_model
+from tiny_models import add_snapshot, write_gguf, write_hf_model
 
 from astrai.cli import main, open_router, serve_settings
 from astrai.config import ConfigError
@@ -75,10 +77,11 @@ def _chat(client: openai.OpenAI, model: str, prompt: str, stream: bool = False) 
 
 
 @contextmanager
-def router(models_dir: Path, *flags: str) -> Iterator[tuple[str, ModelRegistry]]:
-    """`astrai serve --models-dir models_dir` with flags, as the command opens it, on a loopback
-    port: (its base URL, its registry)."""
-    args, config = serve_settings(["--models-dir", str(models_dir), *ENGINE_FLAGS, *flags])
+def router(models_dir: Path | None, *flags: str) -> Iterator[tuple[str, ModelRegistry]]:
+    """`astrai serve --models-dir models_dir` (None: no --models-dir) with flags, as the command
+    opens it, on a loopback port: (its base URL, its registry)."""
+    given = [] if models_dir is None else ["--models-dir", str(models_dir)]
+    args, config = serve_settings([*given, *ENGINE_FLAGS, *flags])
     models, app = open_router(args, config)
     running = start_server(app)
     try:
@@ -212,6 +215,28 @@ def test_an_idle_model_is_unloaded_and_loads_again(models_dir, expected):
             time.sleep(0.05)
         assert httpx.get(f"{base}/api/ps", timeout=10).json()["models"] == []
         assert _chat(client, "llama", prompt) == expected["llama", prompt]
+
+
+def test_hub_ids_from_the_cache_and_files_by_model_repeated(
+    models_dir, expected, tmp_path, monkeypatch
+):
+    """`--model` given more than once serves each, a hub id from the local cache among them."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    importlib.reload(huggingface_hub.constants)  # it reads the environment once, at import
+    try:
+        add_snapshot(tmp_path / "hf" / "hub", "org/tiny", "a" * 40, models_dir / "llama", "main")
+        gguf = models_dir / "family" / "tiny.gguf"
+        with router(None, "--model", "org/tiny", "--model", str(gguf)) as (base, _):
+            assert _statuses(base) == {"org/tiny": "unloaded", "tiny.gguf": "unloaded"}
+            client = _client(base)
+            assert _chat(client, "org/tiny", PROMPTS[0]) == expected["llama", PROMPTS[0]]
+            assert _chat(client, "tiny.gguf", PROMPTS[0]) == expected[MODELS[0], PROMPTS[0]]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(huggingface_hub.constants)
 
 
 def test_unknown_or_missing_model_names_the_served_ones(models_dir):
