@@ -720,6 +720,8 @@ def open_router(args: argparse.Namespace, config: EngineConfig):
         webui=args.webui,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        allowed_media_domains=args.allowed_media_domains,
+        media_fetch_timeout=args.media_fetch_timeout,
     )
     for name, path in sources.items():
         log.info("serving model %r from %s, loaded when a request names it", name, path)
