@@ -516,21 +516,30 @@ def generation_config_sampling(model_dir: Path) -> dict:
     return taken
 
 
-def _server_sampling(args: argparse.Namespace, model_dir: Path) -> dict:
+def _sampling_override(args: argparse.Namespace) -> dict:
+    """--override-generation-config's settings, checked before any model loads."""
+    if args.override_generation_config is None:
+        return {}
+    try:
+        override = json.loads(args.override_generation_config)
+    except ValueError as exc:
+        raise ConfigError(f"--override-generation-config is not JSON: {exc}") from None
+    if not isinstance(override, dict) or not set(override) <= set(GENERATION_CONFIG_SAMPLING):
+        raise ConfigError(
+            "--override-generation-config takes a JSON object of "
+            f"{', '.join(GENERATION_CONFIG_SAMPLING)}; got {args.override_generation_config}"
+        )
+    try:
+        GenerationParams(**override)
+    except InvalidParamsError as exc:
+        raise ConfigError(f"--override-generation-config: {exc}") from None
+    return override
+
+
+def _server_sampling(model_dir: Path, override: dict) -> dict:
     """The sampling settings a request that leaves them out gets: the model's
-    generation_config.json's, under --override-generation-config's (vLLM's names)."""
-    sampling = generation_config_sampling(model_dir)
-    if args.override_generation_config is not None:
-        try:
-            override = json.loads(args.override_generation_config)
-        except ValueError as exc:
-            raise ConfigError(f"--override-generation-config is not JSON: {exc}") from None
-        if not isinstance(override, dict) or not set(override) <= set(GENERATION_CONFIG_SAMPLING):
-            raise ConfigError(
-                "--override-generation-config takes a JSON object of "
-                f"{', '.join(GENERATION_CONFIG_SAMPLING)}; got {args.override_generation_config}"
-            )
-        sampling.update(override)
+    generation_config.json's, under override (--override-generation-config's)."""
+    sampling = generation_config_sampling(model_dir) | override
     try:
         GenerationParams(**sampling)
     except InvalidParamsError as exc:
@@ -642,7 +651,7 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
     model_dir = _model_path(args)
     name = args.model_name or _model_name(args, model_dir)
     config = _checkpoint_pooling(config, model_dir)
-    sampling = _server_sampling(args, model_dir)
+    sampling = _server_sampling(model_dir, _sampling_override(args))
     engine = _load_engine(args, config, model_dir)
     try:
         app = create_app(
@@ -699,11 +708,12 @@ def open_router(args: argparse.Namespace, config: EngineConfig):
         )
     loaded_at_once = args.max_loaded_models or len(sources)
     config = _kv_share(config, from_flags(LoadConfig, args), loaded_at_once)
+    override = _sampling_override(args)
 
     def loader(path: Path):
         def load():
             model_config = _checkpoint_pooling(config, path)
-            sampling = _server_sampling(args, path)
+            sampling = _server_sampling(path, override)
             return _load_engine(args, model_config, path), sampling
 
         return load

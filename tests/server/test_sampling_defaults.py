@@ -10,7 +10,7 @@ import httpx
 import pytest
 from live_server import start_server, stop_server
 
-from astrai.cli import open_server, serve_settings
+from astrai.cli import open_router, open_server, serve_settings
 from astrai.config import ConfigError
 
 FLAGS = ["--max-seq-len", "256", "--kv-cache-memory", "8000000", "--model-name", "tiny"]
@@ -80,6 +80,14 @@ def test_the_override_goes_over_the_generation_config(model):
         ('{"top_p": 2}', "top_p must be in (0, 1], got 2"),
     ],
 )
-def test_a_bad_override_is_refused_before_the_model_loads(llama_dir, override, message):
+@pytest.mark.parametrize("several", [False, True])
+def test_a_bad_override_is_refused_before_the_model_loads(
+    llama_dir, tmp_path, override, message, several
+):
+    flags = ["--override-generation-config", override]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        open_server(*serve_settings([str(llama_dir), "--override-generation-config", override]))
+        if several:  # several models, loaded when a request names one: refused at the start
+            shutil.copytree(llama_dir, tmp_path / "models" / "llama")
+            open_router(*serve_settings(["--models-dir", str(tmp_path / "models"), *flags]))
+        else:
+            open_server(*serve_settings([str(llama_dir), *flags]))
