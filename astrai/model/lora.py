@@ -351,9 +351,9 @@ class AdapterTable:
                 width = MAX_PARTS[linear] * max_rank
                 stack = Stack(
                     torch.zeros(
-                        max_loras * width, in_features, dtype=self.dtype, device=weight.device
+                        max_loras * width, in_features, dtype=self.dtype, device=self.device
                     ),
-                    torch.zeros(max_loras * width, out, dtype=self.dtype, device=weight.device),
+                    torch.zeros(max_loras * width, out, dtype=self.dtype, device=self.device),
                     width,
                 )
                 self.stacks[layer, linear] = stack

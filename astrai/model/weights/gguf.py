@@ -5,9 +5,11 @@ has a kernel keeps its blocks (a QuantizedLinear), and so does the embedding tab
 QuantizedEmbedding, whose lookups decode a step's rows; a tied head streams the same blocks);
 every other tensor is dequantized once, to the requested dtype, straight from the mapping. The
 blocks are repacked into memory of their own, so nothing refers to the mapping once the model
-is built: the reader is shared only while someone holds it, and then closed with its map. llama.cpp's converter stores the rows of a
-Llama model's attn_q and attn_k permuted (each head's rotary halves interleaved); they are
-put back in the order astrai's rotate-half RoPE expects, as rows of blocks or of numbers.
+is built: the reader is shared only while someone holds it, and then closed with its map.
+
+llama.cpp's converter stores the rows of a Llama model's attn_q and attn_k permuted (each
+head's rotary halves interleaved); they are put back in the order astrai's rotate-half RoPE
+expects, as rows of blocks or of numbers.
 """
 
 from __future__ import annotations
