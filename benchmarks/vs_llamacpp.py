@@ -273,7 +273,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(command: list[str], port: int, log: Path, env: dict | None = None) -> Iterator[None]:
+def running(
+    command: list[str], port: int, log: Path, env: dict | None = None
+) -> Iterator[subprocess.Popen]:
     """A server process, from its /health answering 200 until the block ends."""
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -287,7 +289,7 @@ def running(command: list[str], port: int, log: Path, env: dict | None = None) -
                 if conn.getresponse().status == 200:
                     break
             time.sleep(0.2)
-        yield
+        yield process
     finally:
         process.terminate()
         process.wait(timeout=60)
