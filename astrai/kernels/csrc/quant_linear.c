@@ -1141,7 +1141,8 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
     const int64_t group_bytes = blocks / unit_blocks(qtype) * layout_of(qtype).bytes;
     const size_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
-#pragma omp parallel for schedule(static) if (n_ids > 1)
+    /* a step's few rows decode in microseconds, less than waking the other threads takes */
+#pragma omp parallel for schedule(static) if (n_ids * in_features >= (1 << 20))
     for (Py_ssize_t i = 0; i < n_ids; i++)
         (is_bf16 ? dequantize_row_bf16 : dequantize_row_fp32)(
             (char *)out + i * row_bytes, (const uint8_t *)w + ids[i] / GROUP * group_bytes, blocks,
