@@ -399,7 +399,7 @@ class Transformer(nn.Module):
                 "the native format holds language models only; serve a vision-language model "
                 "from its Hugging Face directory"
             )
-        if any(isinstance(m, QuantizedLinear) for m in self.modules()):
+        if any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in self.modules()):
             raise ValueError(
                 "the native format holds dense weights only; load the GGUF file with "
                 "dequantize=True to save it"
