@@ -68,6 +68,7 @@ from offline_throughput import _NoTextTokenizer, run_astrai
 from workload import LLAMA_1B, SMOLLM2_135M, Request, offline_workload
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
+from astrai.kernels.quant_ops import QuantizedWeight
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -209,13 +210,14 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads.
 
     The embedding table is read one row a token; only a head that is that table reads it all.
-    A GGUF load keeps the tied head in the embedding's quantized blocks (model.output) and a
-    dequantized table for the lookups, so the table is left out.
+    A GGUF load keeps the table in its quantized blocks and a tied head streams the same blocks
+    (model.output), so the table is counted once, as the head.
     """
     table = model.tok_embeddings.weight
     if getattr(model.output, "weight", None) is table:
         return model.weight_bytes()
-    return model.weight_bytes() - table.numel() * table.element_size()
+    table_bytes = table.nbytes() if isinstance(table, QuantizedWeight) else table.nbytes
+    return model.weight_bytes() - table_bytes
 
 
 def llama_bench(bin_dir: Path, gguf: Path, args: argparse.Namespace, flags: str) -> float:
@@ -271,7 +273,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(command: list[str], port: int, log: Path, env: dict | None = None) -> Iterator[None]:
+def running(
+    command: list[str], port: int, log: Path, env: dict | None = None
+) -> Iterator[subprocess.Popen]:
     """A server process, from its /health answering 200 until the block ends."""
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -285,7 +289,7 @@ def running(command: list[str], port: int, log: Path, env: dict | None = None) -
                 if conn.getresponse().status == 200:
                     break
             time.sleep(0.2)
-        yield
+        yield process
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -383,7 +383,7 @@ class ModelExecutor:
             if quantized:
                 tune_quant_linears(
                     [m.weight for m in quantized],
-                    model.tok_embeddings.weight.dtype,
+                    model.dtype,
                     batch_invariant,
                     activation_precision,
                 )

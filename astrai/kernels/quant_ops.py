@@ -25,7 +25,8 @@ from it, so an engine takes the GEMM paths only when built with batch_invariant=
 Without the C extension, W is dequantized once (NumPy, as the gguf package does) for F.linear.
 
 A model holds a QuantizedWeight per quantized linear (QuantizedWeight.from_gguf on the GGUF
-tensor's bytes) and calls quant_linear(x, weight, bias), or builds a QuantizedLinear.
+tensor's bytes) and calls quant_linear(x, weight, bias), or builds a QuantizedLinear; an
+embedding table in blocks is a QuantizedEmbedding, whose lookups decode only the rows asked for.
 """
 
 from __future__ import annotations
@@ -251,6 +252,44 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return quant_linear(x, self.weight, self.bias, self.activation_precision)
+
+
+@torch.library.custom_op("astrai::quant_embedding", mutates_args=())
+def _quant_embedding_op(
+    ids: Tensor, packed: Tensor, qtype: int, rows: int, dim: int, dtype: torch.dtype
+) -> Tensor:
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), dim, dtype=dtype)
+    native.quant_linear.gather_rows(
+        out.data_ptr(), packed.data_ptr(), packed.nbytes, flat.data_ptr(), flat.numel(), rows,
+        dim, qtype, dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out.view(*ids.shape, dim)
+
+
+_quant_embedding_op.register_fake(
+    lambda ids, packed, qtype, rows, dim, dtype: packed.new_empty(*ids.shape, dim, dtype=dtype)
+)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept in its GGUF blocks: a step's rows are decoded as it looks them
+    up, exactly as QuantizedWeight.dequantize decodes them, so the table never sits in memory
+    as dtype (113 MB of fp32 for SmolLM2's, 2.1 GB for Llama 3 8B's). A tied head streams the
+    same blocks (a QuantizedLinear over this weight)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight = weight
+        self.dtype = dtype
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if native.quant_linear is None or self.dtype not in native.KERNEL_DTYPES:
+            return F.embedding(ids, self.weight.dequantize(self.dtype))
+        weight = self.weight
+        return torch.ops.astrai.quant_embedding(
+            ids, weight.packed, int(weight.qtype), *weight.shape, self.dtype
+        )
 
 
 def quantized_linears(model: nn.Module, activation_precision: str) -> list[QuantizedLinear]:

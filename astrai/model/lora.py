@@ -132,7 +132,7 @@ def read_adapter(name: str, path: str | Path, model: Transformer) -> LoraAdapter
             f"adapter {name!r}: {path} is neither a PEFT adapter directory "
             f"({PEFT_CONFIG} + {PEFT_WEIGHTS}) nor a .gguf LoRA file"
         )
-    dtype = model.tok_embeddings.weight.dtype
+    dtype = model.dtype
     products: dict[tuple[int, str], list[tuple[int, slice, Tensor, Tensor]]] = {}
     for (layer, hf_name), (a, b) in sorted(pairs.items()):
         target = _target(name, layer, hf_name, model)
@@ -339,8 +339,7 @@ class AdapterTable:
         self.by_name: dict[str, LoraAdapter] = {}
         self.slots: list[LoraAdapter | None] = [None] * max_loras
         self.lock = threading.Lock()
-        weight = model.tok_embeddings.weight
-        self.dtype, self.device = weight.dtype, weight.device
+        self.dtype, self.device = model.dtype, model.norm.weight.device
         self.stacks: dict[tuple[int, str], Stack] = {}
         self.hooks = []
         for layer in range(len(model.layers)):
@@ -352,9 +351,9 @@ class AdapterTable:
                 width = MAX_PARTS[linear] * max_rank
                 stack = Stack(
                     torch.zeros(
-                        max_loras * width, in_features, dtype=self.dtype, device=weight.device
+                        max_loras * width, in_features, dtype=self.dtype, device=self.device
                     ),
-                    torch.zeros(max_loras * width, out, dtype=self.dtype, device=weight.device),
+                    torch.zeros(max_loras * width, out, dtype=self.dtype, device=self.device),
                     width,
                 )
                 self.stacks[layer, linear] = stack

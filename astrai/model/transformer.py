@@ -29,7 +29,7 @@ from astrai.kernels import (
     rms_norm,
     silu_and_mul,
 )
-from astrai.kernels.quant_ops import QuantizedLinear
+from astrai.kernels.quant_ops import QuantizedEmbedding, QuantizedLinear
 from astrai.model.moe import MoEFeedForward
 from astrai.model.rope import RotaryEmbedding, rotary_dim
 
@@ -271,7 +271,13 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # Embedding's own init, N(0, 1), drawn only off the meta device: the loaders build the
+        # model there, where a random draw imports torch._dynamo, and with it sympy and
+        # triton's library (100 MB resident) and a second of start-up.
+        weight = torch.empty(config.vocab_size, config.dim)
+        if not weight.is_meta:
+            weight.normal_()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
@@ -373,10 +379,18 @@ class Transformer(nn.Module):
         valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
         return logprobs.masked_fill(~valid, 0.0)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its activations', and its dense weights')."""
+        return self.norm.weight.dtype
+
     def weight_bytes(self) -> int:
-        """Bytes of the weights, quantized blocks (which are not parameters) included."""
-        blocks = sum(m.weight.nbytes() for m in self.modules() if isinstance(m, QuantizedLinear))
-        return blocks + sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of the weights, quantized blocks (which are not parameters) included, once
+        each: a tied head and the embedding share theirs."""
+        in_blocks = (QuantizedLinear, QuantizedEmbedding)
+        blocks = {id(m.weight): m.weight for m in self.modules() if isinstance(m, in_blocks)}
+        total = sum(weight.nbytes() for weight in blocks.values())
+        return total + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the native format: config.json and model.safetensors with native names."""
@@ -385,7 +399,7 @@ class Transformer(nn.Module):
                 "the native format holds language models only; serve a vision-language model "
                 "from its Hugging Face directory"
             )
-        if any(isinstance(m, QuantizedLinear) for m in self.modules()):
+        if any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in self.modules()):
             raise ValueError(
                 "the native format holds dense weights only; load the GGUF file with "
                 "dequantize=True to save it"

@@ -19,6 +19,7 @@ from astrai.kernels import Arena, LinearPath, StepGraph, native, quant_blocks
 from astrai.kernels import quant_ops as quant_module
 from astrai.kernels.quant_blocks import BLOCK_TYPES, pack_blocks
 from astrai.kernels.quant_ops import (
+    QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
     quant_linear,
@@ -164,6 +165,39 @@ def test_dequantize_is_gguf_exactly(monkeypatch, qtype, with_kernel):
     expected = torch.from_numpy(dense_weight(blocks, qtype, shape))
     assert torch.equal(weight.dequantize(torch.float32), expected)
     assert torch.equal(weight.dequantize(torch.bfloat16), expected.bfloat16())
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["c-kernel", "gguf"])
+def test_embedding_in_blocks_looks_up_gguf_rows_exactly(monkeypatch, qtype, with_kernel):
+    """A table kept in blocks gives the rows gguf decodes, in any order and repeated, in the
+    batch's shape, for rows in every position of their 16-row group and in the last,
+    padded group."""
+    if with_kernel and native.quant_linear is None:
+        pytest.skip("the C quant-linear kernel was not built")
+    if not with_kernel:
+        monkeypatch.setattr(native, "quant_linear", None)
+    shape = shape_of(qtype, (37, 3))
+    blocks = random_blocks(qtype, shape, seed=11)
+    table = torch.from_numpy(dense_weight(blocks, qtype, shape))
+    weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
+    ids = torch.tensor([[36, 0, 15, 16], [17, 17, 31, 32]])
+    for dtype in DTYPES.values():
+        rows = QuantizedEmbedding(weight, dtype)(ids)
+        assert rows.shape == (2, 4, shape[1]) and rows.dtype == dtype
+        assert torch.equal(rows, F.embedding(ids, table.to(dtype)))
+
+
+@needs_kernel
+def test_embedding_in_blocks_refuses_rows_outside_its_table():
+    qtype = GGMLQuantizationType.Q4_1
+    shape = shape_of(qtype, (20, 1))
+    embedding = QuantizedEmbedding(
+        QuantizedWeight.from_gguf(random_blocks(qtype, shape, 12), qtype, shape), torch.float32
+    )
+    for row in (20, -1):  # 20 lies in the padded second group: still outside the table
+        with pytest.raises(IndexError, match=f"row {row} is out of range for a table of 20"):
+            embedding(torch.tensor([3, row]))
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

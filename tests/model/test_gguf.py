@@ -295,7 +295,7 @@ MIXED_TYPES = {
 def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
     tmp_path, monkeypatch, caplog, arch
 ):
-    from astrai.kernels.quant_ops import QuantizedLinear
+    from astrai.kernels.quant_ops import QuantizedEmbedding, QuantizedLinear
 
     hf_dir = write_hf_model(tmp_path / "hf", arch, seed=6, intermediate_size=256)
     tensors = load_file(hf_dir / "model.safetensors")
@@ -315,8 +315,12 @@ def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
     assert [type(part) for part in layer.attention.wqkv.parts] == [QuantizedLinear] * 3
     if arch == "qwen2":  # the q/k/v bias survives the swap
         torch.testing.assert_close(layer.attention.wqkv.bias, dense.layers[0].attention.wqkv.bias)
-    # F32 lm_head here, unless tied: qwen2's tiny model ties it to the Q8_0 embedding.
+    # F32 lm_head here, unless tied: qwen2's tiny model ties it to the Q8_0 embedding, whose
+    # blocks the lookups and the head share (no dequantized table beside them).
     assert isinstance(quantized.output, QuantizedLinear) == quantized.config.tie_weight
+    assert isinstance(quantized.tok_embeddings, QuantizedEmbedding)
+    if quantized.config.tie_weight:
+        assert quantized.output.weight is quantized.tok_embeddings.weight
     assert not any(isinstance(m, QuantizedLinear) for m in dense.modules())
     ids = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64]])
     # Along the GEMM path the blocks are dequantized exactly, so both models compute the same.

@@ -1120,6 +1120,37 @@ static PyObject *dequantize(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Rows ids of W as fp32 or bf16 [n_ids, in_features], from its packed records: an embedding
+ * table kept in its blocks, looked up a step's tokens at a time, each row decoded as dequantize
+ * decodes it. */
+static PyObject *gather_rows(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_ssize_t out, w, w_bytes, ids_address, n_ids, n_out, in_features;
+    int qtype, is_bf16;
+    if (!PyArg_ParseTuple(args, "nnnnnnnip", &out, &w, &w_bytes, &ids_address, &n_ids, &n_out,
+                          &in_features, &qtype, &is_bf16) ||
+        !check_shape(qtype, in_features) || !check_weight_bytes(w_bytes, n_out, in_features, qtype))
+        return NULL;
+    const int64_t *ids = (const int64_t *)ids_address;
+    for (Py_ssize_t i = 0; i < n_ids; i++)
+        if (ids[i] < 0 || ids[i] >= n_out)
+            return PyErr_Format(PyExc_IndexError,
+                                "quant_linear: row %lld is out of range for a table of %lld rows",
+                                (long long)ids[i], (long long)n_out);
+    const int64_t blocks = in_features / QK;
+    const int64_t group_bytes = blocks / unit_blocks(qtype) * layout_of(qtype).bytes;
+    const size_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
+    Py_BEGIN_ALLOW_THREADS;
+    /* a step's few rows decode in microseconds, less than waking the other threads takes */
+#pragma omp parallel for schedule(static) if (n_ids * in_features >= (1 << 20))
+    for (Py_ssize_t i = 0; i < n_ids; i++)
+        (is_bf16 ? dequantize_row_bf16 : dequantize_row_fp32)(
+            (char *)out + i * row_bytes, (const uint8_t *)w + ids[i] / GROUP * group_bytes, blocks,
+            qtype, ids[i] % GROUP);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_isa(PyObject *module, PyObject *arg) {
     (void)module;
     const char *name = PyUnicode_AsUTF8(arg);
@@ -1187,6 +1218,10 @@ static PyMethodDef methods[] = {
      "dequantize(out, w, w_bytes, out_features, in_features, qtype, is_bf16, transposed): writes "
      "out [out_features, in_features] (or, transposed, [in_features, out_features]) from the "
      "packed w of w_bytes."},
+    {"gather_rows", gather_rows, METH_VARARGS,
+     "gather_rows(out, w, w_bytes, ids, n_ids, out_features, in_features, qtype, is_bf16): writes "
+     "out [n_ids, in_features] from rows ids (int64, each below out_features) of the packed w of "
+     "w_bytes."},
     {"set_isa", set_isa, METH_O, "set_isa(name): the CPU path linear() takes from now on."},
     {"isa", get_isa, METH_NOARGS, "isa(): the CPU path linear() takes."},
     {"set_prefetch", set_prefetch, METH_O,

@@ -1,17 +1,25 @@
 """Load a Transformer from a GGUF file: the config from its metadata, the weights as blocks.
 
 The file is read memory-mapped with the `gguf` package. On the CPU a linear whose block type
-has a kernel keeps its blocks (a QuantizedLinear); every other tensor is dequantized once, to
-the requested dtype, straight from the mapping. llama.cpp's converter stores the rows of a
-Llama model's attn_q and attn_k permuted (each head's rotary halves interleaved); they are
-put back in the order astrai's rotate-half RoPE expects, as rows of blocks or of numbers.
+has a kernel keeps its blocks (a QuantizedLinear), and so does the embedding table (a
+QuantizedEmbedding, whose lookups decode a step's rows; a tied head streams the same blocks);
+every other tensor is dequantized once, to the requested dtype, straight from the mapping. The
+blocks are repacked into memory of their own, so nothing refers to the mapping once the model
+is built: the reader is shared only while someone holds it, and then closed with its map.
+
+llama.cpp's converter stores the rows of a Llama model's attn_q and attn_k permuted (each
+head's rotary halves interleaved); they are put back in the order astrai's rotate-half RoPE
+expects, as rows of blocks or of numbers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import re
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +29,12 @@ from gguf.quants import dequantize as decode_blocks
 
 from astrai.config import ConfigError, ModelConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
-from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight, concat_columns
+from astrai.kernels.quant_ops import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    concat_columns,
+)
 from astrai.model.checkpoint import CheckpointError, WeightShard, loading, part_rows
 from astrai.model.families import config_from_gguf, gguf_architecture, gguf_family
 from astrai.model.families.gguf_config import LONGROPE_FACTORS, ROPE_FREQS
@@ -56,6 +69,9 @@ def load_gguf(
     tensors = {name: part for tensor in reader.tensors for name, part in _per_expert(tensor)}
     config = config_from_gguf(reader, path)
     family = gguf_family(gguf_architecture(reader))
+    # The tensors are views of the mapping; the parsed metadata (a vocabulary's hundreds of
+    # thousands of small arrays) goes now, before the model's objects are made among them.
+    del reader
     with torch.device("meta"):
         model = Transformer(config)
     # native name -> the GGUF tensors (name, torch-order shape) it concatenates
@@ -83,10 +99,13 @@ def load_gguf(
             rows = [_unpermuted(t, r, config) for t, r in zip(sources, rows, strict=True)]
         if in_blocks and name != "tok_embeddings.weight":
             replace_linear(model, name, functools.partial(_quantized_linear, sources, rows))
-        elif in_blocks:
+        elif in_blocks:  # the embedding table: its rows decoded as a step looks them up
             table = _quantized_linear(sources, rows)
-            state[name] = table.weight.dequantize(dtype)  # rows are looked up, not streamed
-            if config.tie_weight:  # the tied head streams the whole table: from its blocks
+            if shard is None:
+                model.tok_embeddings = QuantizedEmbedding(table.weight, dtype)
+            else:  # a rank's VocabParallelEmbedding looks up its share of the vocabulary
+                state[name] = table.weight.dequantize(dtype)
+            if config.tie_weight:  # the tied head streams the whole table: the same blocks
                 model.output = table
         else:
             loaded = [_tensor(r, dtype) for r in rows]
@@ -103,7 +122,17 @@ def load_gguf(
     model.load_state_dict(state, strict=True, assign=True)
     # Moves the rope buffer (built on CPU in fp32) to the device, keeping it fp32.
     model.to(device)
+    _release_freed_memory()
     return model.requires_grad_(False).eval()
+
+
+def _release_freed_memory() -> None:
+    """Hand the pages of the load's freed arrays back to the system. Decoding and packing the
+    blocks frees hundreds of temporaries between the blocks that stay; glibc keeps the pages
+    of those it placed in its heap (20 MB of SmolLM2's 98 MB file) until asked to trim."""
+    malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 def _per_expert(tensor) -> list[tuple[str, object]]:
@@ -222,15 +251,25 @@ def open_gguf(path: Path) -> GGUFReader:
     """A memory-mapped reader of path, or a CheckpointError if it is not a whole GGUF file or
     its layout lies (gguf_layout says how).
 
-    The model loader and the tokenizer both read the file: the last readers are kept, keyed by
-    the file's identity, so its metadata is parsed once.
+    Readers of the file that overlap (the model loader's and the tokenizer's, or a rank's
+    config and weights) share one, so its metadata is parsed once; none is kept beyond its
+    last holder, as its mapping and parsed arrays are memory the process would keep for
+    nothing.
     """
     stat = Path(path).stat()
-    return _reader(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+    key = (str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+    with _readers_lock:
+        reader = _readers.get(key)
+        if reader is None:
+            reader = _readers[key] = _reader(key[0])
+        return reader
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+_readers: weakref.WeakValueDictionary[tuple, GGUFReader] = weakref.WeakValueDictionary()
+_readers_lock = threading.Lock()
+
+
+def _reader(path: str) -> GGUFReader:
     try:
         check_gguf_layout(path)
         return _PlainArrayReader(path)
