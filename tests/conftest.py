@@ -42,7 +42,7 @@ from tiny_models import (  # noqa: E402
     write_tokenizer,
 )
 
-from astrai.kernels import linear_ops, quant_ops  # noqa: E402
+from astrai.kernels import linear_ops, native, quant_ops  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +53,14 @@ def untuned_linears(monkeypatch, tmp_path):
     monkeypatch.setattr(linear_ops, "_paths", {})
     monkeypatch.setattr(quant_ops, "_paths", {})
     monkeypatch.setenv("ASTRAI_CACHE_DIR", str(tmp_path / "astrai-cache"))
+    kernel = native.skinny_linear
+    if kernel is None:
+        yield
+        return
+    bf16_path, prefetch = kernel.bf16_path(), kernel.prefetch()
+    yield
+    kernel.set_bf16_path(bf16_path)
+    kernel.set_prefetch(prefetch)
 
 
 @pytest.fixture(scope="session")

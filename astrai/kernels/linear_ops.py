@@ -2,7 +2,9 @@
 
 - kernel: the skinny C kernel, for up to SKINNY_MAX_ROWS rows. A decode step multiplies a few
   rows by every weight, so it is bound by streaming the weights, which BLAS does badly at
-  small M; the kernel reads each weight once across all threads, and bf16 weights as bf16.
+  small M; the kernel reads each weight once across all threads, and bf16 weights as bf16. Its
+  bf16 products have CPU paths of their own (vec8; AVX-512 FMAs on widened W; vdpbf16ps) and
+  a prefetch distance, timed first.
 - gemm: PyTorch's GEMM in the tensors' own dtype (oneDNN/MKL).
 - upcast: for bf16, an fp32 GEMM on fp32 copies, which computes what a bf16 GEMM does (exact
   products, fp32 sums, one rounding) at fp32's rate where bf16 GEMMs are emulated.
@@ -36,6 +38,13 @@ SKINNY_MAX_ROWS = 64
 # long one's chunk (up to max_num_batched_tokens), as a path's cost per call (a quantized W's
 # decoding for a GEMM) weighs differently at each.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, SKINNY_MAX_ROWS, 256, 1024)
+# Rows of x a kernel's CPU paths are timed at: a decode step's one, and a speculative check's
+# few, where the paths part (at one row they all wait on memory, and any can win by noise).
+ISA_TIMED_ROWS = (1, 4)
+# How far ahead in W's stream a kernel's prefetch is timed at, in bytes, with the chosen CPU
+# path: the best distance depends on the machine's memory and prefetchers.
+PREFETCH_DISTANCES = (1024, 2048, 4096)
+DEFAULT_PREFETCH = 2048
 
 
 class LinearPath(StrEnum):
@@ -168,22 +177,33 @@ KERNEL_PREFERENCE = 1.1
 @torch.inference_mode()
 def tune_linears(weights: Sequence[Tensor]) -> dict[int, LinearPath]:
     """Time the paths on these weights (one model's linears, in order; once per machine, as
-    tuning_cache keeps the answer), use the fastest per row bucket for their dtype from now on,
-    and return them {bucket: path}."""
+    tuning_cache keeps the answer) -- for bf16 first the kernel's CPU path and prefetch
+    distance -- use the fastest per row bucket for their dtype from now on, and return them
+    {bucket: path}."""
     dtype = weights[0].dtype
     key = (dtype, tuple(tuple(w.shape) for w in weights))
     if dtype in native.KERNEL_DTYPES and key not in _timed and forced_path() is None:
         paths = tuning_cache.remembered("linear", dtype, key[1], lambda: _fastest_paths(weights))
+        if _times_bf16_paths(dtype):
+            bf16_path, distance, *paths = paths
+            native.skinny_linear.set_bf16_path(bf16_path)
+            native.skinny_linear.set_prefetch(int(distance))
         _timed[key] = [LinearPath(path) for path in paths]
     if key in _timed:
         _paths[dtype] = _timed[key]
     return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))
 
 
-def _fastest_paths(weights: Sequence[Tensor]) -> list[LinearPath]:
-    """The fastest path at each row bucket, timed on these weights."""
+def _times_bf16_paths(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and native.skinny_linear is not None
+
+
+def _fastest_paths(weights: Sequence[Tensor]) -> list:
+    """The fastest path at each row bucket, timed on these weights; for bf16 with the kernel
+    built, first the kernel's fastest CPU path and prefetch distance (_fastest_bf16_kernel)."""
     dtype = weights[0].dtype
     streamed = streamed_weights(weights, lambda w: w.numel() * w.element_size())
+    settings = _fastest_bf16_kernel(streamed) if _times_bf16_paths(dtype) else []
     paths = []
     for bucket in ROW_BUCKETS:
         sample = torch.empty(bucket, weights[0].shape[1], dtype=dtype)
@@ -199,7 +219,34 @@ def _fastest_paths(weights: Sequence[Tensor]) -> list[LinearPath]:
                 candidates.append(LinearPath.UPCAST)
         timings = {p: partial(_time_path, p, timed, bucket) for p in candidates}
         paths.append(fastest(timings, LinearPath.KERNEL))
-    return paths
+    return [*settings, *paths]
+
+
+def _fastest_bf16_kernel(weights: Sequence[Tensor]) -> list:
+    """[the kernel's fastest bf16 CPU path, its fastest prefetch distance], each timed on a
+    pass of ISA_TIMED_ROWS over the weights it takes, and set. vec8, the path every x86 CPU
+    runs, is kept unless another is KERNEL_PREFERENCE faster; the distance is timed only for
+    the AVX-512 paths, which prefetch."""
+    kernel = native.skinny_linear
+    taken = [w for w in weights if kernel_takes(w[:1], w, None)]
+
+    def kernel_on(path: str, distance: int, limit: float) -> float:
+        kernel.set_bf16_path(path)
+        kernel.set_prefetch(distance)
+        seconds = 0.0
+        for rows in ISA_TIMED_ROWS:
+            seconds += _time_path(LinearPath.KERNEL, taken, rows, limit - seconds)
+        return seconds
+
+    path, distance = "vec8", DEFAULT_PREFETCH
+    if taken:
+        timings = {p: partial(kernel_on, p, DEFAULT_PREFETCH) for p in kernel.bf16_paths()}
+        path = fastest(timings, "vec8")
+    if taken and path != "vec8":
+        distance = fastest({d: partial(kernel_on, path, d) for d in PREFETCH_DISTANCES}, distance)
+    kernel.set_bf16_path(path)
+    kernel.set_prefetch(distance)
+    return [path, distance]
 
 
 def streamed_weights(weights: Sequence, nbytes) -> list:

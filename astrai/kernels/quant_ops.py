@@ -47,6 +47,9 @@ from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
 from astrai.kernels.linear_ops import (
+    DEFAULT_PREFETCH,
+    ISA_TIMED_ROWS,
+    PREFETCH_DISTANCES,
     ROW_BUCKETS,
     SKINNY_MAX_ROWS,
     LinearPath,
@@ -99,14 +102,6 @@ class QuantizedWeight:
         return self._kept[dtype]
 
 
-# Rows of x the kernel's CPU paths are timed at: a decode step's one, and a speculative check's
-# few, where the paths part (at one row they all wait on memory, and AVX2 can win by noise).
-ISA_TIMED_ROWS = (1, 4)
-# How far beyond the end of the record it decodes (bytes of W's stream) the kernel's prefetch is
-# timed at, with the chosen CPU path at one row: the best distance depends on the machine's
-# memory and prefetchers.
-PREFETCH_DISTANCES = (1024, 2048, 4096)
-DEFAULT_PREFETCH = 2048
 # x dtype -> the path of each row bucket, set by tune_quant_linears()
 _paths: dict[torch.dtype, list[LinearPath]] = {}
 _timed: dict[tuple, list[LinearPath]] = {}

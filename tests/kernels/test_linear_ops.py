@@ -31,9 +31,25 @@ def forced_path(request, monkeypatch) -> LinearPath:
     return request.param
 
 
+BF16_PATHS = ("vec8", "avx512", "avx512bf16")
+
+
+@pytest.fixture(params=BF16_PATHS)
+def bf16_path(request) -> str:
+    """Run a test on each CPU path of the kernel's bf16 products, where this CPU runs it (the
+    suite's fixture restores the path after the test)."""
+    if native.skinny_linear is None:
+        pytest.skip("the C skinny-linear kernel was not built")
+    if request.param not in native.skinny_linear.bf16_paths():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    native.skinny_linear.set_bf16_path(request.param)
+    return request.param
+
+
 @requires_compiler
 def test_kernel_is_built_where_a_compiler_is():
     assert native.skinny_linear is not None, "pip install should have built it"
+    assert "vec8" in native.skinny_linear.bf16_paths()
 
 
 @needs_kernel
@@ -51,12 +67,15 @@ def test_skinny_kernel_matches_f_linear(rows, in_features, out_features, with_bi
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_skinny_rows_do_not_depend_on_the_batch_or_the_threads(dtype):
+def test_skinny_rows_do_not_depend_on_the_batch_or_the_threads(bf16_path, dtype):
     """Each output is one dot product summed in a fixed order, however the threads split W's
-    rows (into uneven parts here) and whatever other rows of x share the call."""
+    rows (into uneven parts here) and whatever other rows of x share the call, on every bf16
+    path (fp32 has one)."""
+    if dtype == torch.float32 and bf16_path != "vec8":
+        pytest.skip("fp32 products have one path")
     generator = torch.Generator().manual_seed(5)
-    x = torch.randn(9, 32, generator=generator).to(dtype)
-    weight = torch.randn(37, 32, generator=generator).to(dtype)
+    x = torch.randn(9, 48, generator=generator).to(dtype)
+    weight = torch.randn(37, 48, generator=generator).to(dtype)
     assert runs_skinny(x, weight)
     threads = torch.get_num_threads()
     try:
@@ -149,6 +168,47 @@ def test_fp32_and_bf16_products_match_f_linear_on_every_path(forced_path, dtype)
     )
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, SKINNY_MAX_ROWS])
+@pytest.mark.parametrize("in_features", [16, 64, 80, 576])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_kernel_paths_sum_in_fp32(bf16_path, rows, in_features, with_bias):
+    """Each bf16 path computes what a bf16 GEMM does, rows of 32 and a last run of 16 alike."""
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    weight = torch.randn(37, in_features, generator=generator).bfloat16()
+    bias = torch.randn(37, generator=generator).bfloat16() if with_bias else None
+    assert runs_skinny(x, weight, bias)
+    out = linear(x, weight, bias)
+    assert native.skinny_linear.bf16_path() == bf16_path
+    torch.testing.assert_close(out, bf16_product(x, weight, bias), rtol=8e-3, atol=1e-2)
+
+
+@needs_kernel
+def test_the_bf16_prefetch_distance_changes_no_result(bf16_path):
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 96, generator=generator).bfloat16()
+    weight = torch.randn(70, 96, generator=generator).bfloat16()
+    outs = []
+    for distance in (0, 64, 2048, 16384):
+        native.skinny_linear.set_prefetch(distance)
+        outs.append(linear(x, weight))
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    for bad in (-64, 100, 16384 + 64):
+        with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
+            native.skinny_linear.set_prefetch(bad)
+
+
+@needs_kernel
+def test_set_bf16_path_refuses_unknown_paths():
+    with pytest.raises(ValueError, match="no bf16 path avx1024"):
+        native.skinny_linear.set_bf16_path("avx1024")
+    missing = [name for name in BF16_PATHS if name not in native.skinny_linear.bf16_paths()]
+    if missing:
+        with pytest.raises(ValueError, match="cannot run"):
+            native.skinny_linear.set_bf16_path(missing[0])
+
+
 def test_a_forced_path_that_does_not_exist_is_refused(monkeypatch):
     monkeypatch.setenv("ASTRAI_LINEAR_PATH", "fastest")
     with pytest.raises(ValueError, match="ASTRAI_LINEAR_PATH='fastest': use one of kernel, gemm"):
@@ -205,6 +265,58 @@ def test_tuning_keeps_the_fastest_path_of_each_row_bucket(monkeypatch, dtype):
     linear_module._paths.clear()
     assert tune_linears(weights) == chosen
     assert timed == []
+
+
+# bf16 kernel path -> prefetch distance -> seconds a pass of ISA_TIMED_ROWS takes
+BF16_SECONDS = {
+    "vec8": {2048: 1.0},
+    "avx512": {1024: 0.5, 2048: 0.6, 4096: 0.7},
+    "avx512bf16": {1024: 0.8, 2048: 0.7, 4096: 0.4},
+}
+
+
+@needs_kernel
+def test_tuning_keeps_the_fastest_bf16_kernel_path_then_its_prefetch_distance(monkeypatch):
+    """The bf16 paths are timed at the default distance over ISA_TIMED_ROWS, on the weights the
+    kernel takes; then the winner's distances (avx512 at 2048, then 1024 here: avx512bf16's
+    4096 is never tried); both are set, and remembered."""
+    kernel = native.skinny_linear
+    paths = kernel.bf16_paths()
+    if "avx512" not in paths:
+        pytest.skip("this CPU runs no AVX-512 bf16 path: vec8 alone is not timed")
+    monkeypatch.setattr(linear_module, "_timed", {})
+    timed: list[tuple[str, int, int, int]] = []
+
+    def fake_time(path, weights, rows, limit):
+        if path is not KERNEL:
+            return 1.0
+        setting = (kernel.bf16_path(), kernel.prefetch())
+        timed.append((*setting, rows, len(weights)))
+        return BF16_SECONDS[setting[0]].get(setting[1], 9.0) / len(linear_module.ISA_TIMED_ROWS)
+
+    monkeypatch.setattr(linear_module, "_time_path", fake_time)
+    # the kernel takes rows of 16 bf16 at a time: the 24-wide weight is left out of its timing
+    weights = [torch.randn(32, 32).bfloat16() for _ in range(3)] + [torch.randn(8, 24).bfloat16()]
+    tune_linears(weights)
+    path_timings = 2 * len(paths) * len(linear_module.ISA_TIMED_ROWS)  # each twice, in turn
+    distance_timings = 2 * len(linear_module.PREFETCH_DISTANCES) * len(linear_module.ISA_TIMED_ROWS)
+    by_path, by_distance = timed[:path_timings], timed[path_timings:][:distance_timings]
+    default = linear_module.DEFAULT_PREFETCH
+    assert {(p, d) for p, d, _, _ in by_path} == {(p, default) for p in paths}
+    assert {(p, d) for p, d, _, _ in by_distance} == {
+        ("avx512", d) for d in linear_module.PREFETCH_DISTANCES
+    }
+    assert {rows for _, _, rows, _ in by_path + by_distance} == set(linear_module.ISA_TIMED_ROWS)
+    assert {n for _, _, _, n in by_path + by_distance} == {3}
+    assert (kernel.bf16_path(), kernel.prefetch()) == ("avx512", 1024)
+    # a new process reads both from the tuning cache
+    kernel.set_bf16_path("vec8")
+    kernel.set_prefetch(0)
+    linear_module._timed.clear()
+    timed.clear()
+    tune_linears(weights)
+    assert timed == []
+    assert (kernel.bf16_path(), kernel.prefetch()) == ("avx512", 1024)
 
 
 def test_tuning_leaves_the_callers_random_state_alone(monkeypatch):
