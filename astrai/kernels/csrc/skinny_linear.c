@@ -183,7 +183,8 @@ TARGET_AVX512 INLINE void tile_avx512(bf16 *out, const float *x, const bf16 *con
             if (k0 % 32 == 0) /* a cache line per two runs */
                 _mm_prefetch((const char *)(w[r] + k0) + prefetch_bytes, _MM_HINT_T0);
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + k0));
-            const __m512 wk = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);
+            const __m512 wk = _mm512_castsi512_ps(widened);
             for (int i = 0; i < n_x; i++) acc[i][r] = _mm512_fmadd_ps(xk[i], wk, acc[i][r]);
         }
     }
@@ -263,12 +264,14 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     /* x as each bf16 path reads it: vec8 fp32 in runs of evens and odds, avx512 fp32 in order,
      * avx512bf16 the bf16 rows as they are */
     float *x_fp32 = NULL;
-    if (is_bf16 && path != AVX512BF16 && (x_fp32 = malloc(sizeof(float) * rows * in_features)) == NULL)
+    const int widens_x = is_bf16 && path != AVX512BF16;
+    if (widens_x && (x_fp32 = malloc(sizeof(float) * rows * in_features)) == NULL)
         return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS;
     if (path == VEC8 && is_bf16) bf16_x_layout(x_fp32, (const bf16 *)x, rows * in_features);
     if (path == AVX512)
-        for (int64_t k = 0; k < rows * in_features; k++) x_fp32[k] = bf16_to_float(((const bf16 *)x)[k]);
+        for (int64_t k = 0; k < rows * in_features; k++)
+            x_fp32[k] = bf16_to_float(((const bf16 *)x)[k]);
     const float *x_rows = x_fp32 != NULL ? x_fp32 : (const float *)x;
 #pragma omp parallel
     {
