@@ -146,7 +146,7 @@ FP32_AND_BF16(row_block,
 
 /* How far ahead in each of its W rows an AVX-512 path prefetches, in bytes: at a few rows of x
  * the hardware prefetcher alone left the FMAs waiting on memory (twice the time at 4 rows on
- * the Zen 5 EPYC); linear_ops times a few distances at start (set_prefetch). */
+ * the AVX-512 EPYC, benchmarks/README.md); linear_ops times a few distances at start. */
 #define MAX_PREFETCH_BYTES 16384
 static int prefetch_bytes = 2048;
 
