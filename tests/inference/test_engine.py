@@ -47,9 +47,9 @@ def record_plans(monkeypatch):
     plans = []
     plan_step = scheduler_module.schedule
 
-    def recording(running, waiting, cache, config):
+    def recording(running, waiting, cache, config, speculator=None):
         before = [(t, t.num_tokens - t.num_computed, len(t.output_ids)) for t in running]
-        plan = plan_step(running, waiting, cache, config)
+        plan = plan_step(running, waiting, cache, config, speculator)
         plans.append((before, replace(plan, running=list(plan.running))))  # the loop edits it
         return plan
 
