@@ -42,7 +42,7 @@ print(json.dumps({kind: after[kind] - before[kind] for kind in before}))
 @pytest.mark.slow
 def test_loading_the_gguf_grows_the_process_by_about_the_files_size():
     """SmolLM2 Q4_1 (98 MB) grew the process by 104-105 MB anonymous + 6 MB file-mapped
-    (1.12x; its weights are 96.6 MB) on an AMD EPYC Zen 4; before the embedding stayed in its
+    (1.12x; its weights are 96.6 MB) on an AMD EPYC Zen 5; before the embedding stayed in its
     blocks and the reader was let go, by 372 + 179 MB."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     measured = subprocess.run(
