@@ -361,10 +361,11 @@ def test_codex_exec_runs_against_astrai_serve(tmp_path):
     home, work = tmp_path / "codex-home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
-    # Codex sends no temperature: the server's greedy default keeps the 135M model from
-    # sampling its way on to the end of its context, which Codex reports as incomplete.
+    # Codex sends no temperature: the server's greedy default, with a repetition penalty, keeps
+    # the 135M model from sampling or looping its way on to the end of its context, which Codex
+    # reports as incomplete (on another CPU kind, greedy tokens may part from this one's).
     flags = ["--model-name", "smollm2", "--max-seq-len", "8192", "--kv-cache-memory", "400000000"]
-    flags += ["--override-generation-config", '{"temperature": 0}']
+    flags += ["--override-generation-config", '{"temperature": 0, "repetition_penalty": 1.2}']
     with astrai_serve(real_gguf(), *flags, api_key="codex-key") as (process, base_url):
         (home / "config.toml").write_text(CODEX_CONFIG.format(base_url=base_url))
         result = subprocess.run(
