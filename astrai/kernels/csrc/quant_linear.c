@@ -347,7 +347,8 @@ static void group_scalar(const struct call *c, int64_t g) {
  * distance shorter than the record (Q6_K's is 3.3 KB) reached them too late. The distance that
  * does best depends on the machine: quant_ops times a few at start (set_prefetch) with the path
  * (benchmarks/README.md, "Prefetching W"). */
-static int prefetch_bytes = 2048;
+#define KERNEL_NAME "quant_linear"
+#include "prefetch.h"
 
 #if X86
 
@@ -1164,29 +1165,6 @@ static PyObject *set_isa(PyObject *module, PyObject *arg) {
         }
     return PyErr_Format(PyExc_ValueError, "quant_linear: no path %s (scalar, avx2, avx512vnni)",
                         name);
-}
-
-/* Bytes of W's stream the x86 paths prefetch beyond the record they decode: a multiple of 64 up
- * to 16 KB (0: the next record's own bytes only). */
-#define MAX_PREFETCH_BYTES 16384
-
-static PyObject *set_prefetch(PyObject *module, PyObject *arg) {
-    (void)module;
-    const long bytes = PyLong_AsLong(arg);
-    if (bytes == -1 && PyErr_Occurred()) return NULL;
-    if (bytes < 0 || bytes > MAX_PREFETCH_BYTES || bytes % 64 != 0)
-        return PyErr_Format(PyExc_ValueError,
-                            "quant_linear: prefetch distance %ld is not a multiple of 64 bytes in "
-                            "0..%d",
-                            bytes, MAX_PREFETCH_BYTES);
-    prefetch_bytes = (int)bytes;
-    Py_RETURN_NONE;
-}
-
-static PyObject *get_prefetch(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    return PyLong_FromLong(prefetch_bytes);
 }
 
 static PyObject *get_isa(PyObject *module, PyObject *unused) {

@@ -147,8 +147,8 @@ FP32_AND_BF16(row_block,
 /* How far ahead in each of its W rows an AVX-512 path prefetches, in bytes: at a few rows of x
  * the hardware prefetcher alone left the FMAs waiting on memory (twice the time at 4 rows on
  * the AVX-512 EPYC, benchmarks/README.md); linear_ops times a few distances at start. */
-#define MAX_PREFETCH_BYTES 16384
-static int prefetch_bytes = 2048;
+#define KERNEL_NAME "skinny_linear"
+#include "prefetch.h"
 
 #if X86
 /* The AVX-512 paths: W rows and x rows whose dot products run together, as in tile(): with 32
@@ -294,25 +294,6 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     Py_END_ALLOW_THREADS;
     free(x_fp32);
     Py_RETURN_NONE;
-}
-
-static PyObject *set_prefetch(PyObject *module, PyObject *arg) {
-    (void)module;
-    const long bytes = PyLong_AsLong(arg);
-    if (bytes == -1 && PyErr_Occurred()) return NULL;
-    if (bytes < 0 || bytes > MAX_PREFETCH_BYTES || bytes % 64 != 0)
-        return PyErr_Format(PyExc_ValueError,
-                            "skinny_linear: prefetch distance %ld is not a multiple of 64 bytes "
-                            "in 0..%d",
-                            bytes, MAX_PREFETCH_BYTES);
-    prefetch_bytes = (int)bytes;
-    Py_RETURN_NONE;
-}
-
-static PyObject *get_prefetch(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    return PyLong_FromLong(prefetch_bytes);
 }
 
 static PyObject *set_bf16_path(PyObject *module, PyObject *arg) {
