@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from astrai.distributed.executor import STOP_MESSAGE, TensorParallelExecutor
 from astrai.kernels.graph import launch
+from astrai.kernels.native import kernel_op
 from astrai.kernels.quant_ops import DEFAULT_ACTIVATION_PRECISION
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ JOIN_SECONDS = 10.0
 HEADER_SIZE = 5
 
 
-@torch.library.custom_op("astrai::all_reduce_sum", mutates_args=("x",))
+@kernel_op("all_reduce_sum", mutates_args=("x",))
 def all_reduce_sum(x: torch.Tensor) -> None:
     """Sum x across the default process group, in place: an astrai op, so that a step graph
     (astrai.kernels.graph) records it as the kernel call it is between two kernels."""

@@ -376,11 +376,6 @@ class ModelExecutor:
             graphs = cuda_graphs and adapters is None
             self.cuda_steps = CudaSteps(model, kv, max_batch_size, max_seq_len, graphs)
         if self.device.type == "cpu":
-            # Measured, not understood yet: with torch._dynamo imported, batch-1 decode of the
-            # 1B shape runs 54-59 tok/s on the Zen 5 EPYC, without it 43-47 (the model load no
-            # longer imports it; benchmarks/README.md).
-            import torch._dynamo  # noqa: F401
-
             dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
             if dense:
                 tune_linears(dense)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from astrai.kernels import native, triton_ops
 from astrai.kernels.graph import launch, new_output
+from astrai.kernels.native import kernel_op
 
 
 def _rows_kernel_takes(x: Tensor, weight: Tensor) -> bool:
@@ -46,26 +47,20 @@ def _rms_norm_into(
     )  # fmt: skip
 
 
-@torch.library.custom_op("astrai::rms_norm", mutates_args=())
+@kernel_op("rms_norm", fake=lambda x, weight, eps: torch.empty_like(x))
 def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     out = new_output(x.shape, x.dtype)
     _rms_norm_into(out, None, x, None, weight, eps)
     return out
 
 
-_rms_norm_op.register_fake(lambda x, weight, eps: torch.empty_like(x))
-
-
-@torch.library.custom_op("astrai::add_rms_norm", mutates_args=())
+@kernel_op("add_rms_norm", fake=lambda x, *_: (torch.empty_like(x), torch.empty_like(x)))
 def _add_rms_norm_op(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
     out, total = new_output(x.shape, x.dtype), new_output(x.shape, x.dtype)
     _rms_norm_into(out, total, x, residual, weight, eps)
     return out, total
-
-
-_add_rms_norm_op.register_fake(lambda x, *_: (torch.empty_like(x), torch.empty_like(x)))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -118,18 +113,14 @@ def _gated_fake(gate_up: Tensor) -> Tensor:
     return gate_up[..., : gate_up.shape[-1] // 2].clone()
 
 
-@torch.library.custom_op("astrai::silu_and_mul", mutates_args=())
+@kernel_op("silu_and_mul", fake=_gated_fake)
 def _silu_and_mul_op(gate_up: Tensor) -> Tensor:
     return _gated_mul(gate_up, gelu=False)
 
 
-@torch.library.custom_op("astrai::gelu_tanh_and_mul", mutates_args=())
+@kernel_op("gelu_tanh_and_mul", fake=_gated_fake)
 def _gelu_tanh_and_mul_op(gate_up: Tensor) -> Tensor:
     return _gated_mul(gate_up, gelu=True)
-
-
-_silu_and_mul_op.register_fake(_gated_fake)
-_gelu_tanh_and_mul_op.register_fake(_gated_fake)
 
 
 def _gate_up_kernel_takes(gate_up: Tensor) -> bool:
@@ -162,7 +153,7 @@ def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-@torch.library.custom_op("astrai::rope", mutates_args=())
+@kernel_op("rope", fake=lambda x, *_: torch.empty_like(x, memory_format=torch.contiguous_format))
 def _rope_op(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     num_tokens, heads, head_dim = x.shape
     out = new_output(x.shape, x.dtype)
@@ -172,9 +163,6 @@ def _rope_op(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
         head_dim, x.stride(0), x.dtype == torch.bfloat16,
     )  # fmt: skip
     return out
-
-
-_rope_op.register_fake(lambda x, *_: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

@@ -101,6 +101,13 @@ class _KernelsOnly(TorchDispatchMode):
     astrai's custom ops are kernel calls (what they do inside is not seen). An op that may
     alias its input (contiguous, reshape) counts as a view only if it did."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Otherwise TorchDispatchMode wraps __torch_dispatch__ to keep torch._dynamo out of it,
+        # and the wrapper imports torch._dynamo (about a second) on the first recording; no
+        # step is compiled while one is recorded.
+        return False
+
     def __init__(self):
         super().__init__()
         self.stray: list[str] = []

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
+from astrai.kernels.native import kernel_op
 
 SKINNY_MAX_ROWS = 64
 # Rows at which paths are timed; a product of r rows takes the path timed at the first bucket
@@ -125,16 +126,13 @@ def _run(path: LinearPath, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor 
         launch(_upcast_linear, out, x, weight, bias)
 
 
-@torch.library.custom_op("astrai::linear", mutates_args=())
+@kernel_op("linear", fake=lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
 def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     rows_shape = x.shape[:-1]
     x = x.view(-1, x.shape[-1])
     out = new_output((x.shape[0], weight.shape[0]), x.dtype)
     _run(choose_path(x, weight, bias), out, x, weight, bias)
     return out.view(*rows_shape, weight.shape[0])
-
-
-_linear_op.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -57,6 +57,7 @@ from astrai.kernels.linear_ops import (
     forced_path,
     streamed_weights,
 )
+from astrai.kernels.native import kernel_op
 from astrai.kernels.quant_blocks import BLOCK_TYPES, dense_weight, pack_blocks, packed_fields
 
 # Activation precision (int8x2, int8) -> the terms the kernel quantizes each row of x into.
@@ -197,7 +198,12 @@ def _run(
         launch(_dense_linear, out, x, packed, qtype, bias, dtype)
 
 
-@torch.library.custom_op("astrai::quant_linear", mutates_args=())
+@kernel_op(
+    "quant_linear",
+    fake=lambda x, packed, qtype, out_features, bias, terms: x.new_empty(
+        *x.shape[:-1], out_features
+    ),
+)
 def _quant_linear_op(
     x: Tensor, packed: Tensor, qtype: int, out_features: int, bias: Tensor | None, terms: int
 ) -> Tensor:
@@ -206,11 +212,6 @@ def _quant_linear_op(
     out = new_output((x.shape[0], out_features), x.dtype)
     _run(choose_path(x), out, x, packed, qtype, bias, terms)
     return out.view(*rows_shape, out_features)
-
-
-_quant_linear_op.register_fake(
-    lambda x, packed, qtype, out_features, bias, terms: x.new_empty(*x.shape[:-1], out_features)
-)
 
 
 def quant_linear(
@@ -249,7 +250,12 @@ class QuantizedLinear(nn.Module):
         return quant_linear(x, self.weight, self.bias, self.activation_precision)
 
 
-@torch.library.custom_op("astrai::quant_embedding", mutates_args=())
+@kernel_op(
+    "quant_embedding",
+    fake=lambda ids, packed, qtype, rows, dim, dtype: packed.new_empty(
+        *ids.shape, dim, dtype=dtype
+    ),
+)
 def _quant_embedding_op(
     ids: Tensor, packed: Tensor, qtype: int, rows: int, dim: int, dtype: torch.dtype
 ) -> Tensor:
@@ -260,11 +266,6 @@ def _quant_embedding_op(
         dim, qtype, dtype == torch.bfloat16,
     )  # fmt: skip
     return out.view(*ids.shape, dim)
-
-
-_quant_embedding_op.register_fake(
-    lambda ids, packed, qtype, rows, dim, dtype: packed.new_empty(*ids.shape, dim, dtype=dtype)
-)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -304,14 +305,11 @@ def _concat_into(out: Tensor, parts: list[Tensor], bias: Tensor | None) -> None:
         out.add_(bias)
 
 
-@torch.library.custom_op("astrai::concat_columns", mutates_args=())
+@kernel_op("concat_columns", fake=lambda parts, bias: torch.cat(parts, dim=-1))
 def _concat_columns_op(parts: list[Tensor], bias: Tensor | None) -> Tensor:
     out = new_output((*parts[0].shape[:-1], sum(p.shape[-1] for p in parts)), parts[0].dtype)
     launch(_concat_into, out, parts, bias)
     return out
-
-
-_concat_columns_op.register_fake(lambda parts, bias: torch.cat(parts, dim=-1))
 
 
 def concat_columns(parts: list[Tensor], bias: Tensor | None = None) -> Tensor:
