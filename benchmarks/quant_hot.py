@@ -8,6 +8,7 @@ extension into one process and times them in alternation, so that they share the
 
     python benchmarks/quant_hot.py                    # the built kernel
     python benchmarks/quant_hot.py --builds old.so,new.so --rows 1,2
+    python benchmarks/quant_hot.py --precision int8   # x in one int8 term (llama.cpp's)
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 from gguf import GGMLQuantizationType
 from quant_rows import random_weight
 
+from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native
+from astrai.kernels.quant_ops import ACTIVATION_TERMS
 
 
 def load_build(path: str):
@@ -44,6 +47,10 @@ def main() -> None:
     parser.add_argument("--in-features", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=40, help="alternations, the best kept")
     parser.add_argument("--threads", type=int, default=1, help="the kernel's OpenMP threads")
+    parser.add_argument(
+        "--precision", default=ACTIVATION_PRECISIONS[0], choices=ACTIVATION_PRECISIONS,
+        help="the activation precision x is quantized at (the default: astrai's)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime
     builds = [load_build(p) for p in args.builds.split(",")] if args.builds else []
@@ -51,7 +58,7 @@ def main() -> None:
     for build in builds:
         build.set_isa(args.isa)
     names = args.builds.split(",") if args.builds else ["built"]
-    shape_text = f"W {args.out_features} x {args.in_features}"
+    shape_text = f"W {args.out_features} x {args.in_features}, x at {args.precision}"
     print(f"path {args.isa}, {shape_text}, GB/s of W on {args.threads} thread(s)\n")
     print("| type | rows | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(builds))
@@ -62,13 +69,15 @@ def main() -> None:
         weight = random_weight(qtype, shape, rng)
         for rows in (int(r) for r in args.rows.split(",")):
             x, out = torch.randn(rows, shape[1]), torch.empty(rows, shape[0])
-            call = (out.data_ptr(), x.data_ptr(), weight.packed.data_ptr(), 0, rows, *shape[::-1])
+            packed = weight.packed
+            call = (out.data_ptr(), x.data_ptr(), packed.data_ptr(), packed.nbytes, 0, rows)
+            call += (*shape[::-1], int(qtype), False, ACTIVATION_TERMS[args.precision])
             best = [float("inf")] * len(builds)
             for _ in range(args.rounds):
                 for k, build in enumerate(builds):
                     started = time.perf_counter()
                     for _ in range(20):
-                        build.linear(*call, int(qtype), False)
+                        build.linear(*call)
                     best[k] = min(best[k], (time.perf_counter() - started) / 20)
             rates = " | ".join(f"{weight.nbytes() / b / 1e9:.2f}" for b in best)
             print(f"| {name} | {rows} | {rates} |", flush=True)

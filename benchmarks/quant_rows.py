@@ -10,6 +10,7 @@ weights of the same shapes, what the model would run without quantized weights.
 
     python benchmarks/quant_rows.py                          # Q4_1, Q8_0, Q4_K, Q6_K, Q4_0
     python benchmarks/quant_rows.py --types q4_1 --rows 1,2,3,4,5,6 --isa avx2
+    python benchmarks/quant_rows.py --precision int8   # x in one int8 term (llama.cpp's)
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from machine import read_bandwidth
 from workload import LLAMA_1B
 
+from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native
-from astrai.kernels.quant_ops import QuantizedWeight
+from astrai.kernels.quant_ops import ACTIVATION_TERMS, QuantizedWeight
 
 # where each type's fp16 scales lie in its GGUF block
 SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
@@ -57,7 +59,12 @@ def main() -> None:
     parser.add_argument("--isa", help="the kernel's CPU path (default: the widest)")
     parser.add_argument("--repeats", type=int, default=8, help="passes, the best kept")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--precision", default=ACTIVATION_PRECISIONS[0], choices=ACTIVATION_PRECISIONS,
+        help="the activation precision x is quantized at (the default: astrai's)",
+    )  # fmt: skip
     args = parser.parse_args()
+    terms = ACTIVATION_TERMS[args.precision]
     if native.quant_linear is None:
         raise SystemExit("the C quant-linear kernel is not built")
     torch.set_num_threads(args.threads)
@@ -66,7 +73,8 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(
         f"{args.layers} layers of the 1B shape, {args.threads} threads, path "
-        f"{native.quant_linear.isa()}, read bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB sum)\n"
+        f"{native.quant_linear.isa()}, x at {args.precision}, read bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (1 GiB sum)\n"
     )
     rows_timed = sorted({1, *(int(r) for r in args.rows.split(","))})
     shapes = layer_shapes(args.layers)
@@ -91,8 +99,8 @@ def main() -> None:
             outputs = [torch.empty(rows, w.shape[0]) for w in weights]
             calls = [
                 partial(native.quant_linear.linear, out.data_ptr(),
-                        inputs[w.shape[1]].data_ptr(), w.packed.data_ptr(), 0, rows, w.shape[1],
-                        w.shape[0], int(w.qtype), False)
+                        inputs[w.shape[1]].data_ptr(), w.packed.data_ptr(), w.packed.nbytes, 0,
+                        rows, w.shape[1], w.shape[0], int(w.qtype), False, terms)
                 for w, out in zip(weights, outputs, strict=True)
             ]  # fmt: skip
             best = best_pass(calls, args)
