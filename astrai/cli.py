@@ -575,6 +575,10 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
     dtype = load.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if config.tensor_parallel_size > 1 and load.mmproj:
+        raise ConfigError(
+            "--mmproj with --tensor-parallel-size: images run on one process only; leave one out"
+        )
     if config.tensor_parallel_size > 1:
         model = _load_sharded(load, config, model_dir, dtype, device)
     else:
@@ -584,6 +588,7 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
             device=device,
             dequantize=load.dequantize,
             quantization=load.quantization,
+            mmproj=load.mmproj,
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=load.chat_template)
     return model, tokenizer
@@ -753,6 +758,7 @@ def _refuse_for_several(args: argparse.Namespace, config: EngineConfig) -> None:
         "--model-name": args.model_name,
         "--revision": getattr(args, "revision", None),
         "--gguf-file": getattr(args, "gguf_file", None),
+        "--mmproj": getattr(args, "mmproj", None),
     }
     given = [flag for flag, value in per_model.items() if value]
     if config.tensor_parallel_size > 1:

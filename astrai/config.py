@@ -579,6 +579,12 @@ class LoadConfig:
     device: str = setting(
         "auto", "cpu, cuda or cuda:N; auto picks CUDA when present", metavar="DEVICE"
     )
+    mmproj: str | None = setting(
+        None,
+        "llama.cpp's vision projector file (mmproj .gguf) for a GGUF --model, as llama-server "
+        "takes it: the model then reads images (projector types: idefics3, i.e. SmolVLM)",
+        metavar="FILE",
+    )
     chat_template: str | None = setting(
         None,
         "a Jinja chat template (a file or its text) to use instead of the model's",

@@ -24,7 +24,7 @@ import pytest
 import torch
 from PIL import Image
 from serve_process import astrai_serve
-from tiny_models import add_snapshot, noise_image, write_hf_model
+from tiny_models import add_snapshot, noise_image, write_hf_model, write_idefics3_gguf
 
 import astrai
 from astrai.cli import (
@@ -80,11 +80,16 @@ def test_generate_streams_the_engines_greedy_text(llama_dir, engine):
     assert "demo model" not in run.stderr
 
 
-@pytest.mark.parametrize("vlm", ["llava_dir", "smolvlm_dir"])
+@pytest.mark.parametrize("vlm", ["llava_dir", "smolvlm_dir", "smolvlm as GGUF and mmproj"])
 def test_generate_with_images_answers_as_the_engine(vlm, llama_dir, tmp_path, request):
     """The KV pool the command sizes holds the prompt with every image expanded (SmolVLM's into
-    tiles and their layout text)."""
-    vlm_dir = request.getfixturevalue(vlm)
+    tiles and their layout text). SmolVLM converted as llama.cpp ships it, a language model
+    GGUF file and an mmproj file (--mmproj), answers as its checkpoint does."""
+    vlm_dir = request.getfixturevalue(vlm.split()[0] + "_dir" if " " in vlm else vlm)
+    model_flags = ["--model", str(vlm_dir)]
+    if " " in vlm:
+        language_model, mmproj = write_idefics3_gguf(tmp_path / "gguf", vlm_dir)
+        model_flags = ["--model", str(language_model), "--mmproj", str(mmproj)]
     files = [tmp_path / "a.png", tmp_path / "b.jpg"]
     for seed, file in enumerate(files):
         noise_image(seed).save(file)
@@ -98,7 +103,7 @@ def test_generate_with_images_answers_as_the_engine(vlm, llama_dir, tmp_path, re
     with InferenceEngine(model, AutoTokenizer.from_pretrained(vlm_dir)) as engine:
         expected = engine.generate(request)
     images_flags = [flag for file in files for flag in ("--image", str(file))]
-    run = astrai_cli("generate", "--model", str(vlm_dir), *GREEDY, *images_flags, "Hello")
+    run = astrai_cli("generate", *model_flags, *GREEDY, *images_flags, "Hello")
     assert run.returncode == 0, run.stderr
     assert run.stdout == expected + "\n"
     text_only = astrai_cli("generate", "--model", str(llama_dir), *GREEDY, *images_flags, "Hi")

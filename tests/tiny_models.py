@@ -308,18 +308,25 @@ def write_gguf(
 
 def _add_gguf_tokenizer(writer, hf_dir: Path) -> None:
     """The byte-level BPE tokenizer of hf_dir (write_tokenizer's) as GGUF metadata: its end of
-    turn is <|im_end|>, which the directory's generation_config.json stops at besides </s>."""
+    turn is <|im_end|>, which the directory's generation_config.json stops at besides </s>.
+    Ids up to config.json's vocab_size that name no token are [PAD<id>] tokens of type unused,
+    as llama.cpp's converter pads them."""
     backend = json.loads((hf_dir / "tokenizer.json").read_text())
     config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = backend["model"]["vocab"]
     for added in backend["added_tokens"]:
         vocab[added["content"]] = added["id"]
+    vocab_size = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    named = set(vocab.values())
+    vocab.update({f"[PAD{i}]": i for i in range(vocab_size) if i not in named})
     tokens = sorted(vocab, key=vocab.get)
     special = {added["content"] for added in backend["added_tokens"] if added["special"]}
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if token in special else 1 for token in tokens])
+    writer.add_token_types(
+        [3 if token in special else 5 if vocab[token] not in named else 1 for token in tokens]
+    )
     merges = backend["model"]["merges"]
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_bos_token_id(vocab[config["bos_token"]])
@@ -552,6 +559,83 @@ def write_idefics3_model(
         do_image_splitting=split,
     ).save_pretrained(directory)
     return directory
+
+
+def write_idefics3_gguf(directory: Path, checkpoint: Path) -> tuple[Path, Path]:
+    """(language model .gguf, mmproj .gguf) of a SmolVLM checkpoint (write_idefics3_model's)
+    as llama.cpp ships such models: the Llama language model with the tokenizer, and the
+    vision tower and connector in an mmproj file whose metadata and tensor names are those
+    llama.cpp's convert_hf_to_gguf.py --mmproj writes (checked against its output once)."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    hf = json.loads((checkpoint / "config.json").read_text())
+    tensors = load_file(checkpoint / "model.safetensors")
+    text_dir = directory / "text"
+    text_dir.mkdir(parents=True)
+    config = {**hf["text_config"], "architectures": ["LlamaForCausalLM"]}
+    (text_dir / "config.json").write_text(json.dumps(config))
+    text = {
+        name.replace("model.text_model.", "model."): tensor
+        for name, tensor in tensors.items()
+        if name.startswith("model.text_model.") or name == "lm_head.weight"
+    }
+    save_file(text, text_dir / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(checkpoint / name, text_dir / name)
+    language_model = write_gguf(directory / "model.gguf", text_dir, "llama", tokenizer=True)
+
+    vision, processor = (
+        hf["vision_config"],
+        json.loads((checkpoint / "preprocessor_config.json").read_text()),
+    )
+    mmproj = directory / "mmproj-model.gguf"
+    writer = gguf.GGUFWriter(mmproj, "clip")
+    writer.add_type("mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    for key, value in {
+        "projection_dim": hf["text_config"]["hidden_size"],
+        "image_size": vision["image_size"],
+        "patch_size": vision["patch_size"],
+        "embedding_length": vision["hidden_size"],
+        "feed_forward_length": vision["intermediate_size"],
+        "block_count": vision["num_hidden_layers"],
+        "attention.head_count": vision["num_attention_heads"],
+        "projector.scale_factor": hf["scale_factor"],
+        "preproc_image_size": processor["size"]["longest_edge"],
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_array("clip.vision.image_mean", processor["image_mean"])
+    writer.add_array("clip.vision.image_std", processor["image_std"])
+    writer.add_string("clip.projector_type", "idefics3")
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    writer.add_bool("clip.use_gelu", True)
+    layer_names = {
+        "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.out_proj": "attn_out",
+    }  # fmt: skip
+    names = {
+        "model.connector.modality_projection.proj": "mm.model.fc",
+        "model.vision_model.embeddings.patch_embedding": "v.patch_embd",
+        "model.vision_model.embeddings.position_embedding": "v.position_embd",
+        "model.vision_model.post_layernorm": "v.post_ln",
+    }
+    for name, tensor in tensors.items():
+        module, kind = name.rsplit(".", 1)
+        layer = re.fullmatch(r"model\.vision_model\.encoder\.layers\.(\d+)\.(.+)", module)
+        if layer is not None:
+            writer.add_tensor(f"v.blk.{layer[1]}.{layer_names[layer[2]]}.{kind}", tensor.numpy())
+        elif module in names:
+            writer.add_tensor(f"{names[module]}.{kind}", np.ascontiguousarray(tensor.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return language_model, mmproj
 
 
 def noise_image(seed: int, size: tuple[int, int] = (40, 32), mode: str = "RGB"):

@@ -14,6 +14,7 @@ from astrai.config import ConfigError
 from astrai.model.checkpoint import WeightShard
 from astrai.model.transformer import Transformer
 from astrai.model.weights.gguf import load_gguf
+from astrai.model.weights.mmproj import load_mmproj
 from astrai.model.weights.quantize import quantization_type
 from astrai.model.weights.safetensors import load_safetensors
 
@@ -49,6 +50,7 @@ class AutoModel:
         dequantize: bool = False,
         quantization: str | None = None,
         shard: WeightShard | None = None,
+        mmproj: str | Path | None = None,
     ) -> Transformer:
         """Build the Transformer of a native or Hugging Face directory, or of a .gguf file,
         and load its weights.
@@ -60,6 +62,8 @@ class AutoModel:
         blocks ("q8_0", "q4_0", "q4_1" or "q5_0"), for the CPU's quantized kernels, if it is
         given.
         With shard, only that tensor-parallel rank's share of each tensor is read.
+        mmproj: llama.cpp's vision projector file for a GGUF language model, whose images
+        the model then reads (astrai.model.weights.mmproj).
         """
         directory = Path(path)
         dtype = resolve_dtype(dtype)
@@ -67,10 +71,14 @@ class AutoModel:
         qtype = None if quantization is None else quantization_type(quantization)
         gguf_file = directory.suffix == ".gguf" and directory.is_file()
         _check_quantization(quantization, dequantize, device, gguf_file)
+        _check_mmproj(mmproj, gguf_file, shard)
         check_device(device, dtype)
-        if gguf_file:
-            return load_gguf(directory, dtype, device, dequantize, shard)
-        return load_safetensors(directory, dtype, device, qtype, shard)
+        if not gguf_file:
+            return load_safetensors(directory, dtype, device, qtype, shard)
+        model = load_gguf(directory, dtype, device, dequantize, shard)
+        if mmproj is not None:
+            model.vision = load_mmproj(Path(mmproj), directory, model.config.dim, dtype, device)
+        return model
 
 
 def check_device(device: torch.device, dtype: torch.dtype) -> None:
@@ -102,6 +110,24 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
             f"{name} cannot compute in bfloat16 (it needs compute capability 8.0); "
             "use --dtype float16 or float32"
         )
+
+
+def _check_mmproj(mmproj: str | Path | None, gguf_file: bool, shard: WeightShard | None) -> None:
+    """Refuse a vision projector file where it cannot apply."""
+    if mmproj is None:
+        return
+    if not gguf_file:
+        raise ConfigError(
+            f"mmproj={str(mmproj)!r} goes with a GGUF language model; a Hugging Face "
+            "vision-language checkpoint directory holds its own vision tower"
+        )
+    if shard is not None:
+        raise ConfigError(
+            f"mmproj={str(mmproj)!r} with tensor parallelism: images run on one process only; "
+            "leave out --tensor-parallel-size"
+        )
+    if not Path(mmproj).is_file():
+        raise ConfigError(f"mmproj file {str(mmproj)!r} does not exist")
 
 
 def _check_quantization(

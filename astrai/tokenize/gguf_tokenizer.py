@@ -41,6 +41,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _CONTROL = 3
 _USER_DEFINED = 4
+_UNUSED = 5
 
 # The special tokens a chat template sees, by the metadata key of their id.
 _SPECIAL_TOKEN_KEYS = {
@@ -188,9 +189,15 @@ def _read_metadata(path: Path) -> dict[str, Any]:
 
 def _byte_level_vocab(tokens: list[str], token_types: list[int]) -> dict[str, int]:
     """Token -> id. Normal tokens are spelled in GPT-2's byte alphabet; one that is not (a file
-    written with raw text) is respelled, as transformers does. Control tokens keep their text."""
+    written with raw text) is respelled, as transformers does. Control tokens keep their text.
+
+    Unused tokens are left out: llama.cpp's converter pads a vocabulary to the embedding's rows
+    with [PAD<id>] tokens of that type, which llama.cpp decodes to nothing, as transformers
+    decodes an id its tokenizer lacks."""
     vocab = {}
     for token_id, (token, kind) in enumerate(zip(tokens, token_types, strict=True)):
+        if kind == _UNUSED:
+            continue
         if kind not in (_CONTROL, _USER_DEFINED) and not all(c in BYTE_DECODER for c in token):
             token = "".join(_BYTE_ENCODER[byte] for byte in token.encode("utf-8"))
         vocab[token] = token_id

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_engine, noise_image, run_ids
+from tiny_models import make_engine, noise_image, run_ids, write_idefics3_gguf
 
 from astrai.inference import GenerationParams
 from astrai.model import AutoModel
@@ -37,10 +37,9 @@ def vlm(checkpoint):
     return AutoModel.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
 
 
-@pytest.fixture(scope="module")
-def cases(checkpoint, vlm):
-    """(text, images) prompts, as token ids and images, and transformers' greedy output of
-    each, its prompt made by transformers' own processor."""
+def transformers_greedy(checkpoint, tokens_per_image: int) -> list[list[int]]:
+    """transformers' greedy output of each of TEXTS, its prompt made by transformers' own
+    processor."""
     import transformers
 
     model_type = json.loads((checkpoint / "config.json").read_text())["model_type"]
@@ -49,7 +48,7 @@ def cases(checkpoint, vlm):
     processor = transformers.Idefics3Processor(
         getattr(transformers, f"{name}ImageProcessorPil").from_pretrained(checkpoint),
         transformers.AutoTokenizer.from_pretrained(checkpoint),
-        image_seq_len=vlm[0].vision.tokens_per_image,
+        image_seq_len=tokens_per_image,
     )
     expected = []
     for text, images in TEXTS:
@@ -61,8 +60,15 @@ def cases(checkpoint, vlm):
         expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
     # A different image changes the output: the tests below would notice one left out.
     assert expected[0] != expected[2]
+    return expected
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoint, vlm):
+    """(text, images) prompts, as token ids and images, and transformers' greedy output of
+    each."""
     prompts = [(vlm[1].encode(text), images) for text, images in TEXTS]
-    return prompts, expected
+    return prompts, transformers_greedy(checkpoint, vlm[0].vision.tokens_per_image)
 
 
 def outputs(engine, prompts) -> list[list[int]]:
@@ -122,3 +128,16 @@ def test_preempted_requests_recompute_with_their_tiles(vlm, cases):
         preemptions = engine.get_stats().preemptions
     assert preemptions > 0
     assert results == expected
+
+
+def test_a_gguf_language_model_with_its_mmproj_file_equals_transformers(smolvlm_dir, tmp_path):
+    """SmolVLM as llama.cpp ships it: the language model's GGUF file and the vision tower's
+    mmproj file (write_idefics3_gguf), loaded with mmproj=. An mmproj file keeps no splitting
+    flag: its images are split into tiles, as SmolVLM's (and transformers' default) are."""
+    language_model, mmproj = write_idefics3_gguf(tmp_path, smolvlm_dir)
+    model = AutoModel.from_pretrained(language_model, mmproj=mmproj)
+    tokenizer = AutoTokenizer.from_pretrained(language_model)
+    prompts = [(tokenizer.encode(text), images) for text, images in TEXTS]
+    with make_engine(model, tokenizer) as engine:
+        results = outputs(engine, prompts)
+    assert results == transformers_greedy(smolvlm_dir, model.vision.tokens_per_image)

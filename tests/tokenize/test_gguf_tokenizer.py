@@ -158,13 +158,14 @@ def test_other_pre_tokenizers_split_as_transformers(tmp_path, smollm2_vocabulary
 
 
 def _write_gguf(path: Path, model: str, pre: str | None = "gpt2", eot: int | None = None) -> Path:
-    """A GGUF file holding only a tiny tokenizer: a, b, c, the merge "a b", and control tokens."""
+    """A GGUF file holding only a tiny tokenizer: a, b, c, the merge "a b", control tokens, and
+    a [PAD7] as llama.cpp's converter pads a vocabulary to the embedding's rows."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model(model)
     if pre is not None:
         writer.add_tokenizer_pre(pre)
-    writer.add_token_list(["a", "b", "c", "ab", "<s>", "</s>", "<|eot|>"])
-    writer.add_token_types([1, 1, 1, 1, 3, 3, 3])
+    writer.add_token_list(["a", "b", "c", "ab", "<s>", "</s>", "<|eot|>", "[PAD7]"])
+    writer.add_token_types([1, 1, 1, 1, 3, 3, 3, 5])
     writer.add_token_merges(["a b"])
     writer.add_bos_token_id(4)
     writer.add_eos_token_id(5)
@@ -184,6 +185,14 @@ def test_small_file_bpe_bos_and_end_of_turn(tmp_path):
     assert tok.encode("abc", add_special_tokens=False) == [3, 2]
     assert tok.decode([4, 3, 2, 6]) == "abc"
     assert tok.stop_token_ids == {5, 6}
+
+
+def test_a_padding_token_decodes_to_nothing(tmp_path):
+    """As llama.cpp does with unused tokens, and transformers with ids it has no token for: a
+    sampled padding id prints nothing, and its text is not read as it."""
+    tok = AutoTokenizer.from_pretrained(_write_gguf(tmp_path / "tiny.gguf", "gpt2"))
+    assert tok.decode([3, 7, 2]) == "abc"
+    assert 7 not in tok.encode("[PAD7]")
 
 
 def test_unknown_pre_tokenizer_names_the_known_ones(tmp_path):
