@@ -575,6 +575,9 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
     dtype = load.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    # A GGUF file's readers are shared while one is held: holding one across both loads parses
+    # its metadata (a vocabulary of tens of thousands of tokens, 0.5 s) once, not twice.
+    held_reader = _gguf_reader(model_dir)
     if config.tensor_parallel_size > 1:
         model = _load_sharded(load, config, model_dir, dtype, device)
     else:
@@ -586,7 +589,17 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
             quantization=load.quantization,
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=load.chat_template)
+    del held_reader
     return model, tokenizer
+
+
+def _gguf_reader(path: Path):
+    """The shared reader of a .gguf file (None for a directory)."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    from astrai.model.weights.gguf import open_gguf
+
+    return open_gguf(path)
 
 
 def _device(load: LoadConfig) -> str:
