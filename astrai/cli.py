@@ -579,6 +579,9 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
         raise ConfigError(
             "--mmproj with --tensor-parallel-size: images run on one process only; leave one out"
         )
+    # A GGUF file's readers are shared while one is held: holding one across both loads parses
+    # its metadata (a vocabulary of tens of thousands of tokens, 0.5 s) once, not twice.
+    held_reader = _gguf_reader(model_dir)
     if config.tensor_parallel_size > 1:
         model = _load_sharded(load, config, model_dir, dtype, device)
     else:
@@ -591,7 +594,17 @@ def _load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
             mmproj=load.mmproj,
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, chat_template=load.chat_template)
+    del held_reader
     return model, tokenizer
+
+
+def _gguf_reader(path: Path):
+    """The shared reader of a .gguf file (None for a directory)."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    from astrai.model.weights.gguf import open_gguf
+
+    return open_gguf(path)
 
 
 def _device(load: LoadConfig) -> str:

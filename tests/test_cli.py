@@ -24,7 +24,7 @@ import pytest
 import torch
 from PIL import Image
 from serve_process import astrai_serve
-from tiny_models import add_snapshot, noise_image, write_hf_model, write_idefics3_gguf
+from tiny_models import add_snapshot, noise_image, write_gguf, write_hf_model, write_idefics3_gguf
 
 import astrai
 from astrai.cli import (
@@ -40,6 +40,7 @@ from astrai.inference import GenerationParams, GenerationRequest, InferenceEngin
 from astrai.inference.constraints import Constraint
 from astrai.inference.task import ThinkingBudget
 from astrai.model import AutoModel
+from astrai.model.weights import gguf as gguf_weights
 from astrai.tokenize import AutoTokenizer
 
 REPO_ROOT = Path(astrai.__file__).resolve().parent.parent
@@ -287,6 +288,63 @@ def test_help_does_not_import_torch(torch_blocked, command):
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"usage: astrai {' '.join(command)}".rstrip())
     assert "--model" in run.stdout or not command
+
+
+# Modules that cost a start 0.1-1 s each and that generating text needs none of: the reference
+# library, the compiler stack (torch._dynamo brings sympy and triton), the web server.
+HEAVY_MODULES = ("transformers", "torch._dynamo", "sympy", "triton", "fastapi", "uvicorn")
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory) -> Path:
+    """A tiny llama as a GGUF file with its tokenizer (whose 400 tokens are its vocabulary)."""
+    root = tmp_path_factory.mktemp("gguf")
+    hf_dir = write_hf_model(root / "llama", "llama", vocab_size=400)
+    return write_gguf(root / "tiny.gguf", hf_dir, "llama", tokenizer=True)
+
+
+@pytest.mark.parametrize("source", ["gguf", "checkpoint", "checkpoint --quantization q8_0"])
+def test_generate_imports_no_heavy_module(source, llama_gguf, llama_dir):
+    """Nor on an op's first call: astrai's ops are not torch.library.custom_ops, whose wrapper
+    imports torch._dynamo then, on the dense and the quantized kernels alike."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONPROFILEIMPORTTIME": "1"}
+    env.pop("TRITON_INTERPRET", None)  # the tests' own setting, which imports triton on purpose
+    model = str(llama_gguf if source == "gguf" else llama_dir)
+    args = ["generate", "--model", model, *source.split()[1:], *SMALL_ENGINE, *GREEDY, "Hello"]
+    run = subprocess.run(
+        [sys.executable, "-m", "astrai", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip()
+    imported = {
+        line.rpartition("|")[2].strip()
+        for line in run.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "torch" in imported  # what the importtime lines are read right
+    assert sorted(imported & set(HEAVY_MODULES)) == []
+
+
+def test_generate_parses_a_gguf_files_metadata_once(llama_gguf, monkeypatch, capsys):
+    """The model and the tokenizer both read the file's metadata; a vocabulary of tens of
+    thousands of tokens takes the gguf package half a second to parse."""
+    parses = []
+
+    class CountedReader(gguf_weights._PlainArrayReader):
+        def __init__(self, path, *args, **kwargs):
+            parses.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_weights, "_PlainArrayReader", CountedReader)
+    args = ["generate", "--model", str(llama_gguf), *SMALL_ENGINE, *GREEDY, "Hello"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip()
+    assert parses == [str(llama_gguf.resolve())]
 
 
 def test_a_busy_port_fails_before_the_model_loads(torch_blocked):

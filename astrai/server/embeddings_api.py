@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from astrai.server.errors import APIError
 from astrai.server.fields import refuse_unsupported
 from astrai.server.generation import GenerationService
-from astrai.server.ollama_api import JSONBodyRoute, check_keep_alive, ollama_name
+from astrai.server.ollama_api import JSONBodyRoute, keep_alive_seconds, ollama_name
 from astrai.server.protocol import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
 from astrai.server.registry import model_service
 
@@ -149,9 +149,8 @@ async def _ollama_prompts(
 async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
     started = time.perf_counter()
     model = ollama_name(body.model)
-    service = await model_service(request, model)
+    service = await model_service(request, model, keep_alive_seconds(body.keep_alive))
     ready = max(started, service.ready)
-    check_keep_alive(body.keep_alive)
     limit = _context_length(service, body.options)
     texts = [body.input] if isinstance(body.input, str) else body.input
     texts = [text for text in texts if text]  # Ollama embeds no empty text
@@ -171,8 +170,7 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict:
 @ollama_router.post("/api/embeddings")
 async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> dict:
     model = ollama_name(body.model)
-    service = await model_service(request, model)
-    check_keep_alive(body.keep_alive)
+    service = await model_service(request, model, keep_alive_seconds(body.keep_alive))
     limit = _context_length(service, body.options)
     if not body.prompt:
         return {"embedding": []}

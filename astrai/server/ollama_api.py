@@ -2,15 +2,16 @@
 or one object), the model list and its facts, the running model, the version.
 
 Ollama's clients (its Python and JavaScript libraries, Open WebUI, editors' local-model modes)
-find a served model under its name or name:latest. A model stays loaded until --idle-unload
-or --max-loaded-models unloads it, which is what a negative keep_alive asks; a request cannot
-set its own time.
+find a served model under its name or name:latest. A request's keep_alive says how long its
+model stays loaded after it, as Ollama's does (0: unloaded once answered; negative: for ever; left
+out: --idle-unload); a server of one model keeps it loaded, and refuses a time (a 400).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -68,6 +69,8 @@ NEVER = "9999-12-31T23:59:59Z"
 _DURATION = re.compile(
     r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|ms|s|m|h))+|[+-]?(?:\d+\.?\d*|\.\d+)"
 )
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
 
 
 def _now() -> str:
@@ -82,28 +85,27 @@ def ollama_name(name: str | None) -> str | None:
     return name
 
 
-def check_keep_alive(keep_alive: float | str | None) -> None:
-    """A negative keep_alive keeps the model loaded until the server unloads it, as astrai serve
-    does; any other asks to unload it after a time of the request's own, which astrai cannot: a
-    400."""
+def keep_alive_seconds(keep_alive: float | str | None) -> float | None:
+    """The seconds a keep_alive keeps its model loaded after the request: math.inf for a
+    negative one (for ever), None for none given (the server's --idle-unload)."""
     if keep_alive is None:
-        return
-    if isinstance(keep_alive, str) and not _DURATION.fullmatch(keep_alive):
-        raise APIError(
-            400,
-            f"keep_alive {keep_alive!r} is no duration; send seconds or text such as '5m'",
-            param="keep_alive",
-        )
-    text = str(keep_alive)
-    if text.startswith("-") and any(ch in "123456789" for ch in text):
-        return
-    raise APIError(
-        400,
-        f"keep_alive {keep_alive!r} asks to unload the model after that long, but astrai serve "
-        "unloads models only as --idle-unload and --max-loaded-models say; leave keep_alive out "
-        "or send -1",
-        param="keep_alive",
-    )
+        return None
+    if isinstance(keep_alive, str):
+        if not _DURATION.fullmatch(keep_alive):
+            raise APIError(
+                400,
+                f"keep_alive {keep_alive!r} is no duration; send seconds or text such as '5m'",
+                param="keep_alive",
+            )
+        parts = _DURATION_PART.findall(keep_alive)
+        seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+        if not parts:
+            seconds = abs(float(keep_alive))
+        if keep_alive.startswith("-"):
+            seconds = -seconds
+    else:
+        seconds = float(keep_alive)
+    return math.inf if seconds < 0 else seconds
 
 
 def _thinking(service: GenerationService, think: bool | str | None) -> dict | None:
@@ -353,23 +355,28 @@ async def _records(
             )
 
 
-def _loaded(head: dict, body: dict) -> dict:
-    """The answer to a request without a prompt, which only asks for the model to be loaded."""
-    return {**head, "created_at": _now(), **body, "done": True, "done_reason": "load"}
+def _loaded(head: dict, body: dict, reason: str = "load") -> dict:
+    """The answer to a request without a prompt, which only asks for the model to be loaded (or
+    unloaded: reason "unload")."""
+    return {**head, "created_at": _now(), **body, "done": True, "done_reason": reason}
 
 
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: Request):
     received = time.perf_counter()
     model = ollama_name(body.model)
-    service = await model_service(request, model)
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    head = {"model": body.model}
+    empty = {"message": {"role": "assistant", "content": ""}}
+    if keep_alive == 0 and not body.messages:
+        await request.app.state.models.unload(model)
+        return _loaded(head, empty, "unload")
+    service = await model_service(request, model, keep_alive)
     arrival = _Arrival(received, max(received, service.ready))
     refuse_unsupported(body)
-    check_keep_alive(body.keep_alive)
-    head = {"model": body.model}
     template_kwargs = _thinking(service, body.think)
     if not body.messages:
-        return _loaded(head, {"message": {"role": "assistant", "content": ""}})
+        return _loaded(head, empty)
     functions = [tool.function.model_dump(exclude_none=True) for tool in body.tools or ()]
     tools = service.tool_use(functions, ToolChoice("auto"))
     prompt = await service.chat_prompt(
@@ -445,11 +452,14 @@ async def _generate_prompt(
 async def generate(body: OllamaGenerateRequest, request: Request):
     received = time.perf_counter()
     model = ollama_name(body.model)
-    service = await model_service(request, model)
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    head = {"model": body.model}
+    if keep_alive == 0 and not body.prompt:
+        await request.app.state.models.unload(model)
+        return _loaded(head, {"response": ""}, "unload")
+    service = await model_service(request, model, keep_alive)
     arrival = _Arrival(received, max(received, service.ready))
     refuse_unsupported(body)
-    check_keep_alive(body.keep_alive)
-    head = {"model": body.model}
     template_kwargs = _thinking(service, body.think)
     if not body.prompt:
         return _loaded(head, {"response": ""})
@@ -534,17 +544,18 @@ async def tags(request: Request) -> dict:
 
 @router.get("/api/ps")
 async def running(request: Request) -> dict:
-    """The loaded models, each to be unloaded --idle-unload seconds after its last use (or
-    never)."""
+    """The loaded models, each to be unloaded its keep_alive (or --idle-unload) seconds after
+    its last use, or never."""
     models: ModelRegistry = request.app.state.models
     entries = []
     for model in models.loaded():
         engine = model.service.engine
         on_gpu = next(engine.model.parameters()).device.type != "cpu"
         expires_at = NEVER
-        if models.idle_unload is not None and model.load is not None:
+        idle_seconds = models.idle_seconds(model)
+        if idle_seconds is not None:
             idle = 0.0 if model.leases else time.monotonic() - model.last_used
-            expires_at = _timestamp(time.time() + models.idle_unload - idle)
+            expires_at = _timestamp(time.time() + idle_seconds - idle)
         for name in _served(model):
             entry = _model_entry(model, name)
             entries.append(

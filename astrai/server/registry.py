@@ -5,8 +5,10 @@ A request's model field picks its model through model_service, which every route
 that is not loaded is loaded in a worker thread while the event loop goes on serving; requests
 for a model that is loading wait for it. At most max_loaded models are loaded at once: a load
 past that unloads the least recently used model that no request is using, or waits until one is
-free. A model unused for idle_unload seconds is unloaded. Unloading closes the engine and drops
-every reference to it, so its memory goes back to the system.
+free. A model unused for idle_unload seconds is unloaded, or for as long as its last request's
+keep_alive says (Ollama's: 0 unloads it once that request is answered, a negative time never).
+Unloading closes the engine and drops every reference to it, so its memory goes back to the
+system.
 
 A request holds its model from model_service until its response has been sent, streams
 included (ModelLeases, the middleware, lets it go), so no model is unloaded under a request.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +52,9 @@ class ServedModel:
     unloading: bool = False  # its engine is closing, its memory not yet given back
     leases: int = 0  # requests holding it
     last_used: float = field(default_factory=time.monotonic)
+    # Seconds it stays loaded once idle, as its last request's keep_alive set them (math.inf:
+    # for ever); None: the server's idle_unload.
+    keep_alive: float | None = None
     _idle_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
@@ -143,10 +149,21 @@ class ModelRegistry:
         [model] = self.models.values()
         return model.service
 
-    async def acquire(self, requested: str | None, leases: list[ServedModel]) -> GenerationService:
+    def idle_seconds(self, model: ServedModel) -> float | None:
+        """How long model stays loaded once no request holds it; None: until the server stops."""
+        if model.load is None:
+            return None
+        seconds = self.idle_unload if model.keep_alive is None else model.keep_alive
+        return None if seconds is None or math.isinf(seconds) else seconds
+
+    async def acquire(
+        self, requested: str | None, leases: list[ServedModel], keep_alive: float | None = None
+    ) -> GenerationService:
         """The service of the model requested names, loaded first if it is not; the model is
-        held (added to leases, released by release) so that it stays loaded meanwhile."""
+        held (added to leases, released by release) so that it stays loaded meanwhile, and for
+        keep_alive seconds after (None: the server's idle_unload; math.inf: for ever)."""
         model = self.find(requested)
+        self._keep(model, keep_alive)
         model.leases += 1
         leases.append(model)
         while model.service is None:
@@ -159,6 +176,28 @@ class ModelRegistry:
         model.last_used = time.monotonic()
         return model.service
 
+    async def unload(self, requested: str | None) -> None:
+        """Unload the model requested names now, or once the requests holding it are answered
+        (Ollama's keep_alive 0 without a prompt); nothing to do for one that is not loaded."""
+        model = self.find(requested)
+        self._keep(model, 0.0)
+        if model.service is not None and model.leases == 0:
+            await self._unload(model)
+
+    def _keep(self, model: ServedModel, keep_alive: float | None) -> None:
+        """Set how long model stays loaded once idle; a model given loaded (a server of one
+        model) stays loaded while the server runs, so it takes only a keep_alive of for ever."""
+        if model.load is None and keep_alive is not None and not math.isinf(keep_alive):
+            raise APIError(
+                400,
+                f"keep_alive asks to unload the model {model.name!r} after {keep_alive:g}s, but a "
+                "server of one model (astrai serve --model) keeps it loaded while it runs; leave "
+                "keep_alive out or send -1, or serve models that load and unload on demand with "
+                "astrai serve --models-dir",
+                param="keep_alive",
+            )
+        model.keep_alive = keep_alive
+
     def release(self, model: ServedModel) -> None:
         """A request is done with model; once none holds it, its idle time starts."""
         model.leases -= 1
@@ -170,11 +209,13 @@ class ModelRegistry:
         """No request holds model now: a load waiting for a slot may unload it, and its idle
         timer starts."""
         self._slot_freed.set()
-        if self.idle_unload is not None and model.load is not None:
-            if model._idle_timer is not None:
-                model._idle_timer.cancel()
+        if model._idle_timer is not None:
+            model._idle_timer.cancel()
+            model._idle_timer = None
+        seconds = self.idle_seconds(model)
+        if seconds is not None:
             loop = asyncio.get_running_loop()
-            model._idle_timer = loop.call_later(self.idle_unload, self._unload_if_idle, model)
+            model._idle_timer = loop.call_later(seconds, self._unload_if_idle, model)
 
     async def _load(self, model: ServedModel) -> None:
         """Load model once a slot is free, unloading the least recently used idle model for
@@ -214,7 +255,7 @@ class ModelRegistry:
         model since, unless one holds it now."""
         model._idle_timer = None
         if model.service is not None and model.leases == 0:
-            log.info("model %r idle for %gs", model.name, self.idle_unload)
+            log.info("model %r idle for %gs", model.name, self.idle_seconds(model))
             self._unload(model)
 
     def _unload(self, model: ServedModel) -> asyncio.Future:
@@ -251,11 +292,14 @@ class ModelRegistry:
             engine.close()
 
 
-async def model_service(request: Request, requested: str | None) -> GenerationService:
+async def model_service(
+    request: Request, requested: str | None, keep_alive: float | None = None
+) -> GenerationService:
     """The service of the model a request's model field names (loaded first if it is not), held
-    until the response has been sent; a 404 naming the served models for a name none goes by."""
+    until the response has been sent and for keep_alive seconds after (ModelRegistry.acquire);
+    a 404 naming the served models for a name none goes by."""
     registry: ModelRegistry = request.app.state.models
-    return await registry.acquire(requested, request.scope[LEASES])
+    return await registry.acquire(requested, request.scope[LEASES], keep_alive)
 
 
 class ModelLeases:

@@ -198,13 +198,14 @@ def _byte_level_vocab(tokens: list[str], token_types: list[int]) -> dict[str, in
     for token_id, (token, kind) in enumerate(zip(tokens, token_types, strict=True)):
         if kind == _UNUSED:
             continue
-        if kind not in (_CONTROL, _USER_DEFINED) and not all(c in BYTE_DECODER for c in token):
+        if kind not in (_CONTROL, _USER_DEFINED) and not _BYTE_CHARS.issuperset(token):
             token = "".join(_BYTE_ENCODER[byte] for byte in token.encode("utf-8"))
         vocab[token] = token_id
     return vocab
 
 
 _BYTE_ENCODER = {byte: char for char, byte in BYTE_DECODER.items()}
+_BYTE_CHARS = frozenset(BYTE_DECODER)
 
 
 def _pre_tokenizer(name: str, path: str | os.PathLike) -> pre_tokenizers.PreTokenizer:

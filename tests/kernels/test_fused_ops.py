@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,19 +214,3 @@ def test_every_kernel_op_has_a_fake_implementation_for_tracing():
         assert torch.ops.astrai.silu_and_mul(x).shape == (3, 16)
         assert torch.ops.astrai.gelu_tanh_and_mul(x).shape == (3, 16)
         assert torch.ops.astrai.rope(qk, cos, cos).shape == (3, 6, 8)
-
-
-@pytest.mark.parametrize("quantization", [[], ["--quantization", "q8_0"]])
-def test_a_generation_never_imports_torch_dynamo(llama_dir, quantization):
-    """astrai's ops run as they are: torch.library.custom_op's wrapper imports torch._dynamo
-    (about a second) on an op's first call, which every engine's first step paid."""
-    argv = ["generate", "--model", str(llama_dir), *quantization, "--max-tokens", "3", "Hi"]
-    script = (
-        "import sys; from astrai.cli import main; status = main(sys.argv[1:]);"
-        "print('dynamo imported:', 'torch._dynamo' in sys.modules); sys.exit(status)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    assert "dynamo imported: False" in done.stdout

@@ -176,7 +176,7 @@ def test_ollama_empty_inputs_embed_nothing(server):
         ("/api/embed", {"model": None, "input": "Hi"}, 400, "model: Field required"),
         ("/api/embed", {"input": "Hi", "options": {"temperature": 0}}, 400, "options.temperature"),
         ("/api/embed", {"input": "Hi", "keep_alive": 0}, 400, "asks to unload the model"),
-        ("/api/embeddings", {"prompt": "Hi", "keep_alive": "5m"}, 400, "keep_alive '5m' asks"),
+        ("/api/embeddings", {"prompt": "Hi", "keep_alive": "5m"}, 400, "after 300s, but a server"),
         ("/api/embed", {"input": "Hi", "dimensions": 100}, 400, "ask for at most 64"),
     ],
 )

@@ -9,10 +9,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import huggingface_hub.constants
+import ollama
 import openai
 import pytest
 from live_server import make_engine, serving, start_server, stop_server
@@ -215,6 +217,53 @@ def test_an_idle_model_is_unloaded_and_loads_again(models_dir, expected):
             time.sleep(0.05)
         assert httpx.get(f"{base}/api/ps", timeout=10).json()["models"] == []
         assert _chat(client, "llama", prompt) == expected["llama", prompt]
+
+
+def _unloaded_after(base: str, name: str, start: float, within: float) -> float:
+    """Seconds from start until the model name is unloaded (a failure past within)."""
+    while _statuses(base)[name] != "unloaded":
+        assert time.monotonic() - start < within, f"{name} was not unloaded in {within}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _expires_in(base: str) -> dict[str, float]:
+    """Seconds until each loaded model is unloaded, as /api/ps says."""
+    running = httpx.get(f"{base}/api/ps", timeout=10).json()["models"]
+    now = datetime.now(UTC)
+    return {
+        entry["name"]: (datetime.fromisoformat(entry["expires_at"]) - now).total_seconds()
+        for entry in running
+    }
+
+
+def test_ollama_keep_alive_sets_how_long_each_model_stays_loaded(models_dir):
+    """Over real HTTP with Ollama's client, on a router whose default --idle-unload is a minute:
+    a time unloads the model that long after its request, 0 once the answer is sent, a negative
+    time never, none the default again; keep_alive 0 without a prompt (`ollama stop`) unloads
+    the model at once."""
+    with router(models_dir, "--idle-unload", "60") as (base, models):
+        client = ollama.Client(host=base, timeout=60)
+        options = {"num_predict": 2, "temperature": 0}
+        client.generate("llama", "Hi", options=options, keep_alive=-1)
+        client.chat("family/tiny.gguf", [{"role": "user", "content": "Hi"}], keep_alive="2s")
+        answered = time.monotonic()
+        expires = _expires_in(base)
+        assert expires["llama"] > 1e9  # Ollama's far date for a model kept for ever
+        assert 0 < expires["family/tiny.gguf"] <= 2
+        assert _unloaded_after(base, "family/tiny.gguf", answered, within=20) > 1.9
+        assert _statuses(base)["llama"] == "loaded"
+
+        client.generate("family/tiny.gguf", "Hi", options=options, keep_alive=0)
+        _unloaded_after(base, "family/tiny.gguf", time.monotonic(), within=10)
+
+        client.generate("llama", "Hi", options=options)
+        assert 50 < _expires_in(base)["llama"] <= 60  # --idle-unload again
+        stopped = client.generate("llama", keep_alive=0)
+        assert (stopped.done, stopped.done_reason) == (True, "unload")
+        assert _statuses(base) == dict.fromkeys(MODELS, "unloaded")
+        assert client.generate("llama", keep_alive=0).done_reason == "unload"  # loads nothing
+        assert _statuses(base)["llama"] == "unloaded"
 
 
 def test_hub_ids_from_the_cache_and_files_by_model_repeated(

@@ -1,26 +1,76 @@
-// astrai's chat page: streams each answer from /v1/chat/completions, keeps the conversation in
-// this browser (localStorage), stops a reply on request. Plain JavaScript: no build, no CDN.
+// astrai's chat page: streams each answer from /v1/chat/completions to the model picked from
+// /v1/models, shows answers as Markdown with highlighted code, keeps the conversation, the model
+// and the settings in this browser (localStorage), stops a reply on request. Plain JavaScript
+// and two vendored libraries (vendor/: marked, highlight.js): no build, no CDN.
 "use strict";
 
 const STORAGE_KEY = "astrai.chat.messages";
+const MODEL_KEY = "astrai.chat.model";
+const SETTINGS_KEY = "astrai.chat.settings";
 const messagesEl = document.getElementById("messages");
 const input = document.getElementById("input");
+const modelPicker = document.getElementById("model");
 const sendButton = document.getElementById("send");
 const stopButton = document.getElementById("stop");
 const statusEl = document.getElementById("status");
+const settingFields = {
+  system: document.getElementById("system"),
+  temperature: document.getElementById("temperature"),
+  maxTokens: document.getElementById("max-tokens"),
+};
 
 let messages = JSON.parse(localStorage.getItem(STORAGE_KEY) || "[]");
-let model = null;
 let controller = null;
 
 function save() {
   localStorage.setItem(STORAGE_KEY, JSON.stringify(messages));
 }
 
+function escapeHtml(text) {
+  return text.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+}
+
+// Links a reply may carry: web and mail addresses, never javascript: or data: URLs.
+const SAFE_URL = /^(https?:|mailto:)/i;
+
+// Markdown whose HTML holds no markup the model wrote: raw HTML is shown as text, links go only
+// to SAFE_URL addresses (in a new tab), images become links (the browser fetches nothing a reply
+// names), code blocks are highlighted (highlight.js escapes the code it marks up).
+const markdown = new marked.Marked({
+  gfm: true,
+  renderer: {
+    html: ({ text }) => escapeHtml(text),
+    link({ href, tokens }) {
+      const label = this.parser.parseInline(tokens);
+      if (!SAFE_URL.test(href)) return label;
+      return `<a href="${escapeHtml(href)}" target="_blank" rel="noopener noreferrer">${label}</a>`;
+    },
+    image({ href, text }) {
+      if (!SAFE_URL.test(href)) return escapeHtml(text);
+      return `<a href="${escapeHtml(href)}" target="_blank" rel="noopener noreferrer">` +
+        `${escapeHtml(text || href)}</a>`;
+    },
+    code({ text, lang }) {
+      const language = (lang || "").split(/\s/)[0];
+      const highlighted = hljs.getLanguage(language)
+        ? hljs.highlight(text, { language, ignoreIllegals: true })
+        : hljs.highlightAuto(text);
+      const name = escapeHtml(highlighted.language || "plaintext");
+      return `<pre><code class="hljs language-${name}">${highlighted.value}</code></pre>\n`;
+    },
+  },
+});
+
+function show(el, message) {
+  if (message.role === "assistant") el.innerHTML = markdown.parse(message.content);
+  else el.textContent = message.content; // what the user typed is shown as typed
+}
+
 function bubble(message) {
   const el = document.createElement("div");
   el.className = `message ${message.role}` + (message.stopped ? " stopped" : "");
-  el.textContent = message.content; // text, never HTML: a reply cannot inject markup
+  show(el, message);
+  if (message.model) el.dataset.model = message.model;
   messagesEl.appendChild(el);
   el.scrollIntoView({ block: "end" });
   return el;
@@ -32,14 +82,61 @@ function setBusy(busy) {
   input.disabled = busy;
 }
 
-async function loadModel() {
+// The picker lists every model the server serves (a router loads one when it is first asked);
+// the choice is remembered, and falls back to the first model when it is served no more.
+async function loadModels() {
   const reply = await fetch("/v1/models");
   if (!reply.ok) {
     statusEl.textContent = `cannot list the models: ${reply.status} ${reply.statusText}`;
     return;
   }
-  model = (await reply.json()).data[0].id;
-  document.getElementById("model").textContent = model;
+  const cards = (await reply.json()).data;
+  modelPicker.replaceChildren(
+    ...cards.map((card) => {
+      const option = new Option(card.id, card.id);
+      if (card.status?.value === "unloaded") option.title = "loads on its first message";
+      return option;
+    }),
+  );
+  const remembered = localStorage.getItem(MODEL_KEY);
+  if (cards.some((card) => card.id === remembered)) modelPicker.value = remembered;
+}
+
+modelPicker.addEventListener("change", () => localStorage.setItem(MODEL_KEY, modelPicker.value));
+
+function loadSettings() {
+  const stored = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "{}");
+  for (const [name, field] of Object.entries(settingFields)) {
+    field.value = stored[name] ?? "";
+    field.addEventListener("change", saveSettings);
+  }
+}
+
+function saveSettings() {
+  const values = Object.fromEntries(
+    Object.entries(settingFields).map(([name, field]) => [name, field.value]),
+  );
+  localStorage.setItem(SETTINGS_KEY, JSON.stringify(values));
+}
+
+// The request's messages and sampling from the settings; a field left empty is left out, so the
+// server's default (the model's generation_config) applies.
+function chatRequest() {
+  const system = settingFields.system.value.trim();
+  const conversation = messages.map(({ role, content }) => ({ role, content }));
+  const request = {
+    model: modelPicker.value,
+    messages: system ? [{ role: "system", content: system }, ...conversation] : conversation,
+    stream: true,
+    stream_options: { include_usage: true },
+  };
+  if (settingFields.temperature.value !== "") {
+    request.temperature = Number(settingFields.temperature.value);
+  }
+  if (settingFields.maxTokens.value !== "") {
+    request.max_tokens = Number(settingFields.maxTokens.value);
+  }
+  return request;
 }
 
 // The events of an SSE body, each `data: ...` payload once it is complete.
@@ -64,8 +161,9 @@ async function send(text) {
   messages.push({ role: "user", content: text });
   save();
   bubble(messages[messages.length - 1]);
-  const answer = { role: "assistant", content: "" };
+  const answer = { role: "assistant", content: "", model: modelPicker.value };
   const answerEl = bubble(answer);
+  let rendering = false;
   answerEl.classList.add("streaming");
   controller = new AbortController();
   setBusy(true);
@@ -77,12 +175,7 @@ async function send(text) {
     const reply = await fetch("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({
-        model,
-        messages: messages.map(({ role, content }) => ({ role, content })),
-        stream: true,
-        stream_options: { include_usage: true },
-      }),
+      body: JSON.stringify(chatRequest()),
       signal: controller.signal,
     });
     if (!reply.ok) {
@@ -98,8 +191,15 @@ async function send(text) {
       if (delta) {
         first ??= performance.now();
         answer.content += delta;
-        answerEl.textContent = answer.content;
-        answerEl.scrollIntoView({ block: "end" });
+        if (!rendering) {
+          // One Markdown render a frame, not one a token: a long answer stays cheap to stream.
+          rendering = true;
+          requestAnimationFrame(() => {
+            rendering = false;
+            show(answerEl, answer);
+            answerEl.scrollIntoView({ block: "end" });
+          });
+        }
       }
     }
     const end = performance.now();
@@ -118,6 +218,7 @@ async function send(text) {
       statusEl.textContent = `error: ${error.message}`;
     }
   } finally {
+    show(answerEl, answer);
     answerEl.classList.remove("streaming");
     controller = null;
     setBusy(false);
@@ -152,4 +253,5 @@ document.getElementById("new-chat").addEventListener("click", () => {
 });
 
 messages.forEach(bubble);
-loadModel();
+loadSettings();
+loadModels();
