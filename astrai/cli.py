@@ -908,14 +908,13 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
         parts = [{"type": "image", "image": image} for image in images]
         content = [*parts, {"type": "text", "text": prompt}]
         prompt = GenerationRequest(({"role": "user", "content": content},), params)
-        placeholder = tokenizer.id_to_token(model.vision.image_token_id)
-        prompt_ids = tokenizer.apply_chat_template(prompt.rendered_messages(placeholder))
         vision = model.vision
+        placeholder = "".join(tokenizer.id_to_token(t) for t in vision.placeholder_ids)
+        prompt_ids = tokenizer.apply_chat_template(prompt.rendered_messages(placeholder))
         expanded, _ = expand_image_tokens(
             prompt_ids,
             [vision.tile(image) for image in images],
             vision.image_token_id,
-            vision.tokens_per_image,
             lambda text: tokenizer.encode(text, add_special_tokens=False),
         )
         image_tokens = len(expanded) - len(prompt_ids)

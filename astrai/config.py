@@ -110,6 +110,10 @@ class ModelConfig:
     those whose layer_types entry is "sliding_attention". rope_local_theta is the rope base of
     the sliding layers where it differs from the others' (Gemma 3).
 
+    mrope_section (Qwen2-VL's M-RoPE) splits the rotary frequencies into three runs that turn
+    by a token's temporal, height and width positions; a token of text has all three equal,
+    so it rotates as with plain rope.
+
     moe describes the experts of a mixture-of-experts model (MoEConfig); None for a dense one.
     """
 
@@ -146,6 +150,7 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
+    mrope_section: tuple[int, ...] | None = None
     moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
@@ -215,6 +220,16 @@ class ModelConfig:
                 )
         if self.rope_local_theta is not None and not self.rope_local_theta > 0:
             raise ConfigError(f"rope_local_theta must be positive, got {self.rope_local_theta!r}")
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+            n_frequencies = (self.rotary_dim or self.head_dim) // 2
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != n_frequencies:
+                raise ConfigError(
+                    f"mrope_section must be three runs of rotary frequencies that add up to "
+                    f"{n_frequencies} (half the rotary dims), got {list(self.mrope_section)}"
+                )
+            if self.rope_scaling is not None or self.rope_local_theta is not None:
+                raise ConfigError("M-RoPE (mrope_section) beside rope scaling is not supported")
 
     def layer_window(self, layer_idx: int) -> int | None:
         """How many keys, up to its own position, a query of this layer sees (None: all)."""

@@ -39,6 +39,7 @@ from tiny_models import (  # noqa: E402
     write_hf_model,
     write_idefics3_model,
     write_llava_model,
+    write_qwen2_vl_model,
     write_tokenizer,
 )
 
@@ -88,3 +89,14 @@ def smolvlm_dir(tmp_path_factory) -> Path:
 def idefics3_dir(tmp_path_factory) -> Path:
     """A tiny Idefics3 whose images are each one tile (do_image_splitting off)."""
     return write_idefics3_model(tmp_path_factory.mktemp("idefics3"), "idefics3", split=False)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_dir(tmp_path_factory) -> Path:
+    return write_qwen2_vl_model(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2.5-VL whose window blocks attend within 2x2-token windows."""
+    return write_qwen2_vl_model(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")

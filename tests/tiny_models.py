@@ -638,6 +638,59 @@ def write_idefics3_gguf(directory: Path, checkpoint: Path) -> tuple[Path, Path]:
     return language_model, mmproj
 
 
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# Towers of 4x4-pixel patches, merged 2x2 into one token per 8x8 pixels; images are resized to
+# 4 to 16 tokens (256 to 1024 pixels). Qwen2.5-VL's windows are 16 pixels (2x2 tokens) a side,
+# so its window blocks see several windows, some cut by the image's edge.
+TINY_QWEN2_VL_VISION = {
+    "qwen2_vl": dict(
+        depth=2, embed_dim=32, hidden_size=TINY["hidden_size"], num_heads=4, mlp_ratio=2,
+        patch_size=4,
+    ),
+    "qwen2_5_vl": dict(
+        depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=TINY["hidden_size"],
+        num_heads=4, patch_size=4, window_size=16, fullatt_block_indexes=[1],
+    ),
+}  # fmt: skip
+QWEN2_VL_PIXELS = {"min_pixels": 256, "max_pixels": 1024}
+
+
+def write_qwen2_vl_model(directory: Path, model_type: str = "qwen2_vl", seed: int = 0) -> Path:
+    """Write a random-weight Qwen2-VL (or Qwen2.5-VL) checkpoint: its vision tower and patch
+    merger beside a Qwen2 language model with M-RoPE, its image processor (the Pillow one), and
+    the test tokenizer with the vision tokens added."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    write_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(QWEN2_VL_TOKENS)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    start, image, end, video = (tokenizer.token_to_id(t) for t in QWEN2_VL_TOKENS)
+    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
+    # head_dim 16: 8 rotary frequencies, split over (temporal, height, width)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    config = getattr(transformers, f"{name}Config")(
+        vision_config=TINY_QWEN2_VL_VISION[model_type],
+        text_config={**TINY, "rope_parameters": rope, "bos_token_id": None, "eos_token_id": None},
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear-cut greedy choices, as write_hf_model
+        # Larger image embeddings make what the image shows matter to the next token.
+        model.model.visual.merger.mlp[2].weight.mul_(20.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    transformers.Qwen2VLImageProcessorPil(
+        **QWEN2_VL_PIXELS, patch_size=TINY_QWEN2_VL_VISION[model_type]["patch_size"]
+    ).save_pretrained(directory)
+    return directory
+
+
 def noise_image(seed: int, size: tuple[int, int] = (40, 32), mode: str = "RGB"):
     """A random-noise Pillow image, the same for the same seed."""
     import numpy as np

@@ -547,9 +547,11 @@ class InferenceEngine:
 
     @property
     def image_placeholder(self) -> str:
-        """The text of the model's image token, which a prompt holds once where each image
-        goes; a RequestError for a model without a vision encoder."""
-        return self.tokenizer.id_to_token(self.check_images(0).image_token_id)
+        """The text a chat message's image part renders as (the model's image token, within
+        the tokens its chat template writes around it); a RequestError for a model without a
+        vision encoder."""
+        placeholder_ids = self.check_images(0).placeholder_ids
+        return "".join(self.tokenizer.id_to_token(token) for token in placeholder_ids)
 
     def check_images(self, n_images: int) -> torch.nn.Module:
         """The model's vision encoder, for a prompt of n_images images; a RequestError when the
@@ -728,19 +730,19 @@ class InferenceEngine:
             token_ids,
             [vision.tile(image) for image in images],
             image_token,
-            vision.tokens_per_image,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
         )
         return ImagePrompt(
             expanded,
             tuple(
                 PromptImage(
-                    pixel_values,
-                    hashlib.blake2b(pixel_values.numpy().tobytes(), digest_size=16).digest(),
+                    image.pixel_values[i],
+                    _pixels_digest(image.pixel_values[i]),
                     start,
-                    vision.tokens_per_image,
+                    image.tokens_per_tile,
+                    image.grid,
                 )
-                for pixel_values, start in tiles
+                for image, i, start in tiles
             ),
         )
 
@@ -943,3 +945,11 @@ def _map_results(results, fn):
     if isinstance(results, TaskResult):
         return fn(results)
     return [_map_results(r, fn) for r in results]
+
+
+def _pixels_digest(pixel_values) -> bytes:
+    """A tile's key in the prefix cache: a hash of its pixel values and their shape (two images
+    of one size and different pixels, or of the same bytes laid out otherwise, differ)."""
+    digest = hashlib.blake2b(repr(tuple(pixel_values.shape)).encode(), digest_size=16)
+    digest.update(pixel_values.numpy().tobytes())
+    return digest.digest()

@@ -287,8 +287,9 @@ class CudaSteps:
                 return captured.logits[:n_seqs], hidden
             return captured.logits[torch.from_numpy(rows).to(captured.logits.device)], hidden
         view = DeviceCacheView.build(
-            self.kv, batch, self.n_heads, self.upload, logit_rows=batch.logit_rows
-        )
+            self.kv, batch, self.n_heads, self.upload, logit_rows=batch.logit_rows,
+            rope_positions=batch.rope_positions,
+        )  # fmt: skip
         hidden = None if batch.hidden_rows is None else torch.from_numpy(batch.hidden_rows)
         return self._run(view, view.fields["logit_rows"], hidden, batch.images)
 
@@ -301,7 +302,9 @@ class CudaSteps:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits of rows, and the final hidden states of hidden_rows (None without)."""
         model = self.model
-        h, cos, signed_sin = model.embed(view.token_ids, view.positions, view.rope_lengths)
+        # An eager step's rope positions (M-RoPE's are [3, num_tokens]); a graph's, its positions
+        positions = view.fields.get("rope_positions", view.positions)
+        h, cos, signed_sin = model.embed(view.token_ids, positions, view.rope_lengths)
         if images is not None:
             images.place(h)
         h, residual = model.run_layers(h, cos, signed_sin, view)
@@ -402,7 +405,10 @@ class ModelExecutor:
         if model.rope.length_dependent:
             lengths = torch.from_numpy(batch.rope_lengths).to(self.device)
         token_ids = torch.from_numpy(batch.token_ids).to(self.device)
-        h, cos, signed_sin = model.embed(token_ids, view.positions, lengths)
+        positions = view.positions
+        if batch.mrope_positions is not None:
+            positions = torch.from_numpy(batch.mrope_positions).to(self.device)
+        h, cos, signed_sin = model.embed(token_ids, positions, lengths)
         if batch.images is not None:
             batch.images.place(h)
         if self.recorded is not None:
@@ -463,9 +469,15 @@ class ModelExecutor:
                 *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
             )
         images = self._image_rows(chunks)
+        mrope_positions = None
+        if any(c.task.mrope is not None for c in chunks):
+            mrope_positions = np.concatenate(
+                [c.task.rope_positions(c.start, c.length) for c in chunks], axis=1
+            )
         batch = StepBatch.build(
-            seqs, token_ids, self.pages, self.kv.page_size, spans, rows, hidden_rows, images
-        )
+            seqs, token_ids, self.pages, self.kv.page_size, spans, rows, hidden_rows, images,
+            mrope_positions,
+        )  # fmt: skip
         logits, hidden = self.forward(batch)
         if images is not None:
             self._release_images(chunks)
@@ -575,9 +587,9 @@ class ModelExecutor:
             return None
         new = list({id(image): image for image, *_ in wanted if image.embeddings is None}.values())
         if new:
-            pixels = torch.stack([image.pixel_values for image in new]).to(self.device)
-            for image, embeddings in zip(new, self.model.vision.encode(pixels), strict=True):
-                image.embeddings = embeddings  # [tokens_per_image, dim]
+            pixels = [image.pixel_values.to(self.device) for image in new]
+            for image, embeddings in zip(new, self.model.vision.encode_images(pixels), strict=True):
+                image.embeddings = embeddings  # [image.length, dim]
         rows = torch.cat([torch.arange(row, row + hi - lo) for _, lo, hi, row in wanted])
         embeddings = torch.cat([image.embeddings[lo:hi] for image, lo, hi, _ in wanted])
         return ImageRows(rows.to(self.device), embeddings)

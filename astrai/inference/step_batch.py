@@ -54,6 +54,9 @@ class StepBatch:
     # The embeddings that replace image placeholder tokens'; a step with images is not sent
     # to tensor-parallel workers (load_sharded loads no vision encoder).
     images: ImageRows | None = None
+    # [3, num_tokens] each row's M-RoPE positions, where a sequence of the step has a prompt
+    # with images on a model with M-RoPE (Task.rope_positions); None: rope turns by positions.
+    mrope_positions: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -66,6 +69,7 @@ class StepBatch:
         logit_rows: Sequence[int] | np.ndarray = (),
         hidden_rows: np.ndarray | None = None,
         images: ImageRows | None = None,
+        mrope_positions: np.ndarray | None = None,
     ) -> StepBatch:
         """The batch of seqs, each (task_id, start, n), whose tasks' page tables pages gives;
         spans default to 0 (no rope dependence). Refused if a task holds too few pages."""
@@ -93,6 +97,7 @@ class StepBatch:
             logit_rows=_int64(logit_rows),
             hidden_rows=hidden_rows,
             images=images,
+            mrope_positions=mrope_positions,
         )
 
     @classmethod
@@ -106,9 +111,11 @@ class StepBatch:
 
     @property
     def decodes_only(self) -> bool:
-        """Every sequence one token, nothing pooled: the step a recorded graph can replay."""
+        """Every sequence one token, nothing pooled, rope turned by positions: the step a
+        recorded graph can replay."""
         no_hidden = self.hidden_rows is None or not len(self.hidden_rows)
-        return bool(np.all(self.lengths == 1)) and no_hidden and self.images is None
+        plain = self.images is None and self.mrope_positions is None
+        return bool(np.all(self.lengths == 1)) and no_hidden and plain
 
     @cached_property
     def first_rows(self) -> np.ndarray:
@@ -133,6 +140,11 @@ class StepBatch:
         return pages * self.page_size + self.positions % self.page_size
 
     @property
+    def rope_positions(self) -> np.ndarray:
+        """What rope turns each row by: mrope_positions [3, num_tokens], else positions."""
+        return self.positions if self.mrope_positions is None else self.mrope_positions
+
+    @property
     def rope_lengths(self) -> np.ndarray:
         """[num_tokens] the length each row rotates for: max(position + 1, its span)."""
         return np.maximum(self.positions + 1, self.spans[self.row_seqs])
@@ -142,6 +154,7 @@ class StepBatch:
         arrays back to back, the header their sizes. Workers compute the logits only (rank 0's
         hidden states are the whole model's), so hidden rows and images are not sent."""
         assert self.images is None, "tensor-parallel steps carry no image embeddings"
+        assert self.mrope_positions is None, "tensor-parallel steps carry no M-RoPE positions"
         header = [
             len(self.token_ids),
             self.n_seqs,

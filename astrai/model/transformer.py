@@ -310,8 +310,9 @@ class Transformer(nn.Module):
         self, input_ids: Tensor, positions: Tensor, rope_lengths: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(embeddings [num_tokens, dim], cos, signed_sin [n_ropes, num_tokens, 1, head_dim]):
-        what the layers read, rope's angles built once for all of them; rope_lengths [num_tokens]
-        are the sequence lengths the tokens rotate for (RotaryEmbedding.forward)."""
+        what the layers read, rope's angles built once for all of them; positions are
+        [num_tokens], or [3, num_tokens] on a model with M-RoPE; rope_lengths [num_tokens] are
+        the sequence lengths the tokens rotate for (RotaryEmbedding.forward)."""
         h = self.tok_embeddings(input_ids)
         if self.config.scale_embeddings:
             # Gemma: sqrt(dim) rounded to the model dtype first, as transformers does

@@ -25,13 +25,14 @@ from astrai.model.families.llava import LLAVA
 from astrai.model.families.olmo2 import OLMO2
 from astrai.model.families.phi3 import PHI3
 from astrai.model.families.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
+from astrai.model.families.qwen2_vl import QWEN2_VL, QWEN2_VL_TEXT
 
 # In the order error messages list them.
 FAMILIES = (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, PHI3, OLMO2,
-    GRANITE,
+    GRANITE, QWEN2_VL_TEXT,
 )  # fmt: skip
-VISION_FAMILIES = (LLAVA, IDEFICS3)
+VISION_FAMILIES = (LLAVA, IDEFICS3, QWEN2_VL)
 HF_MODEL_TYPES = tuple(
     model_type for family in (*FAMILIES, *VISION_FAMILIES) for model_type in family.model_types
 )

@@ -122,7 +122,10 @@ class VisionFamily:
     that matches applies; transformers 4 and 5 lay the same model out differently).
     vision_prefixes: the names (after renames) of the vision module's tensors, which the
     language model's loader leaves to it. build makes the vision module of a config.json and
-    the checkpoint directory (its preprocessor_config.json).
+    the checkpoint directory (its preprocessor_config.json). text_model_types: the language
+    model's model_type, by the checkpoint's, where config.json may keep the language model's
+    settings at its top level instead of under text_config (Qwen2-VL as transformers 4 wrote
+    it).
     """
 
     name: str
@@ -130,10 +133,13 @@ class VisionFamily:
     renames: tuple[tuple[str, str], ...]
     vision_prefixes: tuple[str, ...]
     build: Callable[[dict[str, Any], Path], Any]
+    text_model_types: Mapping[str, str] = field(default_factory=dict)
 
     def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         """The language model's config.json, as a plain checkpoint of its family has it."""
         text = hf.get("text_config")
+        if text is None and hf.get("model_type") in self.text_model_types:
+            return {**hf, "model_type": self.text_model_types[hf["model_type"]]}
         if not isinstance(text, dict):
             raise ConfigError(
                 f"config.json of model_type {hf.get('model_type')!r} has no text_config object; "

@@ -97,6 +97,7 @@ class Idefics3Vision(nn.Module):
                 f"{vision.image_size} images"
             )
         self.image_token_id = int(hf.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
+        self.placeholder_ids = (self.image_token_id,)  # what a chat's image part renders as
         self.tokens_per_image = (side // scale) ** 2
         self.processor = processor
         self.vision_model = SiglipVisionTower(vision, idefics3_position_ids(side))
@@ -105,7 +106,11 @@ class Idefics3Vision(nn.Module):
 
     def tile(self, image: Image.Image) -> TiledImage:
         """The image's tiles, each for tokens_per_image image tokens, and their layout."""
-        return self.processor(image)
+        return self.processor(image, self.tokens_per_image)
+
+    def encode_images(self, pixel_values: list[Tensor]) -> list[Tensor]:
+        """Each tile's embeddings [tokens_per_image, text_dim]: encode's, one batch for all."""
+        return list(self.encode(torch.stack(pixel_values)))
 
     @torch.inference_mode()
     def encode(self, pixel_values: Tensor) -> Tensor:

@@ -82,9 +82,9 @@ class Idefics3ImageProcessor:
             image_std=tuple(config.get("image_std", IMAGENET_STANDARD)),
         )
 
-    def __call__(self, image: Image.Image) -> TiledImage:
-        """The image's tiles (pixel values [n_tiles, 3, tile_size, tile_size] float32) and
-        the prompt text around each tile's image tokens."""
+    def __call__(self, image: Image.Image, tokens_per_tile: int) -> TiledImage:
+        """The image's tiles (pixel values [n_tiles, 3, tile_size, tile_size] float32), each
+        for tokens_per_tile image tokens, and the prompt text around each tile's tokens."""
         image = rgb(image)
         width, height = image.size
         image = image.resize(_longest_edge_size(width, height, self.longest_edge), self.resample)
@@ -106,7 +106,7 @@ class Idefics3ImageProcessor:
             crops = []
         crops.append(np.asarray(image.resize((size, size), self.resample)))
         tiles = [normalized(c, self.rescale_factor, self.image_mean, self.image_std) for c in crops]
-        return TiledImage(torch.stack(tiles), _layout(rows, cols))
+        return TiledImage(torch.stack(tiles), _layout(rows, cols), tokens_per_tile)
 
 
 def _longest_edge_size(width: int, height: int, longest_edge: int) -> tuple[int, int]:

@@ -71,6 +71,7 @@ class LlavaVision(nn.Module):
         if "image_token_index" not in hf and "image_token_id" not in hf:
             raise ConfigError("config.json names no image_token_index, the `<image>` token id")
         self.image_token_id = int(hf.get("image_token_index", hf.get("image_token_id")))
+        self.placeholder_ids = (self.image_token_id,)  # what a chat's image part renders as
         # hidden states [0] are the embeddings, [k] the output of layer k.
         n_layers = layer if layer >= 0 else vision.num_hidden_layers + 1 + layer
         self.drops_cls = strategy == "default"
@@ -83,7 +84,12 @@ class LlavaVision(nn.Module):
 
     def tile(self, image: Image.Image) -> TiledImage:
         """The image as one tile of tokens_per_image image tokens, with no text around them."""
-        return TiledImage(self.processor(image)[None], ("", ""))
+        return TiledImage(self.processor(image)[None], ("", ""), self.tokens_per_image)
+
+    def encode_images(self, pixel_values: list[Tensor]) -> list[Tensor]:
+        """Each tile's embeddings [tokens_per_image, text_dim], its pixel values all of one
+        size: encode's, one batch for all."""
+        return list(self.encode(torch.stack(pixel_values)))
 
     @torch.inference_mode()
     def encode(self, pixel_values: Tensor) -> Tensor:

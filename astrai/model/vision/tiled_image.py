@@ -11,18 +11,22 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class TiledImage:
-    """pixel_values [n_tiles, 3, size, size]: one row per tile the encoder sees (LLaVA: the
-    image; Idefics3: its crops, then the whole image scaled down). texts has n_tiles + 1
-    entries: texts[i] comes before tile i's image tokens, texts[-1] after the last tile's."""
+    """pixel_values [n_tiles, ...]: one row per tile the encoder sees (LLaVA: the image;
+    Idefics3: its crops, then the whole image scaled down; Qwen2-VL: the image's patches).
+    Each tile stands for tokens_per_tile image tokens. texts has n_tiles + 1 entries: texts[i]
+    comes before tile i's image tokens, texts[-1] after the last tile's. grid: the (t, h, w)
+    grid a tile's tokens lie on in row-major order, for M-RoPE (None for a model without)."""
 
     pixel_values: Tensor
     texts: tuple[str, ...]
+    tokens_per_tile: int
+    grid: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.texts) == len(self.pixel_values) + 1
 
     def token_ids(
-        self, image_token: int, tokens_per_tile: int, encode: Callable[[str], list[int]]
+        self, image_token: int, encode: Callable[[str], list[int]]
     ) -> tuple[list[int], list[int]]:
         """The token ids the image's one placeholder expands to, and where each tile's run of
         tokens_per_tile image tokens starts in them. encode tokenizes a text without special
@@ -33,7 +37,7 @@ class TiledImage:
         for text in self.texts[:-1]:
             ids += encode(text) if text else []
             starts.append(len(ids))
-            ids += [image_token] * tokens_per_tile
+            ids += [image_token] * self.tokens_per_tile
         ids += encode(self.texts[-1]) if self.texts[-1] else []
         return ids, starts
 
@@ -42,24 +46,20 @@ def expand_image_tokens(
     token_ids: Sequence[int],
     images: Sequence[TiledImage],
     image_token: int,
-    tokens_per_tile: int,
     encode: Callable[[str], list[int]],
-) -> tuple[list[int], list[tuple[Tensor, int]]]:
+) -> tuple[list[int], list[tuple[TiledImage, int, int]]]:
     """token_ids with their image tokens (one per image, in order) each expanded to its image's
-    tokens (TiledImage.token_ids), and every tile's pixel values [3, size, size] with the
-    position where its run of image tokens starts."""
+    tokens (TiledImage.token_ids), and every tile as (its image, its index there, the position
+    where its run of image tokens starts)."""
     expanded: list[int] = []
-    tiles: list[tuple[Tensor, int]] = []
+    tiles: list[tuple[TiledImage, int, int]] = []
     remaining = iter(images)
     for token in token_ids:
         if token != image_token:
             expanded.append(token)
             continue
         image = next(remaining)
-        ids, starts = image.token_ids(image_token, tokens_per_tile, encode)
-        tiles += [
-            (pixels, len(expanded) + start)
-            for pixels, start in zip(image.pixel_values, starts, strict=True)
-        ]
+        ids, starts = image.token_ids(image_token, encode)
+        tiles += [(image, i, len(expanded) + start) for i, start in enumerate(starts)]
         expanded += ids
     return expanded, tiles
