@@ -1,0 +1,167 @@
+"""Images in the prompt of a tiny Qwen2-VL and a tiny Qwen2.5-VL (images of several sizes, M-RoPE
+positions): greedy output equals transformers' generate with one and two images and with
+text only, alone, in a ragged batch with small chunks, from the prefix cache; another image
+with the same text never reuses the first one's KV; a chat request renders its image parts
+as Qwen2-VL's template does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_engine, noise_image, run_ids
+
+from astrai.inference import GenerationParams, GenerationRequest
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
+
+MAX_TOKENS = 10
+GREEDY = GenerationParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+TEXTS = [
+    (f"Hello world!{IMAGE} What is this?", [noise_image(1)]),
+    (
+        f"Paged attention{IMAGE} and{IMAGE} the quick brown fox",
+        [noise_image(2, (30, 50)), noise_image(3, (100, 20))],
+    ),
+    (f"Hello world!{IMAGE} What is this?", [noise_image(4)]),
+    ("The quick brown fox jumps over the lazy dog.", []),
+]
+FAMILIES = {"qwen2_vl_dir": "Qwen2VL", "qwen2_5_vl_dir": "Qwen2_5_VL"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request):
+    return request.getfixturevalue(request.param), FAMILIES[request.param]
+
+
+@pytest.fixture(scope="module")
+def vlm(checkpoint):
+    return AutoModel.from_pretrained(checkpoint[0]), AutoTokenizer.from_pretrained(checkpoint[0])
+
+
+def hf_inputs(directory, token_ids: list[int], images: list) -> dict:
+    """transformers' inputs for the prompt and images, as Qwen2VLProcessor makes them (it needs
+    torchvision to build, so its expansion is written out): each `<|image_pad|>` repeated
+    once per merged patch block of its image, and marked as an image token."""
+    import transformers
+
+    processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(directory)
+    pad = transformers.AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids(
+        "<|image_pad|>"
+    )
+    inputs = dict(processor(images=images, return_tensors="pt")) if images else {}
+    blocks = processor.merge_size**2
+    counts = iter((inputs["image_grid_thw"].prod(-1) // blocks).tolist() if images else [])
+    ids = [t for token in token_ids for t in ([token] * next(counts) if token == pad else [token])]
+    input_ids = torch.tensor([ids])
+    return {
+        **inputs,
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "mm_token_type_ids": (input_ids == pad).int(),
+    }
+
+
+def hf_generate(hf, directory, token_ids: list[int], images: list) -> list[int]:
+    inputs = hf_inputs(directory, token_ids, images)
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def hf_token_ids(directory, text: str) -> list[int]:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(directory)(text)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    import transformers
+
+    directory, name = checkpoint
+    model = getattr(transformers, f"{name}ForConditionalGeneration").from_pretrained(directory)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoint, vlm, hf_model):
+    """(token ids, images) prompts and transformers' greedy output of each."""
+    directory = checkpoint[0]
+    expected = [
+        hf_generate(hf_model, directory, hf_token_ids(directory, text), images)
+        for text, images in TEXTS
+    ]
+    # A different image changes the output: the tests below would notice one left out.
+    assert expected[0] != expected[2]
+    prompts = [(vlm[1].encode(text), images) for text, images in TEXTS]
+    return prompts, expected
+
+
+def outputs(engine, prompts) -> list[list[int]]:
+    """The greedy output of each (token ids, images) prompt."""
+    prompts = [engine.image_prompt(*p) if p[1] else p[0] for p in prompts]
+    return [r[0].token_ids for r in run_ids(engine, prompts, [GREEDY] * len(prompts))]
+
+
+def test_prompt_layout_equals_transformers_processor(vlm, checkpoint):
+    model, tokenizer = vlm
+    for text, images in TEXTS[:2]:
+        with make_engine(model, tokenizer) as engine:
+            prompt = engine.image_prompt(tokenizer.encode(text), images)
+        ids = hf_token_ids(checkpoint[0], text)
+        expected = hf_inputs(checkpoint[0], ids, images)["input_ids"][0].tolist()
+        assert prompt.token_ids == expected
+        assert [image.length for image in prompt.images] == [
+            model.vision.tile(image).tokens_per_tile for image in images
+        ]
+
+
+def test_greedy_equals_transformers_alone(vlm, cases):
+    """One image, two of different sizes, and text only."""
+    prompts, expected = cases
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        with make_engine(*vlm) as engine:
+            assert outputs(engine, [prompt]) == [tokens]
+
+
+def test_batched_in_small_chunks(vlm, cases):
+    """7 tokens a step: every image's tokens are split across chunks of a ragged batch (the
+    encoder runs once for the whole image, each chunk takes its rows and their M-RoPE
+    positions), beside text-only requests at other offsets."""
+    prompts, expected = cases
+    with make_engine(*vlm, max_num_batched_tokens=7, enable_prefix_cache=False) as engine:
+        assert outputs(engine, [prompts[3], *prompts, prompts[3]]) == [
+            expected[3],
+            *expected,
+            expected[3],
+        ]
+
+
+def test_prefix_hits_keep_outputs_and_images_never_share_kv(vlm, cases):
+    prompts, expected = cases
+    with make_engine(*vlm, max_num_batched_tokens=16) as engine:
+        first, again, other = (
+            run_ids(engine, [engine.image_prompt(*prompt)], [GREEDY])[0][0]
+            for prompt in (prompts[0], prompts[0], prompts[2])
+        )
+    assert first.cached_tokens == 0
+    assert again.cached_tokens > 0
+    assert other.cached_tokens == 0
+    assert [first.token_ids, again.token_ids, other.token_ids] == [
+        expected[0],
+        expected[0],
+        expected[2],
+    ]
+
+
+def test_a_chat_request_renders_its_image_parts_as_qwen2_vl_does(vlm, checkpoint, hf_model):
+    model, tokenizer = vlm
+    image = noise_image(7, (50, 30))
+    parts = [{"type": "image", "image": image}, {"type": "text", "text": "What is this?"}]
+    request = GenerationRequest([{"role": "user", "content": parts}], params=GREEDY)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{IMAGE}\nWhat is this?"}])
+    expected = hf_generate(hf_model, checkpoint[0], ids, [image])
+    with make_engine(model, tokenizer) as engine:
+        assert engine.image_placeholder == IMAGE
+        assert engine.generate_results(request).token_ids == expected
