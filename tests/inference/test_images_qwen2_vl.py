@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_engine, noise_image, run_ids
+from tiny_models import greedy_with_logprobs, make_engine, noise_image, run_ids
 
 from astrai.inference import GenerationParams, GenerationRequest
 from astrai.model import AutoModel
@@ -63,10 +63,26 @@ def hf_inputs(directory, token_ids: list[int], images: list) -> dict:
 
 
 def hf_generate(hf, directory, token_ids: list[int], images: list) -> list[int]:
+    return hf_generate_with_logprobs(hf, directory, token_ids, images)[0]
+
+
+def hf_generate_with_logprobs(
+    hf, directory, token_ids: list[int], images: list
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logprob of each."""
     inputs = hf_inputs(directory, token_ids, images)
     with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
+        out = hf.generate(
+            **inputs,
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :]
+    logprobs = torch.stack(out.scores)[:, 0].log_softmax(-1)
+    return tokens.tolist(), logprobs.gather(1, tokens[:, None])[:, 0]
 
 
 def hf_token_ids(directory, text: str) -> list[int]:
@@ -88,14 +104,15 @@ def hf_model(checkpoint):
 def cases(checkpoint, vlm, hf_model):
     """(token ids, images) prompts and transformers' greedy output of each."""
     directory = checkpoint[0]
-    expected = [
-        hf_generate(hf_model, directory, hf_token_ids(directory, text), images)
+    generated = [
+        hf_generate_with_logprobs(hf_model, directory, hf_token_ids(directory, text), images)
         for text, images in TEXTS
     ]
+    expected = [tokens for tokens, _ in generated]
     # A different image changes the output: the tests below would notice one left out.
     assert expected[0] != expected[2]
     prompts = [(vlm[1].encode(text), images) for text, images in TEXTS]
-    return prompts, expected
+    return prompts, expected, [logprobs for _, logprobs in generated]
 
 
 def outputs(engine, prompts) -> list[list[int]]:
@@ -117,29 +134,42 @@ def test_prompt_layout_equals_transformers_processor(vlm, checkpoint):
         ]
 
 
+def assert_equal_transformers(engine, prompts, expected, expected_logprobs) -> None:
+    """Greedy tokens equal transformers', and their logprobs too: those notice a token rotated
+    by the wrong position, where the tiny model's greedy choice may not."""
+    prompts = [engine.image_prompt(*p) if p[1] else p[0] for p in prompts]
+    tokens, logprobs = greedy_with_logprobs(engine, prompts, MAX_TOKENS)
+    assert tokens == expected
+    torch.testing.assert_close(logprobs, torch.stack(expected_logprobs), rtol=1e-4, atol=1e-4)
+
+
 def test_greedy_equals_transformers_alone(vlm, cases):
     """One image, two of different sizes, and text only."""
-    prompts, expected = cases
-    for prompt, tokens in zip(prompts, expected, strict=True):
+    prompts, expected, logprobs = cases
+    for i in range(len(prompts)):
         with make_engine(*vlm) as engine:
-            assert outputs(engine, [prompt]) == [tokens]
+            assert_equal_transformers(
+                engine, prompts[i : i + 1], expected[i : i + 1], logprobs[i : i + 1]
+            )
 
 
 def test_batched_in_small_chunks(vlm, cases):
     """7 tokens a step: every image's tokens are split across chunks of a ragged batch (the
     encoder runs once for the whole image, each chunk takes its rows and their M-RoPE
     positions), beside text-only requests at other offsets."""
-    prompts, expected = cases
+    prompts, expected, logprobs = cases
+    order = [3, 0, 1, 2, 3]
     with make_engine(*vlm, max_num_batched_tokens=7, enable_prefix_cache=False) as engine:
-        assert outputs(engine, [prompts[3], *prompts, prompts[3]]) == [
-            expected[3],
-            *expected,
-            expected[3],
-        ]
+        assert_equal_transformers(
+            engine,
+            [prompts[i] for i in order],
+            [expected[i] for i in order],
+            [logprobs[i] for i in order],
+        )
 
 
 def test_prefix_hits_keep_outputs_and_images_never_share_kv(vlm, cases):
-    prompts, expected = cases
+    prompts, expected, _ = cases
     with make_engine(*vlm, max_num_batched_tokens=16) as engine:
         first, again, other = (
             run_ids(engine, [engine.image_prompt(*prompt)], [GREEDY])[0][0]
