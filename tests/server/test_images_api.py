@@ -83,12 +83,16 @@ def test_openai_image_url_parts(llava_server, clients, seeds):
     assert openai_answer(openai_client, content) == expected
 
 
-def test_openai_image_url_parts_to_a_smolvlm_that_tiles_them(smolvlm_dir):
-    """SmolVLM's images expand to tiles within their layout text (equal to transformers in
-    tests/inference/test_images_idefics3.py); over the API they answer as in the engine."""
+@pytest.mark.parametrize("checkpoint", ["smolvlm_dir", "qwen2_vl_dir"])
+def test_openai_image_url_parts_to_models_that_lay_images_out_otherwise(request, checkpoint):
+    """SmolVLM's images expand to tiles within their layout text, Qwen2-VL's to as many tokens
+    as their size gives, placed by M-RoPE (each equal to transformers in tests/inference/
+    test_images_idefics3.py and test_images_qwen2_vl.py); over the API they answer as in the
+    engine."""
     import openai
 
-    with serving(make_engine(smolvlm_dir, max_seq_len=1024)) as server:
+    directory = request.getfixturevalue(checkpoint)
+    with serving(make_engine(directory, max_seq_len=1024)) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
         content = openai_content(image_bytes(1), image_bytes(2))
         assert openai_answer(client, content) == engine_answer(server.engine, 1, 2)
