@@ -195,3 +195,28 @@ def test_weights_and_kv_pool_live_on_the_gpu(llama_dir, tokenizer):
     with make_engine(model, tokenizer, kv_cache_memory=0.01, max_batch_size=16384) as engine:
         pool_bytes = engine.cache.kv.nbytes
     assert 0.009 * free <= pool_bytes <= 0.0101 * free
+
+
+def test_the_cuda_steps_on_the_cpu_turn_qwen2_vl_images_by_mrope(qwen2_vl_dir):
+    """An image prompt's chunks through the Triton kernels (interpreted) rotate by its M-RoPE
+    positions, and its decodes by them shifted by rope_deltas: the CPU path's tokens and
+    logprobs (which equal transformers', tests/inference/test_images_qwen2_vl.py)."""
+    from tiny_models import noise_image
+
+    from astrai.tokenize import AutoTokenizer
+
+    model, tokenizer = (
+        AutoModel.from_pretrained(qwen2_vl_dir),
+        AutoTokenizer.from_pretrained(qwen2_vl_dir),
+    )
+    text = "Hello<|vision_start|><|image_pad|><|vision_end|> What is this?"
+    outputs = []
+    for on_device_steps in (False, True):
+        with make_engine(model, tokenizer, max_num_batched_tokens=8) as engine:
+            if on_device_steps:
+                device_steps(engine, graphs=False)
+            prompt = engine.image_prompt(tokenizer.encode(text), [noise_image(1)])
+            outputs.append(greedy_with_logprobs(engine, [prompt, [5, 6, 7]], max_tokens=6))
+    (expected_ids, expected_logprobs), (ids, logprobs) = outputs
+    assert ids == expected_ids
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=1e-4)

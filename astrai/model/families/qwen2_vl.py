@@ -13,16 +13,14 @@ from astrai.model.families.family import Family, VisionFamily, preprocessor_conf
 from astrai.model.vision.qwen2_vl import Qwen2VLVision
 from astrai.model.vision.qwen2_vl_processor import Qwen2VLImageProcessor
 
+# transformers' split where a config names none (a head of 128 dims)
+DEFAULT_MROPE_SECTION = (16, 24, 24)
+
 
 def _mrope(hf: dict[str, Any], decoder: Mapping[str, Any]) -> dict[str, Any]:
     """M-RoPE's split of the rotary frequencies over (temporal, height, width)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    section = params.get("mrope_section")
-    if section is None:
-        raise ConfigError(
-            f"{hf['model_type']} config.json names no mrope_section (in rope_parameters or "
-            "rope_scaling); Qwen2-VL's M-RoPE needs it"
-        )
+    section = params.get("mrope_section", DEFAULT_MROPE_SECTION)
     if hf.get("use_sliding_window"):
         raise ConfigError("use_sliding_window on a Qwen2-VL language model is not supported")
     return {"mrope_section": tuple(section)}

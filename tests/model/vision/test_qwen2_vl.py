@@ -153,7 +153,8 @@ def test_unsupported_settings_are_refused_by_name(qwen2_vl_dir, tmp_path, file, 
         AutoModel.from_pretrained(_edited_copy(qwen2_vl_dir, tmp_path, file, **settings))
 
 
-def test_a_language_model_without_mrope_section_is_refused(qwen2_vl_dir, tmp_path):
+def test_an_mrope_section_that_does_not_split_the_head_is_refused(qwen2_vl_dir, tmp_path):
+    """Without one, transformers' default (16, 24, 24) is for a head of 128 dims."""
     config = json.loads((qwen2_vl_dir / "config.json").read_text())
     del config["text_config"]["rope_parameters"]["mrope_section"]
     copy = _edited_copy(qwen2_vl_dir, tmp_path, text_config=config["text_config"])
