@@ -185,6 +185,29 @@ def test_prefix_hits_keep_outputs_and_images_never_share_kv(vlm, cases):
     ]
 
 
+def test_preempted_requests_recompute_with_their_images_and_positions(vlm, cases):
+    """Three image prompts that outgrow the pool side by side: the one preempted recomputes
+    its images and M-RoPE positions and answers as with room for all (30 tokens each)."""
+    prompts = cases[0][:3]
+    model, tokenizer = vlm
+    params = GenerationParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with make_engine(model, tokenizer) as engine:
+        image_prompts = [engine.image_prompt(*prompt) for prompt in prompts]
+        expected = [r[0].token_ids for r in run_ids(engine, image_prompts, [params] * 3)]
+    c = model.config
+    token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
+    # Room for the three prompts and a page more; each grows by two pages to its output.
+    pages = sum(-(-len(prompt) // 16) for prompt in image_prompts) + 1
+    with make_engine(
+        model, tokenizer, kv_cache_memory=pages * 16 * token_bytes, enable_prefix_cache=False
+    ) as engine:
+        image_prompts = [engine.image_prompt(*prompt) for prompt in prompts]
+        results = [r[0].token_ids for r in run_ids(engine, image_prompts, [params] * 3)]
+        preemptions = engine.get_stats().preemptions
+    assert preemptions > 0
+    assert results == expected
+
+
 def test_a_chat_request_renders_its_image_parts_as_qwen2_vl_does(vlm, checkpoint, hf_model):
     model, tokenizer = vlm
     image = noise_image(7, (50, 30))

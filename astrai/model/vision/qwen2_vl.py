@@ -322,7 +322,10 @@ class Qwen2VLVision(nn.Module):
     Each image is one tile standing for as many `<|image_pad|>` tokens as it has merged patch
     blocks, which varies with its size; a chat's image part renders as
     `<|vision_start|><|image_pad|><|vision_end|>` (placeholder_ids), as Qwen2-VL's template
-    writes it, and the language model places the tokens by M-RoPE (TiledImage.grid).
+    writes it, and the language model places the tokens by M-RoPE (TiledImage.grid). The
+    tower sees a whole image at once (its patches attend to each other), so it runs once per
+    image and chunked prefill may split the image's tokens anywhere: each chunk takes the
+    embeddings and M-RoPE positions of the rows it holds.
     """
 
     def __init__(self, hf: dict[str, Any], processor: Qwen2VLImageProcessor):
