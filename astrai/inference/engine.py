@@ -42,7 +42,8 @@ from astrai.inference.task import (
 )
 from astrai.model.automodel import resolve_dtype
 from astrai.model.lora import AdapterTable, LoraAdapter, read_adapter
-from astrai.model.vision.tiled_image import expand_image_tokens
+from astrai.model.vision.decode import ImageError
+from astrai.model.vision.tiled_image import TiledImage, expand_image_tokens
 
 log = logging.getLogger(__name__)
 
@@ -728,7 +729,7 @@ class InferenceEngine:
             )
         expanded, tiles = expand_image_tokens(
             token_ids,
-            [vision.tile(image) for image in images],
+            [self._tiled(vision, image, k) for k, image in enumerate(images)],
             image_token,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
         )
@@ -745,6 +746,15 @@ class InferenceEngine:
                 for image, i, start in tiles
             ),
         )
+
+    @staticmethod
+    def _tiled(vision: torch.nn.Module, image: Image.Image, index: int) -> TiledImage:
+        """The image preprocessed for the model; a RequestError naming it for one the model
+        cannot read (Qwen2-VL's, too narrow)."""
+        try:
+            return vision.tile(image)
+        except ImageError as exc:
+            raise RequestError(f"image {index + 1}: {exc}") from None
 
     def _sample_tasks(
         self,
@@ -947,7 +957,7 @@ def _map_results(results, fn):
     return [_map_results(r, fn) for r in results]
 
 
-def _pixels_digest(pixel_values) -> bytes:
+def _pixels_digest(pixel_values: torch.Tensor) -> bytes:
     """A tile's key in the prefix cache: a hash of its pixel values and their shape (two images
     of one size and different pixels, or of the same bytes laid out otherwise, differ)."""
     digest = hashlib.blake2b(repr(tuple(pixel_values.shape)).encode(), digest_size=16)

@@ -11,6 +11,7 @@ import torch
 from tiny_models import greedy_with_logprobs, make_engine, noise_image, run_ids
 
 from astrai.inference import GenerationParams, GenerationRequest
+from astrai.inference.task import RequestError
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -218,3 +219,13 @@ def test_a_chat_request_renders_its_image_parts_as_qwen2_vl_does(vlm, checkpoint
     with make_engine(model, tokenizer) as engine:
         assert engine.image_placeholder == IMAGE
         assert engine.generate_results(request).token_ids == expected
+
+
+def test_an_image_too_narrow_for_qwen2_vl_is_refused_by_its_number(vlm):
+    """transformers refuses an aspect ratio over 200; so does the engine, as a request error
+    (a 400 from the server), naming the image."""
+    model, tokenizer = vlm
+    ids = tokenizer.encode(TEXTS[1][0])
+    refused = pytest.raises(RequestError, match=r"image 2: the image is 402x2 pixels.*narrow")
+    with make_engine(model, tokenizer) as engine, refused:
+        engine.image_prompt(ids, [noise_image(1), noise_image(2, (402, 2))])

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from astrai.config import ConfigError
+from astrai.model.vision.decode import ImageError
 from astrai.model.vision.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalized, rgb
 from astrai.model.vision.tiled_image import TiledImage
 
@@ -31,9 +32,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """(height, width) rounded to multiples of factor, scaled into [min_pixels, max_pixels]
     with the aspect ratio kept as near as may be, as transformers' smart_resize computes it."""
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(
+        raise ImageError(
             f"the image is {width}x{height} pixels, more than {MAX_ASPECT_RATIO} times longer "
-            "to one side than the other; Qwen2-VL reads no image that narrow"
+            "to one side than the other; Qwen2-VL reads no image that narrow, so crop it"
         )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
