@@ -81,11 +81,14 @@ def test_generate_streams_the_engines_greedy_text(llama_dir, engine):
     assert "demo model" not in run.stderr
 
 
-@pytest.mark.parametrize("vlm", ["llava_dir", "smolvlm_dir", "smolvlm as GGUF and mmproj"])
+@pytest.mark.parametrize(
+    "vlm", ["llava_dir", "smolvlm_dir", "qwen2_vl_dir", "smolvlm as GGUF and mmproj"]
+)
 def test_generate_with_images_answers_as_the_engine(vlm, llama_dir, tmp_path, request):
     """The KV pool the command sizes holds the prompt with every image expanded (SmolVLM's into
-    tiles and their layout text). SmolVLM converted as llama.cpp ships it, a language model
-    GGUF file and an mmproj file (--mmproj), answers as its checkpoint does."""
+    tiles and their layout text, Qwen2-VL's into as many tokens as its size gives, between the
+    vision tokens its placeholder renders as). SmolVLM converted as llama.cpp ships it, a
+    language model GGUF file and an mmproj file (--mmproj), answers as its checkpoint does."""
     vlm_dir = request.getfixturevalue(vlm.split()[0] + "_dir" if " " in vlm else vlm)
     model_flags = ["--model", str(vlm_dir)]
     if " " in vlm:
