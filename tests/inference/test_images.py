@@ -1,7 +1,7 @@
 """Images in the prompt (a tiny LLaVA): greedy output equals transformers' generate with one
-and two images, alone, batched with text, in chunks, from the prefix cache and after
-preemption; each image is encoded once; the prefix cache never hands one image's KV to
-another."""
+and two images, alone, batched with text, in chunks and after preemption; each image is
+encoded once; and, for every vision-language family, the prefix cache never hands one image's
+KV to another and a hit answers as without it."""
 
 from __future__ import annotations
 
@@ -146,24 +146,35 @@ def test_embeddings_are_freed_once_their_placeholders_are_computed(llava, llava_
     assert held_at_first_token == [[False] * len(images) for _, images in prompts]
 
 
-def test_prefix_hits_keep_outputs_and_images_never_share_kv(llava, llava_tokenizer, cases):
-    """The same text with another image must not reuse the first image's KV (the poisoning
-    case); the same text and image must."""
-    prompts, expected = cases
-    same_text_other_image = prompts[2]
-    with make_engine(llava, llava_tokenizer) as engine:
+@pytest.mark.parametrize(
+    "checkpoint", ["llava_dir", "smolvlm_dir", "idefics3_dir", "qwen2_vl_dir", "qwen2_5_vl_dir"]
+)
+def test_prefix_hits_keep_outputs_and_images_never_share_kv(request, checkpoint):
+    """For every vision-language family: the same text with another image must not reuse the
+    first image's KV (the poisoning case); the same text and image must, and answer as
+    without the cache (each family's output without it equals transformers', above and in
+    test_images_idefics3.py and test_images_qwen2_vl.py)."""
+    directory = request.getfixturevalue(checkpoint)
+    model, tokenizer = (
+        AutoModel.from_pretrained(directory),
+        AutoTokenizer.from_pretrained(directory),
+    )
+    ids = tokenizer.encode("Hello world! The quick brown fox")
+    ids += [*model.vision.placeholder_ids, *tokenizer.encode(" What?", add_special_tokens=False)]
+    images = [noise_image(1), noise_image(4)]
+    with make_engine(model, tokenizer, enable_prefix_cache=False) as engine:
+        expected = outputs(engine, [(ids, [image]) for image in images])
+    # A different image changes the output: a hit on the first image's KV would show.
+    assert expected[0] != expected[1]
+    with make_engine(model, tokenizer, max_num_batched_tokens=16) as engine:
         first, again, other = (
-            run_ids(engine, [engine.image_prompt(*prompt)], [GREEDY])[0][0]
-            for prompt in (prompts[0], prompts[0], same_text_other_image)
+            run_ids(engine, [engine.image_prompt(ids, [image])], [GREEDY])[0][0]
+            for image in (images[0], images[0], images[1])
         )
     assert first.cached_tokens == 0
     assert again.cached_tokens > 0
     assert other.cached_tokens == 0
-    assert [first.token_ids, again.token_ids, other.token_ids] == [
-        expected[0],
-        expected[0],
-        expected[2],
-    ]
+    assert [first.token_ids, again.token_ids, other.token_ids] == [*expected[:1], *expected]
 
 
 def test_preempted_requests_recompute_with_their_images(llava, llava_tokenizer, cases):

@@ -1,7 +1,7 @@
 """Images in the prompt of a tiny SmolVLM (images split into tiles) and a tiny Idefics3 (one
 tile an image): greedy output equals transformers' generate with one and two images, alone,
-batched with text, in small chunks and from the prefix cache; another image with the same
-text never reuses the first one's KV."""
+batched with text, in small chunks and after preemption (the prefix cache's test, for every
+family, is in test_images.py)."""
 
 from __future__ import annotations
 
@@ -93,23 +93,6 @@ def test_batched_with_text_in_small_chunks(vlm, cases):
         [text_alone] = outputs(engine, text)
     with make_engine(*vlm, max_num_batched_tokens=7, enable_prefix_cache=False) as engine:
         assert outputs(engine, [text[0], *prompts, text[0]]) == [text_alone, *expected, text_alone]
-
-
-def test_prefix_hits_keep_outputs_and_images_never_share_kv(vlm, cases):
-    prompts, expected = cases
-    with make_engine(*vlm, max_num_batched_tokens=16) as engine:
-        first, again, other = (
-            run_ids(engine, [engine.image_prompt(*prompt)], [GREEDY])[0][0]
-            for prompt in (prompts[0], prompts[0], prompts[2])
-        )
-    assert first.cached_tokens == 0
-    assert again.cached_tokens > 0
-    assert other.cached_tokens == 0
-    assert [first.token_ids, again.token_ids, other.token_ids] == [
-        expected[0],
-        expected[0],
-        expected[2],
-    ]
 
 
 def test_preempted_requests_recompute_with_their_tiles(vlm, cases):

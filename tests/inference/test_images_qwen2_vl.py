@@ -1,8 +1,8 @@
 """Images in the prompt of a tiny Qwen2-VL and a tiny Qwen2.5-VL (images of several sizes, M-RoPE
 positions): greedy output equals transformers' generate with one and two images and with
-text only, alone, in a ragged batch with small chunks, from the prefix cache; another image
-with the same text never reuses the first one's KV; a chat request renders its image parts
-as Qwen2-VL's template does."""
+text only, alone, in a ragged batch with small chunks, after preemption; a chat request
+renders its image parts as Qwen2-VL's template does (the prefix cache's test, for every
+family, is in test_images.py)."""
 
 from __future__ import annotations
 
@@ -167,23 +167,6 @@ def test_batched_in_small_chunks(vlm, cases):
             [expected[i] for i in order],
             [logprobs[i] for i in order],
         )
-
-
-def test_prefix_hits_keep_outputs_and_images_never_share_kv(vlm, cases):
-    prompts, expected, _ = cases
-    with make_engine(*vlm, max_num_batched_tokens=16) as engine:
-        first, again, other = (
-            run_ids(engine, [engine.image_prompt(*prompt)], [GREEDY])[0][0]
-            for prompt in (prompts[0], prompts[0], prompts[2])
-        )
-    assert first.cached_tokens == 0
-    assert again.cached_tokens > 0
-    assert other.cached_tokens == 0
-    assert [first.token_ids, again.token_ids, other.token_ids] == [
-        expected[0],
-        expected[0],
-        expected[2],
-    ]
 
 
 def test_preempted_requests_recompute_with_their_images_and_positions(vlm, cases):
