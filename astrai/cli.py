@@ -892,6 +892,7 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 def _generate(args: argparse.Namespace, config: EngineConfig, params: GenerationParams) -> int:
     from astrai.inference import GenerationRequest, InferenceEngine
+    from astrai.inference.engine import image_placeholder
     from astrai.model.vision.tiled_image import expand_image_tokens
 
     model_dir = _model_path(args)
@@ -909,7 +910,7 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
         content = [*parts, {"type": "text", "text": prompt}]
         prompt = GenerationRequest(({"role": "user", "content": content},), params)
         vision = model.vision
-        placeholder = "".join(tokenizer.id_to_token(t) for t in vision.placeholder_ids)
+        placeholder = image_placeholder(vision, tokenizer)
         prompt_ids = tokenizer.apply_chat_template(prompt.rendered_messages(placeholder))
         expanded, _ = expand_image_tokens(
             prompt_ids,

@@ -140,6 +140,12 @@ class ImagePrompt(Sequence[int]):
         return self.token_ids[index]
 
 
+def image_placeholder(vision: torch.nn.Module, tokenizer: Any) -> str:
+    """The text a chat message's image part renders as for a model's vision module: its image
+    token, within the tokens the model's chat template writes around it (placeholder_ids)."""
+    return "".join(tokenizer.id_to_token(token) for token in vision.placeholder_ids)
+
+
 def render_parts(parts: Sequence[str | Any], placeholder: str) -> str:
     """A message's content parts as one string: text parts as they are, each image part (any
     part that is not a str) as the model's image placeholder on a line of its own, as
@@ -551,8 +557,7 @@ class InferenceEngine:
         """The text a chat message's image part renders as (the model's image token, within
         the tokens its chat template writes around it); a RequestError for a model without a
         vision encoder."""
-        placeholder_ids = self.check_images(0).placeholder_ids
-        return "".join(self.tokenizer.id_to_token(token) for token in placeholder_ids)
+        return image_placeholder(self.check_images(0), self.tokenizer)
 
     def check_images(self, n_images: int) -> torch.nn.Module:
         """The model's vision encoder, for a prompt of n_images images; a RequestError when the
