@@ -20,6 +20,7 @@ from astrai.config import POOLINGS, ConfigError, EngineConfig
 from astrai.inference.constraints import CompiledConstraint, Constraint, ConstraintCompiler
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
+from astrai.inference.mrope import MRopePositions
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.speculative import (
     DraftModelProposer,
@@ -771,6 +772,8 @@ class InferenceEngine:
         pooling: str | None = None,
     ) -> list[Task]:
         """The n tasks of one prompt; each sample has its own constraint state."""
+        grids = [(image.start, image.grid) for image in images if image.grid is not None]
+        mrope = MRopePositions.of(len(prompt_ids), grids) if grids else None
         tasks: list[Task] = []
         for i in range(params.n):
             sample_params = params
@@ -787,6 +790,7 @@ class InferenceEngine:
                     constraint=None if compiled is None else compiled.new_state(),
                     pooling=pooling,
                     images=images,
+                    mrope=mrope,
                 )
             )
         return tasks

@@ -14,6 +14,7 @@ import torch
 from astrai.inference.attention import CacheView, DeviceCacheView, ragged_layout
 from astrai.inference.constraints import BatchMasker, ConstraintState, TokenMask
 from astrai.inference.kv_cache import KVStore
+from astrai.inference.mrope import plain_positions
 from astrai.inference.sample import SamplingBatch, SamplingPipeline, sample
 from astrai.inference.step_batch import ImageRows, StepBatch
 from astrai.inference.task import PromptImage, Task, TokenLogprob
@@ -472,7 +473,13 @@ class ModelExecutor:
         mrope_positions = None
         if any(c.task.mrope is not None for c in chunks):
             mrope_positions = np.concatenate(
-                [c.task.rope_positions(c.start, c.length) for c in chunks], axis=1
+                [
+                    plain_positions(c.start, c.length)
+                    if c.task.mrope is None
+                    else c.task.mrope.rows(c.start, c.length)
+                    for c in chunks
+                ],
+                axis=1,
             )
         batch = StepBatch.build(
             seqs, token_ids, self.pages, self.kv.page_size, spans, rows, hidden_rows, images,

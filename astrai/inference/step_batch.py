@@ -55,7 +55,7 @@ class StepBatch:
     # to tensor-parallel workers (load_sharded loads no vision encoder).
     images: ImageRows | None = None
     # [3, num_tokens] each row's M-RoPE positions, where a sequence of the step has a prompt
-    # with images on a model with M-RoPE (Task.rope_positions); None: rope turns by positions.
+    # with images on a model with M-RoPE (Task.mrope); None: rope turns by positions.
     mrope_positions: np.ndarray | None = None
 
     @classmethod

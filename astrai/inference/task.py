@@ -12,16 +12,14 @@ from enum import Enum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from astrai.config import setting
 from astrai.inference.constraints import Constraint, ConstraintState
 from astrai.inference.stop_strings import StopStringMatcher
-from astrai.model.rope import MRopePositions
 
 if TYPE_CHECKING:
     import torch
 
+    from astrai.inference.mrope import MRopePositions
     from astrai.model.lora import LoraAdapter
 
 
@@ -446,6 +444,7 @@ class Task:
         adapter: LoraAdapter | None = None,
         pooling: str | None = None,
         images: Sequence[PromptImage] = (),
+        mrope: MRopePositions | None = None,
     ) -> None:
         """pooling ("last" or "mean") makes an embedding task, which has max_tokens 0."""
         self.id = next(_task_ids)
@@ -453,14 +452,9 @@ class Task:
         # The prompt's images, in the order of their placeholder tokens (shared by the samples
         # of one prompt).
         self.images = list(images)
-        # M-RoPE's positions of a prompt with images (Qwen2-VL), once for all its samples; None
-        # where every token's rope position is its index.
-        self.mrope: MRopePositions | None = None
-        if parent is not None:
-            self.mrope = parent.mrope
-        elif any(image.grid is not None for image in self.images):
-            grids = [(image.start, image.grid) for image in self.images]
-            self.mrope = MRopePositions.of(len(self.prompt_ids), grids)
+        # M-RoPE's positions of a prompt with images (Qwen2-VL), shared by the samples of one
+        # prompt; None where every token's rope position is its index.
+        self.mrope = mrope
         self.params = params
         self.callback = callback
         self.parent = parent
@@ -496,13 +490,6 @@ class Task:
         # The samples of one prompt differ in their seed alone: they share the first's matcher.
         self._stop_matcher = parent._stop_matcher if parent is not None else params.stop_matcher
         self._stop_state = 0  # the matcher's state after all of _text
-
-    def rope_positions(self, start: int, length: int) -> np.ndarray:
-        """[3, length] the M-RoPE positions of tokens start .. start + length - 1: the three
-        equal to the token's index where the prompt has no image grids."""
-        if self.mrope is not None:
-            return self.mrope.rows(start, length)
-        return np.broadcast_to(np.arange(start, start + length), (3, length))
 
     @property
     def all_ids(self) -> list[int]:

@@ -13,8 +13,8 @@ import torch
 from tiny_models import QWEN2_VL_PIXELS, noise_image
 
 from astrai.config import ConfigError
+from astrai.inference.mrope import MRopePositions
 from astrai.model import AutoModel
-from astrai.model.rope import MRopePositions
 
 FAMILIES = {"qwen2_vl_dir": "Qwen2VL", "qwen2_5_vl_dir": "Qwen2_5_VL"}
 
