@@ -43,25 +43,12 @@ from tiny_models import (  # noqa: E402
     write_tokenizer,
 )
 
-from astrai.kernels import linear_ops, native, quant_ops  # noqa: E402
-
 
 @pytest.fixture(autouse=True)
-def untuned_linears(monkeypatch, tmp_path):
-    """Each test starts on the linear paths used before any timing; an engine it builds
-    applies its own (timed once a process), and they end with the test. Timings are kept in
-    a cache of the test's own, never the user's, so a faked timing stays in its test."""
-    monkeypatch.setattr(linear_ops, "_paths", {})
-    monkeypatch.setattr(quant_ops, "_paths", {})
+def private_tuning_cache(monkeypatch, tmp_path):
+    """Kernel timings are kept in a cache of the test's own, never the user's, so that a faked
+    timing stays in its test. (Each engine owns its KernelPlan: there is nothing to reset.)"""
     monkeypatch.setenv("ASTRAI_CACHE_DIR", str(tmp_path / "astrai-cache"))
-    kernel = native.skinny_linear
-    if kernel is None:
-        yield
-        return
-    bf16_path, prefetch = kernel.bf16_path(), kernel.prefetch()
-    yield
-    kernel.set_bf16_path(bf16_path)
-    kernel.set_prefetch(prefetch)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from astrai.config import ACTIVATION_PRECISIONS
 from astrai.inference.executor import ExecutorFailedError, ModelExecutor
 from astrai.inference.kv_cache import KVStore, PagedCache
 from astrai.inference.step_batch import StepBatch
-from astrai.kernels.quant_ops import DEFAULT_ACTIVATION_PRECISION
+from astrai.kernels.kernel_plan import DEFAULT_ACTIVATION_PRECISION
 
 STOP_MESSAGE, KV_POOL, STEP = 0, 1, 2  # the kinds of rank 0's messages, a header's first int
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # as KV_POOL names them
@@ -95,13 +95,14 @@ def gathered_logits(group: StepChannel, logits: torch.Tensor) -> torch.Tensor | 
     return group.gather_columns(logits)
 
 
-def serve_steps(group: StepChannel, model: torch.nn.Module) -> None:
-    """A worker's loop: run every step rank 0 sends on this rank's shard, until STOP."""
+def serve_steps(group: StepChannel, model: torch.nn.Module) -> ModelExecutor | None:
+    """A worker's loop: run every step rank 0 sends on this rank's shard, until STOP; returns
+    the executor the steps ran on (None if rank 0 sent none), with its KernelPlan."""
     executor = None
     while True:
         header = group.receive_header()
         if header[0] == STOP_MESSAGE:
-            return
+            return executor
         if header[0] == KV_POOL:
             _, n_pages, page_size, dtype, batch_invariant = header
             precision = ACTIVATION_PRECISIONS[int(group.receive_body(1)[0])]

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from astrai.distributed.executor import STOP_MESSAGE, TensorParallelExecutor
 from astrai.kernels.graph import launch
 from astrai.kernels.native import kernel_op
-from astrai.kernels.quant_ops import DEFAULT_ACTIVATION_PRECISION
+from astrai.kernels.kernel_plan import DEFAULT_ACTIVATION_PRECISION
 
 log = logging.getLogger(__name__)
 

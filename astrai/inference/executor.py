@@ -21,16 +21,12 @@ from astrai.inference.task import PromptImage, Task, TokenLogprob
 from astrai.kernels import (
     SKINNY_MAX_ROWS,
     Arena,
-    Linear,
+    KernelPlan,
     StepGraph,
     data_addresses,
-    tune_linears,
+    tune_kernels,
 )
-from astrai.kernels.quant_ops import (
-    DEFAULT_ACTIVATION_PRECISION,
-    quantized_linears,
-    tune_quant_linears,
-)
+from astrai.kernels.kernel_plan import DEFAULT_ACTIVATION_PRECISION
 from astrai.model.lora import AdapterTable, row_adapters
 
 log = logging.getLogger("astrai.executor")
@@ -362,7 +358,8 @@ class ModelExecutor:
         with which execute lays out its steps (a tensor-parallel worker, sent its steps laid
         out, has none). On CUDA, cuda_graphs replays decode steps from CUDA graphs
         (CudaSteps), whose page tables have room for max_seq_len tokens (default: the model's
-        context); with LoRA adapters steps run eagerly. On the CPU, batch_invariant keeps
+        context); with LoRA adapters steps run eagerly. On the CPU, the linears' paths are timed
+        into this executor's KernelPlan, which its steps run on: batch_invariant keeps
         quantized linears on their kernel at every batch size, and the kernel quantizes their x
         at activation_precision. Each step tells adapters which rows use which adapter."""
         self.model = model
@@ -379,18 +376,9 @@ class ModelExecutor:
             max_seq_len = max_seq_len or model.config.max_len
             graphs = cuda_graphs and adapters is None
             self.cuda_steps = CudaSteps(model, kv, max_batch_size, max_seq_len, graphs)
+        self.kernel_plan = KernelPlan(batch_invariant, activation_precision)
         if self.device.type == "cpu":
-            dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
-            if dense:
-                tune_linears(dense)
-            quantized = quantized_linears(model, activation_precision)
-            if quantized:
-                tune_quant_linears(
-                    [m.weight for m in quantized],
-                    model.dtype,
-                    batch_invariant,
-                    activation_precision,
-                )
+            self.kernel_plan = tune_kernels(model, batch_invariant, activation_precision)
             self.recorded = RecordedLayers(model)
             release_openmp_workers()  # after the timing, which ran on this thread's pool
 
@@ -400,6 +388,10 @@ class ModelExecutor:
         hidden states [len(hidden_rows), dim] of its hidden rows (None without them)."""
         if self.cuda_steps is not None:
             return self.cuda_steps.forward(batch)
+        with self.kernel_plan.active():
+            return self._forward_on_cpu(batch)
+
+    def _forward_on_cpu(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         view = CacheView(self.kv, batch)
         model = self.model
         lengths = None

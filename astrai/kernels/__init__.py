@@ -14,19 +14,17 @@ from astrai.kernels.fused_ops import (
     silu_and_mul,
 )
 from astrai.kernels.graph import Arena, StepGraph, data_addresses, launch_opaque
-from astrai.kernels.linear_ops import (
-    SKINNY_MAX_ROWS,
-    Linear,
-    LinearPath,
-    linear,
-    tune_linears,
-)
+from astrai.kernels.kernel_plan import SKINNY_MAX_ROWS, KernelPlan, LinearChoice, LinearPath
+from astrai.kernels.linear_ops import Linear, linear, tune_linears
 from astrai.kernels.paged_attention import PagedDecode
+from astrai.kernels.tuning import tune_kernels
 
 __all__ = [
     "SKINNY_MAX_ROWS",
     "Arena",
+    "KernelPlan",
     "Linear",
+    "LinearChoice",
     "LinearPath",
     "PagedDecode",
     "StepGraph",
@@ -38,5 +36,6 @@ __all__ = [
     "linear",
     "rms_norm",
     "silu_and_mul",
+    "tune_kernels",
     "tune_linears",
 ]

@@ -18,21 +18,22 @@ bf16 one does. Paths, as for the dense linears (linear_ops.LinearPath):
   where a matrix unit (AMX) runs those several times as fast as fp32 ones. It rounds x to 8
   significant bits, as the kernel's int8 blocks do (coarser, there), and W's decoded values.
 
-tune_quant_linears() times them on the model's own weights once per process (and the kernel's
-CPU paths, among those the CPU runs); ASTRAI_LINEAR_PATH forces one, as for dense linears. The
-kernel's result for a row of x does not depend on the batch, a GEMM path's roundings differ
-from it, so an engine takes the GEMM paths only when built with batch_invariant=False.
+tune_quant_linears() times them on the model's own weights when an engine is built (and the
+kernel's CPU paths, among those the CPU runs), and the engine's KernelPlan keeps the answer,
+as for dense linears (kernel_plan.py). The kernel's result for a row of x does not depend on
+the batch, a GEMM path's roundings differ from it, so an engine takes the GEMM paths only when
+built with batch_invariant=False.
 Without the C extension, W is dequantized once (NumPy, as the gguf package does) for F.linear.
 
 A model holds a QuantizedWeight per quantized linear (QuantizedWeight.from_gguf on the GGUF
-tensor's bytes) and calls quant_linear(x, weight, bias), or builds a QuantizedLinear; an
+tensor's bytes) and calls quant_linear(x, weight, bias), or builds a QuantizedLinear (which
+reads its activation precision from the active plan too); an
 embedding table in blocks is a QuantizedEmbedding, whose lookups decode only the rows asked for.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,26 +44,26 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
-from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
-from astrai.kernels.linear_ops import (
+from astrai.kernels.kernel_plan import (
+    ACTIVATION_TERMS,
+    DEFAULT_ACTIVATION_PRECISION,
     DEFAULT_PREFETCH,
-    ISA_TIMED_ROWS,
-    PREFETCH_DISTANCES,
     ROW_BUCKETS,
     SKINNY_MAX_ROWS,
+    LinearChoice,
     LinearPath,
+    active_plan,
     fastest,
-    forced_path,
+    fastest_isa,
+    fastest_prefetch,
     streamed_weights,
+    time_pass,
+    untuned_choice,
 )
 from astrai.kernels.native import kernel_op
 from astrai.kernels.quant_blocks import BLOCK_TYPES, dense_weight, pack_blocks, packed_fields
-
-# Activation precision (int8x2, int8) -> the terms the kernel quantizes each row of x into.
-ACTIVATION_TERMS = dict(zip(ACTIVATION_PRECISIONS, (2, 1), strict=True))
-DEFAULT_ACTIVATION_PRECISION = ACTIVATION_PRECISIONS[0]
 
 
 @dataclass
@@ -103,23 +104,9 @@ class QuantizedWeight:
         return self._kept[dtype]
 
 
-# x dtype -> the path of each row bucket, set by tune_quant_linears()
-_paths: dict[torch.dtype, list[LinearPath]] = {}
-_timed: dict[tuple, list[LinearPath]] = {}
-
-
-def _untuned(dtype: torch.dtype) -> list[LinearPath]:
-    large = LinearPath.UPCAST if dtype == torch.bfloat16 else LinearPath.GEMM
-    return [LinearPath.KERNEL if b <= SKINNY_MAX_ROWS else large for b in ROW_BUCKETS]
-
-
-def choose_path(x: Tensor) -> LinearPath:
-    """The path for x [rows, in_features]: forced, else tuned (or the untuned default)."""
-    path = forced_path()
-    if path is None:
-        rows = x.shape[0]
-        paths = _paths.get(x.dtype) or _untuned(x.dtype)
-        path = next((p for b, p in zip(ROW_BUCKETS, paths, strict=True) if rows <= b), paths[-1])
+def choose_path(x: Tensor, choice: LinearChoice) -> LinearPath:
+    """The path for x [rows, in_features]: choice's for its rows, where it runs."""
+    path = choice.path(x.shape[0])
     if path is LinearPath.UPCAST and x.dtype != torch.bfloat16:
         path = LinearPath.GEMM
     if path is LinearPath.DOWNCAST and x.dtype != torch.float32:
@@ -161,13 +148,19 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
 
 
 def _dense_linear(
-    out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None, dtype: torch.dtype
+    out: Tensor,
+    x: Tensor,
+    packed: Tensor,
+    qtype: int,
+    bias: Tensor | None,
+    dtype: torch.dtype,
+    transposed: bool,
 ) -> None:
     """out = x W^T + b by PyTorch's GEMM in dtype on W dequantized to it; b is added in the
-    wider of dtype and out's, then rounded into out once. The AVX-512 path writes W^T, a
-    column's 16 rows with one store, several times as fast as W's rows one at a time."""
+    wider of dtype and out's, then rounded into out once. transposed (on the AVX-512 path
+    only) writes W^T, a column's 16 rows with one store, several times as fast as W's rows one
+    at a time."""
     shape = (out.shape[1], x.shape[1])
-    transposed = native.quant_linear.isa() == "avx512vnni"
     scratch = _scratch(shape[::-1] if transposed else shape, dtype)
     weight = _dequantize(packed, qtype, shape, dtype, scratch, transposed)
     product = torch.mm(x.to(dtype), weight if transposed else weight.t())
@@ -182,72 +175,86 @@ _GEMM_DTYPES = {LinearPath.UPCAST: torch.float32, LinearPath.DOWNCAST: torch.bfl
 
 
 def _run(
-    path, out: Tensor, x: Tensor, packed: Tensor, qtype: int, bias: Tensor | None, terms: int
+    path: LinearPath,
+    out: Tensor,
+    x: Tensor,
+    packed: Tensor,
+    qtype: int,
+    bias: Tensor | None,
+    terms: int,
+    isa: str,
+    prefetch: int,
 ) -> None:
     """out [rows, out_features] = x [rows, in_features] W^T + b along path; the kernel
-    quantizes x in terms (ACTIVATION_TERMS)."""
+    quantizes x in terms (ACTIVATION_TERMS) on its CPU path isa, prefetching W prefetch bytes
+    ahead, and a GEMM path on the AVX-512 ISA dequantizes W transposed."""
     if path is LinearPath.KERNEL:
         launch(
             native.quant_linear.linear,
             out.data_ptr(), x.data_ptr(), packed.data_ptr(), packed.nbytes,
             0 if bias is None else bias.data_ptr(), x.shape[0], x.shape[1], out.shape[1], qtype,
-            x.dtype == torch.bfloat16, terms,
+            x.dtype == torch.bfloat16, terms, isa, prefetch,
         )  # fmt: skip
     else:
         dtype = _GEMM_DTYPES.get(path, x.dtype)
-        launch(_dense_linear, out, x, packed, qtype, bias, dtype)
+        launch(_dense_linear, out, x, packed, qtype, bias, dtype, isa == "avx512vnni")
 
 
 @kernel_op(
     "quant_linear",
-    fake=lambda x, packed, qtype, out_features, bias, terms: x.new_empty(
+    fake=lambda x, packed, qtype, out_features, bias, path, terms, isa, prefetch: x.new_empty(
         *x.shape[:-1], out_features
     ),
 )
 def _quant_linear_op(
-    x: Tensor, packed: Tensor, qtype: int, out_features: int, bias: Tensor | None, terms: int
+    x: Tensor,
+    packed: Tensor,
+    qtype: int,
+    out_features: int,
+    bias: Tensor | None,
+    path: str,
+    terms: int,
+    isa: str,
+    prefetch: int,
 ) -> Tensor:
     rows_shape = x.shape[:-1]
     x = x.view(-1, x.shape[-1])
     out = new_output((x.shape[0], out_features), x.dtype)
-    _run(choose_path(x), out, x, packed, qtype, bias, terms)
+    _run(LinearPath(path), out, x, packed, qtype, bias, terms, isa, prefetch)
     return out.view(*rows_shape, out_features)
 
 
-def quant_linear(
-    x: Tensor,
-    weight: QuantizedWeight,
-    bias: Tensor | None = None,
-    activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
-) -> Tensor:
-    """F.linear(x, W, bias) for a quantized W, on the CPU by the path tuning chose, the kernel
-    quantizing x at activation_precision (a key of ACTIVATION_TERMS)."""
+def quant_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, W, bias) for a quantized W, on the CPU by the path the active KernelPlan
+    chose for x's rows, the kernel quantizing x at the plan's activation precision."""
     if native.quant_linear is not None and native.cpu_kernel_may_take(x, bias):
+        x = x.contiguous()
+        plan = active_plan()
+        choice = plan.quantized_choice(x.dtype)
         return torch.ops.astrai.quant_linear(
-            x.contiguous(),
+            x,
             weight.packed,
             int(weight.qtype),
             weight.shape[0],
             bias,
-            ACTIVATION_TERMS[activation_precision],
+            choose_path(x.view(-1, x.shape[-1]), choice),
+            plan.activation_terms,
+            choice.isa,
+            choice.prefetch,
         )
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
 class QuantizedLinear(nn.Module):
-    """A linear layer whose W stays quantized: what a model builds for a quantized tensor.
-
-    activation_precision is how its kernel rounds x; the engine that runs the model sets it
-    (EngineConfig.activation_precision)."""
+    """A linear layer whose W stays quantized: what a model builds for a quantized tensor."""
 
     def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None):
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.activation_precision = DEFAULT_ACTIVATION_PRECISION
 
     def forward(self, x: Tensor) -> Tensor:
-        return quant_linear(x, self.weight, self.bias, self.activation_precision)
+        return quant_linear(x, self.weight, self.bias)
 
 
 @kernel_op(
@@ -288,17 +295,6 @@ class QuantizedEmbedding(nn.Module):
         )
 
 
-def quantized_linears(model: nn.Module, activation_precision: str) -> list[QuantizedLinear]:
-    """The model's quantized linears, each set to quantize its x at activation_precision."""
-    if activation_precision not in ACTIVATION_TERMS:
-        choices = ", ".join(ACTIVATION_TERMS)
-        raise ValueError(f"activation precision {activation_precision!r}: use one of {choices}")
-    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    for linear in linears:
-        linear.activation_precision = activation_precision
-    return linears
-
-
 def _concat_into(out: Tensor, parts: list[Tensor], bias: Tensor | None) -> None:
     torch.cat(parts, dim=-1, out=out)
     if bias is not None:
@@ -322,23 +318,20 @@ def concat_columns(parts: list[Tensor], bias: Tensor | None = None) -> Tensor:
 def _time_path(
     path: LinearPath,
     weights: Sequence[QuantizedWeight],
-    dtype,
+    dtype: torch.dtype,
     terms: int,
     rows: int,
     limit: float,
+    isa: str,
+    prefetch: int = DEFAULT_PREFETCH,
 ) -> float:
-    """Seconds for one pass of rows x every weight along path; inf once it passes limit."""
-    generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
-    inputs = {
-        w.shape[1]: torch.randn(rows, w.shape[1], generator=generator).to(dtype) for w in weights
-    }
-    outs = [torch.empty(rows, w.shape[0], dtype=dtype) for w in weights]
-    start = time.perf_counter()
-    for w, out in zip(weights, outs, strict=True):
-        _run(path, out, inputs[w.shape[1]], w.packed, w.qtype, None, terms)
-        if time.perf_counter() - start > limit:
-            return float("inf")
-    return time.perf_counter() - start
+    """Seconds for one pass of rows x every weight along path (the kernel on isa, prefetching
+    prefetch bytes ahead); inf once it passes limit."""
+
+    def product(out: Tensor, x: Tensor, w: QuantizedWeight) -> None:
+        _run(path, out, x, w.packed, w.qtype, None, terms, isa, prefetch)
+
+    return time_pass(weights, dtype, rows, limit, product)
 
 
 @torch.inference_mode()
@@ -347,30 +340,29 @@ def tune_quant_linears(
     dtype: torch.dtype,
     batch_invariant: bool = True,
     activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
-) -> dict[int, LinearPath]:
-    """Time the paths for x of dtype on these weights (one model's quantized linears, in
-    order; once per machine, as tuning_cache keeps the answer) -- first the kernel's CPU paths
-    at ISA_TIMED_ROWS, keeping the fastest, then its prefetch distance -- use the fastest path per
-    row bucket from now on (the kernel at every bucket if batch_invariant), and return them
-    {bucket: path}.
+    forced: LinearPath | None = None,
+) -> LinearChoice:
+    """The choice for x of dtype on these weights (one model's quantized linears, in order),
+    timed once per machine (tuning_cache keeps the answer): first the kernel's CPU paths at
+    ISA_TIMED_ROWS, keeping the fastest, then its prefetch distance, then the fastest path per
+    row bucket (the kernel at every bucket if batch_invariant). With a forced path, nothing is
+    timed.
 
     batch_invariant keeps the kernel at every bucket: its result for a row of x does not
     depend on the other rows, while a GEMM path's roundings differ from it (x in bf16 or
     fp32, not int8 blocks), so a prompt prefilled in a batch past the kernel's buckets would
     continue otherwise than the same prompt alone. The kernel is timed quantizing x at
     activation_precision, as it will run."""
+    if native.quant_linear is None or forced is not None:
+        return untuned_choice(True, dtype, forced)
     terms = ACTIVATION_TERMS[activation_precision]
-    key = (dtype, terms, tuple((w.qtype, w.shape) for w in weights))
-    if native.quant_linear is not None and key not in _timed and forced_path() is None:
-        isa, distance, *paths = tuning_cache.remembered(
-            "quant_linear", dtype, key[1:], lambda: _fastest_isa_and_paths(weights, dtype, terms)
-        )
-        native.quant_linear.set_isa(isa)
-        native.quant_linear.set_prefetch(int(distance))
-        _timed[key] = [LinearPath(path) for path in paths]
-    if key in _timed:
-        _paths[dtype] = [LinearPath.KERNEL] * len(ROW_BUCKETS) if batch_invariant else _timed[key]
-    return dict(zip(ROW_BUCKETS, _paths.get(dtype) or _untuned(dtype), strict=True))
+    shapes = (terms, tuple((w.qtype, w.shape) for w in weights))
+    isa, distance, *paths = tuning_cache.remembered(
+        "quant_linear", dtype, shapes, lambda: _fastest_isa_and_paths(weights, dtype, terms)
+    )
+    if batch_invariant:
+        return LinearChoice.everywhere(LinearPath.KERNEL, isa, int(distance))
+    return LinearChoice(tuple(LinearPath(p) for p in paths), isa, int(distance))
 
 
 def _fastest_isa_and_paths(
@@ -386,24 +378,11 @@ def _fastest_isa_and_paths(
     streamed = streamed_weights(weights, QuantizedWeight.nbytes)
     isas = native.quant_linear.isas()[::-1]  # the widest first: it wins ties
 
-    def kernel_on(isa: str, limit: float) -> float:
-        native.quant_linear.set_isa(isa)
-        seconds = 0.0
-        for rows in ISA_TIMED_ROWS:
-            seconds += _time_path(LinearPath.KERNEL, streamed, dtype, terms, rows, limit - seconds)
-        return seconds
+    def kernel_pass(isa: str, distance: int, rows: int, limit: float) -> float:
+        return _time_path(LinearPath.KERNEL, streamed, dtype, terms, rows, limit, isa, distance)
 
-    native.quant_linear.set_prefetch(DEFAULT_PREFETCH)
-    isa = fastest({i: partial(kernel_on, i) for i in isas}, isas[0])
-    native.quant_linear.set_isa(isa)
-
-    def kernel_prefetching(distance: int, limit: float) -> float:
-        native.quant_linear.set_prefetch(distance)
-        return _time_path(LinearPath.KERNEL, streamed, dtype, terms, 1, limit)
-
-    timings = {d: partial(kernel_prefetching, d) for d in PREFETCH_DISTANCES}
-    distance = fastest(timings, DEFAULT_PREFETCH)
-    native.quant_linear.set_prefetch(distance)
+    isa = fastest_isa(isas, isas[0], kernel_pass)
+    distance = fastest_prefetch(isa, kernel_pass, (1,))
     paths = []
     for bucket in ROW_BUCKETS:
         # few rows stream the weights; many are bound by arithmetic: a layer's weights
@@ -412,6 +391,9 @@ def _fastest_isa_and_paths(
         candidates = [LinearPath.KERNEL] if all(p is LinearPath.KERNEL for p in paths) else []
         candidates.append(LinearPath.GEMM)
         candidates.append(LinearPath.UPCAST if dtype == torch.bfloat16 else LinearPath.DOWNCAST)
-        timings = {p: partial(_time_path, p, timed, dtype, terms, bucket) for p in candidates}
+        timings = {
+            p: partial(_time_path, p, timed, dtype, terms, bucket, isa=isa, prefetch=distance)
+            for p in candidates
+        }
         paths.append(fastest(timings, LinearPath.KERNEL))
     return [isa, distance, *paths]

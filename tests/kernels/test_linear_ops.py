@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_switch import requires_compiler
+from kernel_switch import forced_plan, requires_compiler
 
 from astrai.kernels import SKINNY_MAX_ROWS, Linear, LinearPath, linear, native, tune_linears
 from astrai.kernels import linear_ops as linear_module
+from astrai.kernels import kernel_plan
+from astrai.kernels.kernel_plan import active_plan
 from astrai.kernels.linear_ops import choose_path
 
 needs_kernel = pytest.mark.skipif(
@@ -16,9 +20,10 @@ needs_kernel = pytest.mark.skipif(
 
 def runs_skinny(x, weight, bias=None) -> bool:
     """Whether linear(x, weight, bias) takes the skinny kernel."""
+    choice = active_plan().dense_choice(x.dtype)
     return (
         native.cpu_kernel_may_take(x, weight, bias)
-        and choose_path(x.reshape(-1, x.shape[-1]), weight, bias) is LinearPath.KERNEL
+        and choose_path(x.reshape(-1, x.shape[-1]), weight, bias, choice) is LinearPath.KERNEL
     )
 
 
@@ -35,15 +40,31 @@ BF16_PATHS = ("vec8", "avx512", "avx512bf16")
 
 
 @pytest.fixture(params=BF16_PATHS)
-def bf16_path(request) -> str:
-    """Run a test on each CPU path of the kernel's bf16 products, where this CPU runs it (the
-    suite's fixture restores the path after the test)."""
+def bf16_path(request):
+    """Run a test on each CPU path of the kernel's bf16 products, where this CPU runs it: on a
+    plan choosing that path, active for the test."""
     if native.skinny_linear is None:
         pytest.skip("the C skinny-linear kernel was not built")
     if request.param not in native.skinny_linear.bf16_paths():
         pytest.skip(f"this CPU cannot run the {request.param} path")
-    native.skinny_linear.set_bf16_path(request.param)
-    return request.param
+    with forced_plan(bf16_path=request.param).active():
+        yield request.param
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[tuple]:
+    """The arguments of every skinny-kernel call the test makes."""
+    calls: list[tuple] = []
+    kernel = native.skinny_linear
+
+    def recorded(*args):
+        calls.append(args)
+        return kernel.linear(*args)
+
+    monkeypatch.setattr(
+        native, "skinny_linear", SimpleNamespace(linear=recorded, bf16_paths=kernel.bf16_paths)
+    )
+    return calls
 
 
 @requires_compiler
@@ -172,7 +193,7 @@ def test_fp32_and_bf16_products_match_f_linear_on_every_path(forced_path, dtype)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, SKINNY_MAX_ROWS])
 @pytest.mark.parametrize("in_features", [16, 64, 80, 576])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_kernel_paths_sum_in_fp32(bf16_path, rows, in_features, with_bias):
+def test_bf16_kernel_paths_sum_in_fp32(bf16_path, kernel_calls, rows, in_features, with_bias):
     """Each bf16 path computes what a bf16 GEMM does, rows of 32 and a last run of 16 alike."""
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -180,33 +201,39 @@ def test_bf16_kernel_paths_sum_in_fp32(bf16_path, rows, in_features, with_bias):
     bias = torch.randn(37, generator=generator).bfloat16() if with_bias else None
     assert runs_skinny(x, weight, bias)
     out = linear(x, weight, bias)
-    assert native.skinny_linear.bf16_path() == bf16_path
+    assert [call[-2] for call in kernel_calls] == [bf16_path]  # the plan's path, and no other
     torch.testing.assert_close(out, bf16_product(x, weight, bias), rtol=8e-3, atol=1e-2)
 
 
 @needs_kernel
-def test_the_bf16_prefetch_distance_changes_no_result(bf16_path):
+def test_the_bf16_prefetch_distance_changes_no_result(bf16_path, kernel_calls):
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(5, 96, generator=generator).bfloat16()
     weight = torch.randn(70, 96, generator=generator).bfloat16()
     outs = []
-    for distance in (0, 64, 2048, 16384):
-        native.skinny_linear.set_prefetch(distance)
-        outs.append(linear(x, weight))
+    distances = (0, 64, 2048, 16384)
+    for distance in distances:
+        with forced_plan(bf16_path=bf16_path, prefetch=distance).active():
+            outs.append(linear(x, weight))
+    assert [call[-1] for call in kernel_calls] == list(distances)
     assert all(torch.equal(out, outs[0]) for out in outs)
     for bad in (-64, 100, 16384 + 64):
-        with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
-            native.skinny_linear.set_prefetch(bad)
+        with forced_plan(bf16_path=bf16_path, prefetch=bad).active():
+            with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
+                linear(x, weight)
 
 
 @needs_kernel
-def test_set_bf16_path_refuses_unknown_paths():
-    with pytest.raises(ValueError, match="no bf16 path avx1024"):
-        native.skinny_linear.set_bf16_path("avx1024")
+def test_a_bf16_path_the_kernel_lacks_or_the_cpu_cannot_run_is_refused():
+    x, weight = torch.randn(1, 32).bfloat16(), torch.randn(4, 32).bfloat16()
+    with forced_plan(bf16_path="avx1024").active():
+        with pytest.raises(ValueError, match="no bf16 path avx1024"):
+            linear(x, weight)
     missing = [name for name in BF16_PATHS if name not in native.skinny_linear.bf16_paths()]
     if missing:
-        with pytest.raises(ValueError, match="cannot run"):
-            native.skinny_linear.set_bf16_path(missing[0])
+        with forced_plan(bf16_path=missing[0]).active():
+            with pytest.raises(ValueError, match="cannot run"):
+                linear(x, weight)
 
 
 def test_a_forced_path_that_does_not_exist_is_refused(monkeypatch):
@@ -231,10 +258,9 @@ SECONDS = {
 def test_tuning_keeps_the_fastest_path_of_each_row_bucket(monkeypatch, dtype):
     """Up to the kernel's rows, the kernel against the GEMM on every weight, the kernel kept
     unless the GEMM is 10 % faster; beyond, the GEMMs (bf16: also upcast) on a layer's."""
-    monkeypatch.setattr(linear_module, "_timed", {})
     timed: list[tuple[LinearPath, int, int]] = []
 
-    def fake_time(path, weights, rows, limit):
+    def fake_time(path, weights, rows, limit, bf16_path="vec8", prefetch=2048):
         timed.append((path, rows, len(weights)))
         return SECONDS.get(rows, {}).get(path, 1.0)
 
@@ -242,7 +268,7 @@ def test_tuning_keeps_the_fastest_path_of_each_row_bucket(monkeypatch, dtype):
     weights = [torch.randn(32, 32).to(dtype) for _ in range(6)]
     chosen = tune_linears(weights)
     large = {GEMM, UPCAST} if dtype == torch.bfloat16 else {GEMM}
-    for rows in linear_module.ROW_BUCKETS:
+    for rows in kernel_plan.ROW_BUCKETS:
         paths = {(p, n) for p, r, n in timed if r == rows}
         # a lone candidate (fp32's GEMM beyond the kernel's rows) is not timed
         assert paths == (
@@ -252,17 +278,15 @@ def test_tuning_keeps_the_fastest_path_of_each_row_bucket(monkeypatch, dtype):
         )
     large_path = UPCAST if dtype == torch.bfloat16 else GEMM
     want = {1: GEMM, 256: large_path, 1024: large_path}
-    assert chosen == {rows: want.get(rows, KERNEL) for rows in linear_module.ROW_BUCKETS}
-    assert choose_path(torch.randn(1, 32).to(dtype), weights[0], None) is GEMM
-    assert choose_path(torch.randn(3, 32).to(dtype), weights[0], None) is KERNEL
-    # timed once per process: a second engine on the same model takes the same paths
+    assert chosen.as_dict() == {rows: want.get(rows, KERNEL) for rows in kernel_plan.ROW_BUCKETS}
+    assert choose_path(torch.randn(1, 32).to(dtype), weights[0], None, chosen) is GEMM
+    assert choose_path(torch.randn(3, 32).to(dtype), weights[0], None, chosen) is KERNEL
+    # the choice is the caller's: nothing outside it changed
+    untuned = active_plan().dense_choice(dtype)
+    assert choose_path(torch.randn(1, 32).to(dtype), weights[0], None, untuned) is KERNEL
+    # timed once per machine: a second engine, in this process or another, reads the tuning
+    # cache
     timed.clear()
-    linear_module._paths.clear()
-    assert tune_linears(weights) == chosen
-    assert timed == []
-    # and once per machine: a new process reads them from the tuning cache
-    linear_module._timed.clear()
-    linear_module._paths.clear()
     assert tune_linears(weights) == chosen
     assert timed == []
 
@@ -284,43 +308,37 @@ def test_tuning_keeps_the_fastest_bf16_kernel_path_then_its_prefetch_distance(mo
     paths = kernel.bf16_paths()
     if "avx512" not in paths:
         pytest.skip("this CPU runs no AVX-512 bf16 path: vec8 alone is not timed")
-    monkeypatch.setattr(linear_module, "_timed", {})
     timed: list[tuple[str, int, int, int]] = []
 
-    def fake_time(path, weights, rows, limit):
+    def fake_time(path, weights, rows, limit, bf16_path="vec8", prefetch=2048):
         if path is not KERNEL:
             return 1.0
-        setting = (kernel.bf16_path(), kernel.prefetch())
+        setting = (bf16_path, prefetch)
         timed.append((*setting, rows, len(weights)))
-        return BF16_SECONDS[setting[0]].get(setting[1], 9.0) / len(linear_module.ISA_TIMED_ROWS)
+        return BF16_SECONDS[setting[0]].get(setting[1], 9.0) / len(kernel_plan.ISA_TIMED_ROWS)
 
     monkeypatch.setattr(linear_module, "_time_path", fake_time)
     # the kernel takes rows of 16 bf16 at a time: the 24-wide weight is left out of its timing
     weights = [torch.randn(32, 32).bfloat16() for _ in range(3)] + [torch.randn(8, 24).bfloat16()]
-    tune_linears(weights)
-    path_timings = 2 * len(paths) * len(linear_module.ISA_TIMED_ROWS)  # each twice, in turn
-    distance_timings = 2 * len(linear_module.PREFETCH_DISTANCES) * len(linear_module.ISA_TIMED_ROWS)
+    chosen = tune_linears(weights)
+    path_timings = 2 * len(paths) * len(kernel_plan.ISA_TIMED_ROWS)  # each twice, in turn
+    distance_timings = 2 * len(kernel_plan.PREFETCH_DISTANCES) * len(kernel_plan.ISA_TIMED_ROWS)
     by_path, by_distance = timed[:path_timings], timed[path_timings:][:distance_timings]
-    default = linear_module.DEFAULT_PREFETCH
+    default = kernel_plan.DEFAULT_PREFETCH
     assert {(p, d) for p, d, _, _ in by_path} == {(p, default) for p in paths}
     assert {(p, d) for p, d, _, _ in by_distance} == {
-        ("avx512", d) for d in linear_module.PREFETCH_DISTANCES
+        ("avx512", d) for d in kernel_plan.PREFETCH_DISTANCES
     }
-    assert {rows for _, _, rows, _ in by_path + by_distance} == set(linear_module.ISA_TIMED_ROWS)
+    assert {rows for _, _, rows, _ in by_path + by_distance} == set(kernel_plan.ISA_TIMED_ROWS)
     assert {n for _, _, _, n in by_path + by_distance} == {3}
-    assert (kernel.bf16_path(), kernel.prefetch()) == ("avx512", 1024)
-    # a new process reads both from the tuning cache
-    kernel.set_bf16_path("vec8")
-    kernel.set_prefetch(0)
-    linear_module._timed.clear()
+    assert (chosen.isa, chosen.prefetch) == ("avx512", 1024)
+    # a second engine reads both from the tuning cache
     timed.clear()
-    tune_linears(weights)
+    assert tune_linears(weights) == chosen
     assert timed == []
-    assert (kernel.bf16_path(), kernel.prefetch()) == ("avx512", 1024)
 
 
-def test_tuning_leaves_the_callers_random_state_alone(monkeypatch):
-    monkeypatch.setattr(linear_module, "_timed", {})
+def test_tuning_leaves_the_callers_random_state_alone():
     weight = torch.randn(16, 32).bfloat16()
     torch.manual_seed(7)
     tune_linears([weight])
@@ -330,11 +348,10 @@ def test_tuning_leaves_the_callers_random_state_alone(monkeypatch):
 
 
 def test_without_the_kernel_tuning_times_the_gemms_alone(monkeypatch):
-    monkeypatch.setattr(linear_module, "_timed", {})
     monkeypatch.setattr(native, "skinny_linear", None)
-    monkeypatch.setattr(linear_module, "_time_path", lambda path, w, rows, limit: 1.0)
+    monkeypatch.setattr(linear_module, "_time_path", lambda path, w, rows, limit, **setting: 1.0)
     chosen = tune_linears([torch.randn(32, 32).bfloat16()])
-    assert set(chosen.values()) == {GEMM}
+    assert set(chosen.paths) == {GEMM}
 
 
 def test_a_pass_slower_than_the_best_so_far_stops_early():

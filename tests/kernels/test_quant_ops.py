@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
-from kernel_switch import requires_compiler
+from kernel_switch import forced_plan, requires_compiler
 from tiny_models import real_gguf
 from torch import Tensor, nn
 
 from astrai.kernels import Arena, LinearPath, StepGraph, native, quant_blocks
+from astrai.kernels import kernel_plan
 from astrai.kernels import quant_ops as quant_module
+from astrai.kernels.kernel_plan import active_plan
 from astrai.kernels.quant_blocks import BLOCK_TYPES, pack_blocks
 from astrai.kernels.quant_ops import (
     QuantizedEmbedding,
@@ -109,21 +111,25 @@ def check_product(y: Tensor, x: Tensor, weight: np.ndarray, bias=None, terms: in
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    """Run a test on each CPU path of the kernel, where this CPU runs it."""
+    """Run a test on each CPU path of the kernel, where this CPU runs it: on a plan choosing
+    that path (and the path ASTRAI_LINEAR_PATH forces, if set), active for the test."""
     if native.quant_linear is None:
         pytest.skip("the C quant-linear kernel was not built")
     if request.param not in native.quant_linear.isas():
         pytest.skip(f"this CPU cannot run the {request.param} path")
-    before = native.quant_linear.isa()
-    native.quant_linear.set_isa(request.param)
-    yield request.param
-    native.quant_linear.set_isa(before)
+    with forced_plan(isa=request.param).active():
+        yield request.param
 
 
 def kernel_product(x: Tensor, weight: QuantizedWeight, bias=None, terms: int = 1) -> Tensor:
-    """x W^T + b on the C kernel, x quantized in terms, whatever the tuned paths say."""
+    """x W^T + b on the C kernel, on the active plan's CPU path, x quantized in terms, whatever
+    the plan's paths say."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    quant_module._run(LinearPath.KERNEL, out, x, weight.packed, weight.qtype, bias, terms)
+    isa = active_plan().quantized_choice(x.dtype).isa
+    quant_module._run(
+        LinearPath.KERNEL, out, x, weight.packed, weight.qtype, bias, terms, isa,
+        kernel_plan.DEFAULT_PREFETCH,
+    )  # fmt: skip
     return out
 
 
@@ -202,15 +208,17 @@ def test_embedding_in_blocks_refuses_rows_outside_its_table():
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_avx512_writes_w_transposed_exactly(isa, qtype, shape):
-    """The GEMM paths' W^T, a column's 16 rows at a time (a group cut short where out_features
-    ends), equals gguf's W; other CPU paths refuse to write it."""
+@needs_kernel
+def test_avx512_writes_w_transposed_exactly(qtype, shape):
+    """The GEMM paths' W^T on the avx512vnni path, a column's 16 rows at a time (a group cut
+    short where out_features ends), equals gguf's W; a CPU without that path refuses to write
+    it."""
     shape = shape_of(qtype, shape)
     blocks = random_blocks(qtype, shape, seed=3)
     packed = QuantizedWeight.from_gguf(blocks, qtype, shape).packed
     expected = torch.from_numpy(dense_weight(blocks, qtype, shape)).t()
     for dtype in DTYPES.values():
-        if isa != "avx512vnni":
+        if "avx512vnni" not in native.quant_linear.isas():
             with pytest.raises(ValueError, match="W\\^T is written on the avx512vnni path only"):
                 quant_module._dequantize(packed, qtype, shape, dtype, transposed=True)
             continue
@@ -313,13 +321,17 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(isa, qtype, dtype, terms
 
 
 @needs_kernel
-def test_set_isa_refuses_unknown_paths():
-    with pytest.raises(ValueError, match="no path"):
-        native.quant_linear.set_isa("avx1024")
+def test_a_cpu_path_the_kernel_lacks_or_the_cpu_cannot_run_is_refused():
+    shape = shape_of(GGMLQuantizationType.Q8_0, (16, 1))
+    weight = QuantizedWeight.from_gguf(
+        random_blocks(GGMLQuantizationType.Q8_0, shape, 1), GGMLQuantizationType.Q8_0, shape
+    )
+    with forced_plan(isa="avx1024").active(), pytest.raises(ValueError, match="no path"):
+        kernel_product(torch.randn(1, shape[1]), weight)
     missing = [name for name in ISAS if name not in native.quant_linear.isas()]
     if missing:
-        with pytest.raises(ValueError, match="cannot run"):
-            native.quant_linear.set_isa(missing[0])
+        with forced_plan(isa=missing[0]).active(), pytest.raises(ValueError, match="cannot run"):
+            kernel_product(torch.randn(1, shape[1]), weight)
 
 
 @needs_kernel
@@ -329,18 +341,15 @@ def test_the_prefetch_distance_changes_no_result(monkeypatch, isa, qtype):
     shape = shape_of(qtype, (37, 3))
     weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, 5), qtype, shape)
     x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(5))
-    before = native.quant_linear.prefetch()
-    try:
-        outs = []
-        for distance in (0, 64, 2048, 16384):
-            native.quant_linear.set_prefetch(distance)
+    outs = []
+    for distance in (0, 64, 2048, 16384):
+        with forced_plan(isa=isa, prefetch=distance).active():
             outs.append(quant_linear(x, weight))
-    finally:
-        native.quant_linear.set_prefetch(before)
     assert all(torch.equal(out, outs[0]) for out in outs)
     for bad in (-64, 100, 16384 + 64):
-        with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
-            native.quant_linear.set_prefetch(bad)
+        with forced_plan(isa=isa, prefetch=bad).active():
+            with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
+                quant_linear(x, weight)
 
 
 KERNEL, GEMM, UPCAST, DOWNCAST = (
@@ -431,72 +440,54 @@ SECONDS = {
 def test_tuning_keeps_the_fastest_cpu_path_then_the_kernel_up_to_where_a_gemm_wins(
     monkeypatch, dtype
 ):
-    monkeypatch.setattr(quant_module, "_paths", {})
-    monkeypatch.setattr(quant_module, "_timed", {})
     timed = []
 
-    def fake_time(path, weights, dtype_, terms, rows, limit):
-        isa = native.quant_linear.isa()
+    def fake_time(path, weights, dtype_, terms, rows, limit, isa, prefetch=2048):
         timed.append((path, rows, isa))
         if len(timed) <= isa_timings:
-            isa_distances.add(native.quant_linear.prefetch())
+            isa_distances.add(prefetch)
             return ISA_SECONDS[rows][isa]
         if len(timed) <= isa_timings + prefetch_timings:
-            return PREFETCH_SECONDS[native.quant_linear.prefetch()]
+            return PREFETCH_SECONDS[prefetch]
+        path_settings.add((isa, prefetch))
         return SECONDS.get(rows, {}).get(path, 1.0)
 
-    isa_timings = 2 * len(quant_module.ISA_TIMED_ROWS) * len(native.quant_linear.isas())
-    prefetch_timings = 2 * len(quant_module.PREFETCH_DISTANCES)
+    isa_timings = 2 * len(kernel_plan.ISA_TIMED_ROWS) * len(native.quant_linear.isas())
+    prefetch_timings = 2 * len(kernel_plan.PREFETCH_DISTANCES)
     isa_distances = set()  # the CPU paths are compared at the default distance, not another
+    path_settings = set()  # the paths per row bucket are timed on the chosen ones
     monkeypatch.setattr(quant_module, "_time_path", fake_time)
     weights = []
     for qtype in QTYPES:
         shape = shape_of(qtype, (8, 1))
         weights.append(QuantizedWeight.from_gguf(random_blocks(qtype, shape, 7), qtype, shape))
-    before, prefetch_before = native.quant_linear.isa(), native.quant_linear.prefetch()
-    try:
-        chosen = tune_quant_linears(weights, dtype, batch_invariant=False)
-        fastest = min(
-            native.quant_linear.isas(), key=lambda i: sum(ISA_SECONDS[r][i] for r in (1, 4))
-        )
-        assert native.quant_linear.isa() == fastest
-        assert native.quant_linear.prefetch() == 4096
-        assert isa_distances == {quant_module.DEFAULT_PREFETCH}
-        assert {isa for _, _, isa in timed} == set(native.quant_linear.isas())
-    finally:
-        native.quant_linear.set_isa(before)
-        native.quant_linear.set_prefetch(prefetch_before)
+    chosen = tune_quant_linears(weights, dtype, batch_invariant=False)
+    fastest = min(native.quant_linear.isas(), key=lambda i: sum(ISA_SECONDS[r][i] for r in (1, 4)))
+    assert (chosen.isa, chosen.prefetch) == (fastest, 4096)
+    assert path_settings == {(fastest, 4096)}
+    assert isa_distances == {kernel_plan.DEFAULT_PREFETCH}
+    assert {isa for _, _, isa in timed} == set(native.quant_linear.isas())
     large = UPCAST if dtype == torch.bfloat16 else DOWNCAST
     want = {1: KERNEL, 2: KERNEL, 256: large, 1024: large}
-    assert chosen == {rows: want.get(rows, GEMM) for rows in quant_module.ROW_BUCKETS}
-    assert {rows for _, rows, _ in timed[:isa_timings]} == set(quant_module.ISA_TIMED_ROWS)
+    assert chosen.as_dict() == {rows: want.get(rows, GEMM) for rows in kernel_plan.ROW_BUCKETS}
+    assert {rows for _, rows, _ in timed[:isa_timings]} == set(kernel_plan.ISA_TIMED_ROWS)
     prefetch_timed = timed[isa_timings : isa_timings + prefetch_timings]
     assert prefetch_timed == [(KERNEL, 1, fastest)] * prefetch_timings
     path_timings = timed[isa_timings + prefetch_timings :]
     assert {rows for path, rows, _ in path_timings if path is KERNEL} == {1, 2, 4}
-    assert quant_module.choose_path(torch.empty(2, 32, dtype=dtype)) is KERNEL
-    assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype)) is GEMM
-    # timed once per process: a second model of the same shapes takes the same paths
+    assert quant_module.choose_path(torch.empty(2, 32, dtype=dtype), chosen) is KERNEL
+    assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype), chosen) is GEMM
+    # the choice is the caller's: the untuned plan outside any engine's step is unchanged
+    untuned = active_plan().quantized_choice(dtype)
+    assert quant_module.choose_path(torch.empty(3, 32, dtype=dtype), untuned) is KERNEL
+    # timed once per machine: a second engine, in this process or another, reads the paths,
+    # the CPU path and the distance from the tuning cache
     timed.clear()
-    quant_module._paths.clear()
     assert tune_quant_linears(weights, dtype, batch_invariant=False) == chosen
-    assert timed == []
     # unless its engine keeps the batch invariance (the default): then the kernel everywhere
-    assert tune_quant_linears(weights, dtype) == dict.fromkeys(quant_module.ROW_BUCKETS, KERNEL)
-    assert quant_module.choose_path(torch.empty(2048, 32, dtype=dtype)) is KERNEL
-    assert timed == []
-    # and once per machine: a new process reads the paths and the CPU path from the cache
-    quant_module._timed.clear()
-    quant_module._paths.clear()
-    try:
-        native.quant_linear.set_isa("scalar")
-        native.quant_linear.set_prefetch(1024)
-        assert tune_quant_linears(weights, dtype, batch_invariant=False) == chosen
-        assert native.quant_linear.isa() == fastest
-        assert native.quant_linear.prefetch() == 4096
-    finally:
-        native.quant_linear.set_isa(before)
-        native.quant_linear.set_prefetch(prefetch_before)
+    invariant = tune_quant_linears(weights, dtype)
+    assert invariant == kernel_plan.LinearChoice.everywhere(KERNEL, fastest, 4096)
+    assert quant_module.choose_path(torch.empty(2048, 32, dtype=dtype), invariant) is KERNEL
     assert timed == []
 
 

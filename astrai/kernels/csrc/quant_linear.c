@@ -49,8 +49,9 @@
  * serves every row of x from the L1 cache. Each output is summed in the same order whatever
  * the number of rows or threads, and each row of x is quantized on its own, so a row's result
  * never depends on the batch. The paths (scalar, avx2, avx512vnni) quantize x alike, bit for
- * bit, and may round their float sums differently from one another; the widest the CPU runs
- * is the default, set_isa() picks one for tests and timing.
+ * bit, and may round their float sums differently from one another; each call names the one
+ * it takes (quant_ops times them when an engine is built and keeps the fastest in the engine's
+ * KernelPlan).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -114,7 +115,6 @@ static int seeds_per_half(int qtype) { return qtype == Q6_K || qtype == Q5_0; }
 
 enum isa { SCALAR, AVX2, AVX512VNNI };
 static const char *const isa_names[] = {"scalar", "avx2", "avx512vnni"};
-static enum isa current_isa = SCALAR;
 
 static int isa_runs(enum isa isa) {
 #if X86
@@ -128,6 +128,18 @@ static int isa_runs(enum isa isa) {
                __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
 #endif
     return isa == SCALAR;
+}
+
+/* The path named name, if this CPU runs it; else -1 with a ValueError set. */
+static int isa_named(const char *name) {
+    for (int isa = SCALAR; isa <= AVX512VNNI; isa++)
+        if (strcmp(name, isa_names[isa]) == 0) {
+            if (isa_runs(isa)) return isa;
+            PyErr_Format(PyExc_ValueError, "quant_linear: this CPU cannot run %s", name);
+            return -1;
+        }
+    PyErr_Format(PyExc_ValueError, "quant_linear: no path %s (scalar, avx2, avx512vnni)", name);
+    return -1;
 }
 
 static float half_to_float(const uint8_t *p) {
@@ -270,6 +282,7 @@ struct call {
     const void *bias;
     int64_t rows, blocks, n_out, rec_bytes; /* rows of x: output rows times terms */
     int qtype, is_bf16, terms;
+    int prefetch_bytes; /* how far the x86 paths prefetch W (prefetch.h) */
 };
 
 /* With two terms, the first term's sums over the group a thread is storing, until the second
@@ -345,8 +358,8 @@ static void group_scalar(const struct call *c, int64_t g) {
  * Counted from the record's end, not its start, because a record is not read in address order: a
  * K type reads its high bits and scales, at the record's tail, from its first block on, and a
  * distance shorter than the record (Q6_K's is 3.3 KB) reached them too late. The distance that
- * does best depends on the machine: quant_ops times a few at start (set_prefetch) with the path
- * (benchmarks/README.md, "Prefetching W"). */
+ * does best depends on the machine: quant_ops times a few when an engine is built, with the path,
+ * and passes the fastest with each call (benchmarks/README.md, "Prefetching W"). */
 #define KERNEL_NAME "quant_linear"
 #include "prefetch.h"
 
@@ -355,7 +368,8 @@ static void group_scalar(const struct call *c, int64_t g) {
 /* The share of a record's prefetch that goes with its 32-block j of per_unit: a K type's
  * 2-3 KB record asked for at once stalls on the few misses a core can have in flight, where
  * a block's share at a time keeps pace with the arithmetic. */
-INLINE void prefetch_block(const uint8_t *rec, const int bytes, const int j, const int per_unit) {
+INLINE void prefetch_block(const uint8_t *rec, const int bytes, const int j, const int per_unit,
+                           const int prefetch_bytes) {
     const int share = (bytes + per_unit - 1) / per_unit;
     const uint8_t *ahead = rec + bytes + prefetch_bytes + j * share;
     for (int line = 0; line < share; line += 64)
@@ -462,7 +476,7 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
         vnni_unit_scales(rec, at, qtype, &unit_d, &unit_m);
         for (int j = 0; j < per_unit; j++) {
             const int64_t b = unit * per_unit + j;
-            prefetch_block(rec, at.bytes, j, per_unit);
+            prefetch_block(rec, at.bytes, j, per_unit, c->prefetch_bytes);
             __m512i low[4], high[4]; /* elements 4 t.. and 16 + 4 t.. of each row */
             vnni_codes(rec, at, j, qtype, low, high);
             __m512 d_low, d_high, m;
@@ -744,7 +758,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
             const struct xblock *xb[AVX2_X];
             UNROLL
             for (int i = 0; i < n_x; i++) xb[i] = c->x + (m0 + i) * c->blocks + b;
-            prefetch_block(rec, at.bytes, j, per_unit);
+            prefetch_block(rec, at.bytes, j, per_unit, c->prefetch_bytes);
             /* int16 sums of pairs: a 4-bit type's over the block, Q5_0's per half (index 1
              * the high half); int32 dots per half (Q6_K, Q8_0) */
             __m256i sums16[AVX2_X][2][2], dots[AVX2_X][2][2];
@@ -971,11 +985,16 @@ static void quantize_terms(quantize_fn quantize_row, struct xblock *xq, const vo
 static PyObject *linear(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, x, w, w_bytes, bias, rows, in_features, n_out;
-    int qtype, is_bf16, terms;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnipi", &out, &x, &w, &w_bytes, &bias, &rows, &in_features,
-                          &n_out, &qtype, &is_bf16, &terms) ||
-        !check_shape(qtype, in_features) || !check_weight_bytes(w_bytes, n_out, in_features, qtype))
+    int qtype, is_bf16, terms, prefetch_bytes;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnipisi", &out, &x, &w, &w_bytes, &bias, &rows,
+                          &in_features, &n_out, &qtype, &is_bf16, &terms, &isa_name,
+                          &prefetch_bytes) ||
+        !check_shape(qtype, in_features) ||
+        !check_weight_bytes(w_bytes, n_out, in_features, qtype) || !check_prefetch(prefetch_bytes))
         return NULL;
+    const int isa = isa_named(isa_name);
+    if (isa < 0) return NULL;
     if (terms != 1 && terms != 2) {
         PyErr_Format(PyExc_ValueError, "quant_linear: x in %d terms (1: int8, 2: int8x2)", terms);
         return NULL;
@@ -990,18 +1009,18 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     }
     const struct call c = {(void *)out,    (const uint8_t *)w, xq,      (const void *)bias,
                            rows * terms,   blocks,             n_out,   layout_of(qtype).bytes,
-                           qtype,          is_bf16,            terms};
+                           qtype,          is_bf16,            terms,   prefetch_bytes};
     void (*group)(const struct call *, int64_t) = group_scalar;
 #if X86
-    if (current_isa == AVX512VNNI) group = group_vnni;
-    if (current_isa == AVX2) group = group_avx2;
+    if (isa == AVX512VNNI) group = group_vnni;
+    if (isa == AVX2) group = group_avx2;
 #endif
     const size_t x_row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
     quantize_fn quantize_row = quantize_generic;
 #if X86
-    if (current_isa == AVX512VNNI) quantize_row = quantize_vnni;
-    if (current_isa == AVX2) quantize_row = quantize_avx2;
+    if (isa == AVX512VNNI) quantize_row = quantize_vnni;
+    if (isa == AVX2) quantize_row = quantize_avx2;
 #endif
     /* A few rows are quantized on this thread: cheaper than the threads meeting at a barrier. */
     if (rows > 8) {
@@ -1094,9 +1113,9 @@ static PyObject *dequantize(PyObject *module, PyObject *args) {
                           &is_bf16, &transposed) ||
         !check_shape(qtype, in_features) || !check_weight_bytes(w_bytes, n_out, in_features, qtype))
         return NULL;
-    if (transposed && current_isa != AVX512VNNI) {
+    if (transposed && !isa_runs(AVX512VNNI)) {
         PyErr_SetString(PyExc_ValueError, "quant_linear: W^T is written on the avx512vnni path "
-                                          "only (set_isa('avx512vnni') where the CPU has it)");
+                                          "only, which this CPU does not run");
         return NULL;
     }
     const int64_t blocks = in_features / QK;
@@ -1152,27 +1171,6 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *set_isa(PyObject *module, PyObject *arg) {
-    (void)module;
-    const char *name = PyUnicode_AsUTF8(arg);
-    if (name == NULL) return NULL;
-    for (int isa = SCALAR; isa <= AVX512VNNI; isa++)
-        if (strcmp(name, isa_names[isa]) == 0) {
-            if (!isa_runs(isa))
-                return PyErr_Format(PyExc_ValueError, "quant_linear: this CPU cannot run %s", name);
-            current_isa = isa;
-            Py_RETURN_NONE;
-        }
-    return PyErr_Format(PyExc_ValueError, "quant_linear: no path %s (scalar, avx2, avx512vnni)",
-                        name);
-}
-
-static PyObject *get_isa(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    return PyUnicode_FromString(isa_names[current_isa]);
-}
-
 static PyObject *isas(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
@@ -1188,10 +1186,11 @@ static PyObject *isas(PyObject *module, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS,
-     "linear(out, x, w, w_bytes, bias, rows, in_features, out_features, qtype, is_bf16, terms): "
-     "data pointers (bias 0 for none; x, bias, out fp32 or bf16, w packed, of w_bytes) then "
-     "sizes, the GGML type and the int8 terms each row of x is quantized in (1 or 2); writes out "
-     "[rows, out_features]."},
+     "linear(out, x, w, w_bytes, bias, rows, in_features, out_features, qtype, is_bf16, terms, "
+     "isa, prefetch): data pointers (bias 0 for none; x, bias, out fp32 or bf16, w packed, of "
+     "w_bytes) then sizes, the GGML type, the int8 terms each row of x is quantized in (1 or 2), "
+     "the CPU path (one of isas()) and how far beyond a record the x86 paths prefetch W (a "
+     "multiple of 64 bytes, at most 16384); writes out [rows, out_features]."},
     {"dequantize", dequantize, METH_VARARGS,
      "dequantize(out, w, w_bytes, out_features, in_features, qtype, is_bf16, transposed): writes "
      "out [out_features, in_features] (or, transposed, [in_features, out_features]) from the "
@@ -1200,12 +1199,6 @@ static PyMethodDef methods[] = {
      "gather_rows(out, w, w_bytes, ids, n_ids, out_features, in_features, qtype, is_bf16): writes "
      "out [n_ids, in_features] from rows ids (int64, each below out_features) of the packed w of "
      "w_bytes."},
-    {"set_isa", set_isa, METH_O, "set_isa(name): the CPU path linear() takes from now on."},
-    {"isa", get_isa, METH_NOARGS, "isa(): the CPU path linear() takes."},
-    {"set_prefetch", set_prefetch, METH_O,
-     "set_prefetch(bytes): how far beyond the end of the record it decodes an x86 path prefetches "
-     "W (a multiple of 64, at most 16384)."},
-    {"prefetch", get_prefetch, METH_NOARGS, "prefetch(): set_prefetch's distance in bytes."},
     {"isas", isas, METH_NOARGS, "isas(): the CPU paths this machine runs, slowest first."},
     {NULL, NULL, 0, NULL},
 };
@@ -1213,9 +1206,4 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_definition = {PyModuleDef_HEAD_INIT, .m_name = "_quant_linear",
                                                .m_size = -1, .m_methods = methods};
 
-PyMODINIT_FUNC PyInit__quant_linear(void) {
-    /* the widest path the CPU runs, until set_isa() (quant_ops times them and may pick another) */
-    for (int isa = SCALAR; isa <= AVX512VNNI; isa++)
-        if (isa_runs(isa)) current_isa = isa;
-    return PyModule_Create(&module_definition);
-}
+PyMODINIT_FUNC PyInit__quant_linear(void) { return PyModule_Create(&module_definition); }

@@ -9,7 +9,8 @@
  *
  * bf16 tensors are read as bf16 (half the bytes of fp32) and multiplied and summed in fp32,
  * as PyTorch's bf16 GEMMs do, and the result is rounded to bf16 once. A bf16 product has three
- * paths (set_bf16_path; linear_ops times them at start, as the machine decides which wins):
+ * paths, named with each call (linear_ops times them when an engine is built, as the machine
+ * decides which wins, and keeps the answer in the engine's KernelPlan):
  *   vec8        the portable code below, on eight-float vectors (AVX2 + FMA on x86-64-v3);
  *   avx512      16 bf16 of W widened to fp32 per vector, and 512-bit FMAs;
  *   avx512bf16  vdpbf16ps: 32 bf16 of W against 32 of x in one instruction, each pair's exact
@@ -42,7 +43,6 @@
 
 enum bf16_path { VEC8, AVX512, AVX512BF16 };
 static const char *const bf16_path_names[] = {"vec8", "avx512", "avx512bf16"};
-static enum bf16_path current_bf16_path = VEC8;
 
 static int bf16_path_runs(enum bf16_path path) {
 #if X86
@@ -53,6 +53,19 @@ static int bf16_path_runs(enum bf16_path path) {
     if (path == AVX512BF16) return avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
     return path == VEC8;
+}
+
+/* The bf16 path named name, if this CPU runs it; else -1 with a ValueError set. */
+static int bf16_path_named(const char *name) {
+    for (int path = VEC8; path <= AVX512BF16; path++)
+        if (strcmp(name, bf16_path_names[path]) == 0) {
+            if (bf16_path_runs(path)) return path;
+            PyErr_Format(PyExc_ValueError, "skinny_linear: this CPU cannot run %s", name);
+            return -1;
+        }
+    PyErr_Format(PyExc_ValueError, "skinny_linear: no bf16 path %s (vec8, avx512, avx512bf16)",
+                 name);
+    return -1;
 }
 
 /* W rows and x rows whose dot products run together: ROW_BLOCK * X_BLOCK independent FMA
@@ -139,9 +152,10 @@ static inline __attribute__((always_inline)) void row_block(void *out, const flo
     for (; m < rows; m++) tile(out, x, w, bias, in_features, n_out, n, m, 1, is_bf16);
 }
 
+/* (vec8 leaves W's stream to the hardware prefetcher: prefetch_bytes is not read) */
 FP32_AND_BF16(row_block,
               (void *out, const float *x, const void *weight, const void *bias, int64_t rows,
-               int64_t in_features, int64_t n_out, const int64_t *n),
+               int64_t in_features, int64_t n_out, const int64_t *n, int prefetch_bytes),
               out, x, weight, bias, rows, in_features, n_out, n)
 
 /* How far ahead in each of its W rows an AVX-512 path prefetches, in bytes: at a few rows of x
@@ -172,7 +186,8 @@ TARGET_AVX512 INLINE void store_bf16_tile(bf16 *out, const __m512 acc[X512_BLOCK
 /* avx512: x widened to fp32 in order, W's bf16 widened 16 at a time by a shift. */
 TARGET_AVX512 INLINE void tile_avx512(bf16 *out, const float *x, const bf16 *const *w,
                                       const bf16 *bias, int64_t in_features, int64_t n_out,
-                                      const int64_t *n, int64_t m0, const int n_x) {
+                                      const int64_t *n, int64_t m0, const int n_x,
+                                      const int prefetch_bytes) {
     __m512 acc[X512_BLOCK][ROW_BLOCK];
     for (int i = 0; i < n_x; i++)
         for (int r = 0; r < ROW_BLOCK; r++) acc[i][r] = _mm512_setzero_ps();
@@ -195,7 +210,7 @@ TARGET_AVX512 INLINE void tile_avx512(bf16 *out, const float *x, const bf16 *con
 TARGET_AVX512BF16 INLINE void tile_avx512bf16(bf16 *out, const bf16 *x, const bf16 *const *w,
                                               const bf16 *bias, int64_t in_features,
                                               int64_t n_out, const int64_t *n, int64_t m0,
-                                              const int n_x) {
+                                              const int n_x, const int prefetch_bytes) {
     __m512 acc[X512_BLOCK][ROW_BLOCK];
     for (int i = 0; i < n_x; i++)
         for (int r = 0; r < ROW_BLOCK; r++) acc[i][r] = _mm512_setzero_ps();
@@ -226,18 +241,19 @@ TARGET_AVX512BF16 INLINE void tile_avx512bf16(bf16 *out, const bf16 *x, const bf
  * fp32 for avx512 and the caller's bf16 rows for avx512bf16 (x_type). */
 #define AVX512_ROW_BLOCK(name, target, tile_fn, x_type)                                            \
     target static void name(void *out, const float *x, const void *weight, const void *bias,     \
-                            int64_t rows, int64_t in_features, int64_t n_out, const int64_t *n) { \
+                            int64_t rows, int64_t in_features, int64_t n_out, const int64_t *n,  \
+                            int prefetch_bytes) {                                                \
         const bf16 *w[ROW_BLOCK];                                                                \
         for (int r = 0; r < ROW_BLOCK; r++)                                                      \
             w[r] = (const bf16 *)weight + (n[r] < 0 ? 0 : n[r]) * in_features;                   \
         const x_type *xs = (const x_type *)x;                                                    \
         int64_t m = 0;                                                                           \
         for (; m + X512_BLOCK <= rows; m += X512_BLOCK)                                          \
-            tile_fn(out, xs, w, bias, in_features, n_out, n, m, X512_BLOCK);                     \
+            tile_fn(out, xs, w, bias, in_features, n_out, n, m, X512_BLOCK, prefetch_bytes);     \
         switch (rows - m) {                                                                      \
-        case 1: tile_fn(out, xs, w, bias, in_features, n_out, n, m, 1); break;                   \
-        case 2: tile_fn(out, xs, w, bias, in_features, n_out, n, m, 2); break;                   \
-        case 3: tile_fn(out, xs, w, bias, in_features, n_out, n, m, 3); break;                   \
+        case 1: tile_fn(out, xs, w, bias, in_features, n_out, n, m, 1, prefetch_bytes); break;   \
+        case 2: tile_fn(out, xs, w, bias, in_features, n_out, n, m, 2, prefetch_bytes); break;   \
+        case 3: tile_fn(out, xs, w, bias, in_features, n_out, n, m, 3, prefetch_bytes); break;   \
         default: break;                                                                          \
         }                                                                                        \
     }
@@ -249,14 +265,17 @@ AVX512_ROW_BLOCK(row_block_avx512bf16, TARGET_AVX512BF16, tile_avx512bf16, bf16)
 static PyObject *linear(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t out, x, weight, bias, rows, in_features, n_out;
-    int is_bf16;
-    if (!PyArg_ParseTuple(args, "nnnnnnnp", &out, &x, &weight, &bias, &rows, &in_features,
-                          &n_out, &is_bf16))
+    int is_bf16, prefetch_bytes;
+    const char *bf16_path_name;
+    if (!PyArg_ParseTuple(args, "nnnnnnnpsi", &out, &x, &weight, &bias, &rows, &in_features,
+                          &n_out, &is_bf16, &bf16_path_name, &prefetch_bytes))
         return NULL;
+    const int named = bf16_path_named(bf16_path_name);
+    if (named < 0 || !check_prefetch(prefetch_bytes)) return NULL;
     typedef void (*row_block_fn)(void *, const float *, const void *, const void *, int64_t,
-                                 int64_t, int64_t, const int64_t *);
+                                 int64_t, int64_t, const int64_t *, int);
     row_block_fn run = is_bf16 ? row_block_bf16 : row_block_fp32;
-    const enum bf16_path path = is_bf16 ? current_bf16_path : VEC8;
+    const enum bf16_path path = is_bf16 ? (enum bf16_path)named : VEC8;
 #if X86
     if (path == AVX512) run = row_block_avx512;
     if (path == AVX512BF16) run = row_block_avx512bf16;
@@ -288,34 +307,12 @@ static PyObject *linear(PyObject *module, PyObject *args) {
                 n[r] = row < end ? row : -1;
             }
             run((void *)out, x_rows, (const void *)weight, (const void *)bias, rows, in_features,
-                n_out, n);
+                n_out, n, prefetch_bytes);
         }
     }
     Py_END_ALLOW_THREADS;
     free(x_fp32);
     Py_RETURN_NONE;
-}
-
-static PyObject *set_bf16_path(PyObject *module, PyObject *arg) {
-    (void)module;
-    const char *name = PyUnicode_AsUTF8(arg);
-    if (name == NULL) return NULL;
-    for (int path = VEC8; path <= AVX512BF16; path++)
-        if (strcmp(name, bf16_path_names[path]) == 0) {
-            if (!bf16_path_runs(path))
-                return PyErr_Format(PyExc_ValueError, "skinny_linear: this CPU cannot run %s",
-                                    name);
-            current_bf16_path = path;
-            Py_RETURN_NONE;
-        }
-    return PyErr_Format(PyExc_ValueError,
-                        "skinny_linear: no bf16 path %s (vec8, avx512, avx512bf16)", name);
-}
-
-static PyObject *get_bf16_path(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    return PyUnicode_FromString(bf16_path_names[current_bf16_path]);
 }
 
 static PyObject *bf16_paths(PyObject *module, PyObject *unused) {
@@ -333,16 +330,11 @@ static PyObject *bf16_paths(PyObject *module, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS,
-     "linear(out, x, weight, bias, rows, in_features, out_features, is_bf16): data pointers "
-     "(bias 0 for none) of contiguous tensors, all fp32 or all bf16, then sizes; writes out "
+     "linear(out, x, weight, bias, rows, in_features, out_features, is_bf16, bf16_path, "
+     "prefetch): data pointers (bias 0 for none) of contiguous tensors, all fp32 or all bf16, "
+     "then sizes, the path a bf16 product takes (one of bf16_paths()) and how far ahead in W's "
+     "rows the AVX-512 paths prefetch (a multiple of 64 bytes, at most 16384); writes out "
      "[rows, out_features]."},
-    {"set_bf16_path", set_bf16_path, METH_O,
-     "set_bf16_path(name): the path bf16 products take from now on (vec8 until set)."},
-    {"set_prefetch", set_prefetch, METH_O,
-     "set_prefetch(bytes): how far ahead in W's rows the AVX-512 bf16 paths prefetch (a "
-     "multiple of 64, at most 16384)."},
-    {"prefetch", get_prefetch, METH_NOARGS, "prefetch(): set_prefetch's distance in bytes."},
-    {"bf16_path", get_bf16_path, METH_NOARGS, "bf16_path(): the path bf16 products take."},
     {"bf16_paths", bf16_paths, METH_NOARGS, "bf16_paths(): the bf16 paths this CPU runs."},
     {NULL, NULL, 0, NULL},
 };
