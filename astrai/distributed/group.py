@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 
 from astrai.distributed.executor import STOP_MESSAGE, TensorParallelExecutor
 from astrai.kernels.graph import launch
-from astrai.kernels.native import kernel_op
 from astrai.kernels.kernel_plan import DEFAULT_ACTIVATION_PRECISION
+from astrai.kernels.native import kernel_op
 
 log = logging.getLogger(__name__)
 

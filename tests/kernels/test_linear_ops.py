@@ -7,9 +7,16 @@ import torch
 import torch.nn.functional as F
 from kernel_switch import forced_plan, requires_compiler
 
-from astrai.kernels import SKINNY_MAX_ROWS, Linear, LinearPath, linear, native, tune_linears
+from astrai.kernels import (
+    SKINNY_MAX_ROWS,
+    Linear,
+    LinearPath,
+    kernel_plan,
+    linear,
+    native,
+    tune_linears,
+)
 from astrai.kernels import linear_ops as linear_module
-from astrai.kernels import kernel_plan
 from astrai.kernels.kernel_plan import active_plan
 from astrai.kernels.linear_ops import choose_path
 
@@ -218,22 +225,28 @@ def test_the_bf16_prefetch_distance_changes_no_result(bf16_path, kernel_calls):
     assert [call[-1] for call in kernel_calls] == list(distances)
     assert all(torch.equal(out, outs[0]) for out in outs)
     for bad in (-64, 100, 16384 + 64):
-        with forced_plan(bf16_path=bf16_path, prefetch=bad).active():
-            with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
-                linear(x, weight)
+        with (
+            forced_plan(bf16_path=bf16_path, prefetch=bad).active(),
+            pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"),
+        ):
+            linear(x, weight)
 
 
 @needs_kernel
 def test_a_bf16_path_the_kernel_lacks_or_the_cpu_cannot_run_is_refused():
     x, weight = torch.randn(1, 32).bfloat16(), torch.randn(4, 32).bfloat16()
-    with forced_plan(bf16_path="avx1024").active():
-        with pytest.raises(ValueError, match="no bf16 path avx1024"):
-            linear(x, weight)
+    with (
+        forced_plan(bf16_path="avx1024").active(),
+        pytest.raises(ValueError, match="no bf16 path avx1024"),
+    ):
+        linear(x, weight)
     missing = [name for name in BF16_PATHS if name not in native.skinny_linear.bf16_paths()]
     if missing:
-        with forced_plan(bf16_path=missing[0]).active():
-            with pytest.raises(ValueError, match="cannot run"):
-                linear(x, weight)
+        with (
+            forced_plan(bf16_path=missing[0]).active(),
+            pytest.raises(ValueError, match="cannot run"),
+        ):
+            linear(x, weight)
 
 
 def test_a_forced_path_that_does_not_exist_is_refused(monkeypatch):

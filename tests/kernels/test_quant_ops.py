@@ -15,8 +15,7 @@ from kernel_switch import forced_plan, requires_compiler
 from tiny_models import real_gguf
 from torch import Tensor, nn
 
-from astrai.kernels import Arena, LinearPath, StepGraph, native, quant_blocks
-from astrai.kernels import kernel_plan
+from astrai.kernels import Arena, LinearPath, StepGraph, kernel_plan, native, quant_blocks
 from astrai.kernels import quant_ops as quant_module
 from astrai.kernels.kernel_plan import active_plan
 from astrai.kernels.quant_blocks import BLOCK_TYPES, pack_blocks
@@ -347,9 +346,11 @@ def test_the_prefetch_distance_changes_no_result(monkeypatch, isa, qtype):
             outs.append(quant_linear(x, weight))
     assert all(torch.equal(out, outs[0]) for out in outs)
     for bad in (-64, 100, 16384 + 64):
-        with forced_plan(isa=isa, prefetch=bad).active():
-            with pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"):
-                quant_linear(x, weight)
+        with (
+            forced_plan(isa=isa, prefetch=bad).active(),
+            pytest.raises(ValueError, match="not a multiple of 64 bytes in 0..16384"),
+        ):
+            quant_linear(x, weight)
 
 
 KERNEL, GEMM, UPCAST, DOWNCAST = (
