@@ -11,6 +11,7 @@ from astrai.inference.executor import ModelExecutor, RecordedLayers
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.step_batch import StepBatch
 from astrai.kernels import SKINNY_MAX_ROWS, LinearPath, StepGraph, linear_ops, native
+from astrai.kernels.kernel_plan import ROW_BUCKETS, active_plan
 from astrai.model import Transformer
 
 needs_kernels = pytest.mark.skipif(
@@ -212,18 +213,19 @@ def test_steps_that_cannot_be_recorded_run_the_modules(monkeypatch, case, replay
 @needs_kernels
 def test_the_executor_times_the_linear_paths_of_its_model(monkeypatch):
     """Building the executor (as an engine does) times the paths on the model's weights and
-    puts the fastest in use: here the GEMM for one row, the kernel up to 64."""
-    monkeypatch.setattr(linear_ops, "_timed", {})
+    keeps the fastest in its own KernelPlan: here the GEMM for one row, the kernel up to 64.
+    Outside its steps, nothing changed: the untuned plan's kernel at one row."""
     gemm_wins_one_row = {(LinearPath.GEMM, 1): 0.5}
     monkeypatch.setattr(
         linear_ops,
         "_time_path",
-        lambda path, weights, rows, limit: gemm_wins_one_row.get((path, rows), 1.0),
+        lambda path, weights, rows, limit, **setting: gemm_wins_one_row.get((path, rows), 1.0),
     )
     model = random_model(6)
     config = model.config
     cache = PagedCache(config.n_layers, config.n_kv_heads, config.head_dim, 8, page_size=4)
-    ModelExecutor(model, cache.kv)
-    paths = linear_ops._paths[torch.float32]
+    executor = ModelExecutor(model, cache.kv)
+    paths = executor.kernel_plan.dense[torch.float32].paths
     assert paths[0] is LinearPath.GEMM
-    assert set(paths[1 : linear_ops.ROW_BUCKETS.index(SKINNY_MAX_ROWS) + 1]) == {LinearPath.KERNEL}
+    assert set(paths[1 : ROW_BUCKETS.index(SKINNY_MAX_ROWS) + 1]) == {LinearPath.KERNEL}
+    assert active_plan().dense_choice(torch.float32).path(1) is LinearPath.KERNEL

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from kernel_switch import forced_plan
 from safetensors.torch import load_file, save_file
 from tiny_models import (
     LLAMA3_ROPE,
@@ -360,17 +361,18 @@ LLAMA_CPP_GREEDY = {
 
 
 @pytest.mark.parametrize("prompt", sorted(LLAMA_CPP_GREEDY))
-def test_quantized_greedy_equals_llama_cpp(monkeypatch, prompt):
-    from astrai.kernels.quant_ops import QuantizedLinear, quantized_linears
+def test_quantized_greedy_equals_llama_cpp(prompt):
+    from astrai.kernels import LinearPath
+    from astrai.kernels.quant_ops import QuantizedLinear
     from astrai.tokenize import AutoTokenizer
 
-    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "kernel")
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
     assert isinstance(model.layers[0].feed_forward.w13, QuantizedLinear)
-    quantized_linears(model, "int8")  # one int8 term, as llama.cpp rounds activations
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
     ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
+    # the kernel at every row count, x in one int8 term, as llama.cpp rounds activations
+    plan = forced_plan(LinearPath.KERNEL, activation_precision="int8")
+    with torch.no_grad(), plan.active():
         for _ in range(16):
             ids = torch.cat([ids, model.forward_dense(ids)[:, -1].argmax(-1, keepdim=True)], 1)
     new = ids[0, -16:].tolist()
@@ -384,15 +386,14 @@ def test_quantized_greedy_is_batch_invariant(monkeypatch):
     blocks and a GEMM's fp32 round differently, and the real model's near-ties tip."""
     from astrai.inference import GenerationParams, InferenceEngine
     from astrai.kernels import quant_ops
-    from astrai.kernels.linear_ops import ROW_BUCKETS, LinearPath
+    from astrai.kernels.kernel_plan import ROW_BUCKETS, LinearPath, widest_quantized_isa
     from astrai.tokenize import AutoTokenizer
 
-    gemm_beyond_one_row = [LinearPath.KERNEL] + [LinearPath.GEMM] * (len(ROW_BUCKETS) - 1)
-    monkeypatch.setattr(quant_ops, "_timed", {})
+    gemm_beyond_one_row = (LinearPath.KERNEL,) + (LinearPath.GEMM,) * (len(ROW_BUCKETS) - 1)
     monkeypatch.setattr(
         quant_ops,
         "_fastest_isa_and_paths",
-        lambda weights, dtype, terms: [native.quant_linear.isa(), 2048, *gemm_beyond_one_row],
+        lambda weights, dtype, terms: [widest_quantized_isa(), 2048, *gemm_beyond_one_row],
     )
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
@@ -408,7 +409,9 @@ def test_quantized_greedy_is_batch_invariant(monkeypatch):
             batch_invariant=batch_invariant,
             activation_precision="int8",
         ) as engine:
-            assert (quant_ops._paths[torch.float32] == gemm_beyond_one_row) != batch_invariant
+            plan = engine.scheduler.executor.kernel_plan
+            paths = plan.quantized[torch.float32].paths
+            assert (paths == gemm_beyond_one_row) != batch_invariant
             return [result.token_ids for result in engine.generate_results(PROMPTS, params)]
 
     assert greedy(len(PROMPTS), batch_invariant=True) == greedy(1, batch_invariant=True)
@@ -419,27 +422,31 @@ def test_quantized_greedy_is_batch_invariant(monkeypatch):
 
 @pytest.mark.skipif(native.quant_linear is None, reason="the quantized kernel is not built")
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
-def test_the_readme_question_gets_the_references_answer_on_every_cpu_path(isa):
+def test_the_readme_question_gets_the_references_answer_on_every_cpu_path(monkeypatch, isa):
     """The README's GGUF example: the default activation precision (x in two int8 terms)
     answers as the dequantized weights in fp32 do, on each CPU path of the kernel. One int8
     term, llama.cpp's rounding, tips the first token's near-tie on this 135M model ("L'Étoile,
     la Marseillaise, ..." on an AVX-512 EPYC, as llama-server says on the same file)."""
     from astrai.inference import InferenceEngine
+    from astrai.kernels import quant_ops
+    from astrai.kernels.kernel_plan import ROW_BUCKETS
     from astrai.tokenize import AutoTokenizer
 
     if isa not in native.quant_linear.isas():
         pytest.skip(f"this CPU cannot run the {isa} path")
+    # the engine's timing (faked, as if isa were the fastest) chooses isa
+    monkeypatch.setattr(
+        quant_ops,
+        "_fastest_isa_and_paths",
+        lambda weights, dtype, terms: [isa, 2048, *["kernel"] * len(ROW_BUCKETS)],
+    )
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(question, tokenize=False)
-    before = native.quant_linear.isa()
     with InferenceEngine(model, tokenizer, max_batch_size=1, kv_cache_memory=2**24) as engine:
-        native.quant_linear.set_isa(isa)  # after the engine's timing, which sets the fastest
-        try:
-            answer = engine.generate(prompt, max_tokens=8, temperature=0.0)
-        finally:
-            native.quant_linear.set_isa(before)
+        assert engine.scheduler.executor.kernel_plan.quantized[torch.float32].isa == isa
+        answer = engine.generate(prompt, max_tokens=8, temperature=0.0)
     assert answer.startswith("The capital of France is Paris"), answer
 
 
