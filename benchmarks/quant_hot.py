@@ -25,7 +25,7 @@ from quant_rows import random_weight
 
 from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native
-from astrai.kernels.quant_ops import ACTIVATION_TERMS
+from astrai.kernels.kernel_plan import ACTIVATION_TERMS, DEFAULT_PREFETCH
 
 
 def load_build(path: str):
@@ -55,8 +55,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime
     builds = [load_build(p) for p in args.builds.split(",")] if args.builds else []
     builds = builds or [native.quant_linear]
-    for build in builds:
-        build.set_isa(args.isa)
     names = args.builds.split(",") if args.builds else ["built"]
     shape_text = f"W {args.out_features} x {args.in_features}, x at {args.precision}"
     print(f"path {args.isa}, {shape_text}, GB/s of W on {args.threads} thread(s)\n")
@@ -71,7 +69,8 @@ def main() -> None:
             x, out = torch.randn(rows, shape[1]), torch.empty(rows, shape[0])
             packed = weight.packed
             call = (out.data_ptr(), x.data_ptr(), packed.data_ptr(), packed.nbytes, 0, rows)
-            call += (*shape[::-1], int(qtype), False, ACTIVATION_TERMS[args.precision])
+            call += (*shape[::-1], int(qtype), False, ACTIVATION_TERMS[args.precision], args.isa)
+            call += (DEFAULT_PREFETCH,)
             best = [float("inf")] * len(builds)
             for _ in range(args.rounds):
                 for k, build in enumerate(builds):

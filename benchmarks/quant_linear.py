@@ -27,7 +27,15 @@ from gguf import GGMLQuantizationType, GGUFReader
 from machine import read_bandwidth
 
 from astrai.kernels import native
+from astrai.kernels.kernel_plan import (
+    ACTIVATION_TERMS,
+    DEFAULT_ACTIVATION_PRECISION,
+    DEFAULT_PREFETCH,
+)
 from astrai.kernels.quant_ops import QuantizedWeight, quant_linear
+
+# the quantized kernel's int8 terms per row of x at the default activation precision
+TERMS = ACTIVATION_TERMS[DEFAULT_ACTIVATION_PRECISION]
 
 
 def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], list, QuantizedWeight]:
@@ -62,15 +70,16 @@ def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], list, Quantize
     return linears, fused, weight("token_embd.weight")
 
 
-def quant_calls(weights: list[QuantizedWeight], dtype: torch.dtype) -> list[tuple]:
+def quant_calls(weights: list[QuantizedWeight], dtype: torch.dtype, isa: str) -> list[tuple]:
     """(function, arguments, weight bytes, tensors to keep) per weight, for x [1, in] of
-    dtype, as a replay calls it."""
+    dtype, on the kernel's CPU path isa, as a replay calls it."""
     calls = []
     for w in weights:
         x = torch.randn(1, w.shape[1]).to(dtype)
         out = torch.empty(1, w.shape[0], dtype=dtype)
-        args = (out.data_ptr(), x.data_ptr(), w.packed.data_ptr(), 0, 1, *w.shape[::-1])
-        args = (*args, int(w.qtype), dtype == torch.bfloat16)
+        args = (out.data_ptr(), x.data_ptr(), w.packed.data_ptr(), w.nbytes(), 0, 1)
+        args = (*args, *w.shape[::-1], int(w.qtype), dtype == torch.bfloat16, TERMS, isa)
+        args = (*args, DEFAULT_PREFETCH)
         calls.append((native.quant_linear.linear, args, w.nbytes(), (x, out)))
     return calls
 
@@ -83,7 +92,7 @@ def skinny_calls(weights: list[QuantizedWeight], dtype: torch.dtype) -> list[tup
         x = torch.randn(1, w.shape[1]).to(dtype)
         out = torch.empty(1, w.shape[0], dtype=dtype)
         args = (out.data_ptr(), x.data_ptr(), dense.data_ptr(), 0, 1, *w.shape[::-1])
-        args = (*args, dtype == torch.bfloat16)
+        args = (*args, dtype == torch.bfloat16, "vec8", DEFAULT_PREFETCH)
         calls.append((native.skinny_linear.linear, args, dense.nbytes, (dense, x, out)))
     return calls
 
@@ -142,22 +151,19 @@ def main() -> None:
         f"{step_bandwidth / 1e9:.1f} GB/s ({step_bytes / 1e6:.0f} MB); "
         f"{args.threads} threads, 1 row"
     )
-    # name -> (CPU path or None, the step's linears, their calls then the head's)
+    # name -> (the step's linears, their calls (each on its CPU path) then the head's)
     runs = {}
     for isa in args.isa or native.quant_linear.isas():
-        native.quant_linear.set_isa(isa)
         for dtype in (torch.float32, torch.bfloat16):
-            calls = quant_calls([*weights, head], dtype)
-            runs[f"{isa}, x {str(dtype)[6:]}"] = (isa, linears, calls)
+            calls = quant_calls([*weights, head], dtype, isa)
+            runs[f"{isa}, x {str(dtype)[6:]}"] = (linears, calls)
     widest = (args.isa or native.quant_linear.isas())[-1]
     runs[f"{widest}, qkv+gate/up fused"] = (
-        widest,
         fused,
-        quant_calls([w for _, w in fused] + [head], torch.float32),
+        quant_calls([w for _, w in fused] + [head], torch.float32, widest),
     )
     for dtype in (torch.float32, torch.bfloat16):
         runs[f"skinny, dense {str(dtype)[6:]}"] = (
-            None,
             linears,
             skinny_calls([*weights, head], dtype),
         )
@@ -167,9 +173,7 @@ def main() -> None:
         f"{'of 1 GiB':>9}{'of step':>9}{'+ head ms':>10}{'head GB/s':>10}"
     )
     per_shape = {}
-    for name, (isa, step, calls) in runs.items():
-        if isa is not None:
-            native.quant_linear.set_isa(isa)
+    for name, (step, calls) in runs.items():
         seconds, each = time_pass(calls[:-1], args.repeats)
         head_seconds, _ = time_pass(calls[-1:], args.repeats)
         nbytes, head_bytes = sum(c[2] for c in calls[:-1]), calls[-1][2]

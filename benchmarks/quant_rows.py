@@ -28,7 +28,8 @@ from workload import LLAMA_1B
 
 from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native
-from astrai.kernels.quant_ops import ACTIVATION_TERMS, QuantizedWeight
+from astrai.kernels.kernel_plan import ACTIVATION_TERMS, DEFAULT_PREFETCH, widest_quantized_isa
+from astrai.kernels.quant_ops import QuantizedWeight
 
 # where each type's fp16 scales lie in its GGUF block
 SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
@@ -68,12 +69,11 @@ def main() -> None:
     if native.quant_linear is None:
         raise SystemExit("the C quant-linear kernel is not built")
     torch.set_num_threads(args.threads)
-    if args.isa:
-        native.quant_linear.set_isa(args.isa)
+    isa = args.isa or widest_quantized_isa()
     bandwidth = read_bandwidth()
     print(
         f"{args.layers} layers of the 1B shape, {args.threads} threads, path "
-        f"{native.quant_linear.isa()}, x at {args.precision}, read bandwidth "
+        f"{isa}, x at {args.precision}, read bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s (1 GiB sum)\n"
     )
     rows_timed = sorted({1, *(int(r) for r in args.rows.split(","))})
@@ -100,7 +100,8 @@ def main() -> None:
             calls = [
                 partial(native.quant_linear.linear, out.data_ptr(),
                         inputs[w.shape[1]].data_ptr(), w.packed.data_ptr(), w.packed.nbytes, 0,
-                        rows, w.shape[1], w.shape[0], int(w.qtype), False, terms)
+                        rows, w.shape[1], w.shape[0], int(w.qtype), False, terms, isa,
+                        DEFAULT_PREFETCH)
                 for w, out in zip(weights, outputs, strict=True)
             ]  # fmt: skip
             best = best_pass(calls, args)
