@@ -405,8 +405,8 @@ class EngineConfig:
         "for a row does not depend on the other rows, so a request's greedy output does not "
         "depend on what shares its batch; --no-batch-invariant lets a product of more rows take "
         "a GEMM path where the start's timing finds one faster (a bf16 GEMM on an AMX CPU), "
-        "whose roundings differ from the kernel's. It applies to the whole process: the last "
-        "engine built sets it",
+        "whose roundings differ from the kernel's. Each engine keeps its own setting (its "
+        "KernelPlan), a draft model its target's",
     )
     activation_precision: str = setting(
         ACTIVATION_PRECISIONS[0],
