@@ -587,7 +587,9 @@ class ModelExecutor:
         new = list({id(image): image for image, *_ in wanted if image.embeddings is None}.values())
         if new:
             pixels = [image.pixel_values.to(self.device) for image in new]
-            for image, embeddings in zip(new, self.model.vision.encode_images(pixels), strict=True):
+            with self.kernel_plan.active():  # the encoder's linears are the model's too
+                encoded = self.model.vision.encode_images(pixels)
+            for image, embeddings in zip(new, encoded, strict=True):
                 image.embeddings = embeddings  # [image.length, dim]
         rows = torch.cat([torch.arange(row, row + hi - lo) for _, lo, hi, row in wanted])
         embeddings = torch.cat([image.embeddings[lo:hi] for image, lo, hi, _ in wanted])

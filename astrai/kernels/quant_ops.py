@@ -26,9 +26,9 @@ built with batch_invariant=False.
 Without the C extension, W is dequantized once (NumPy, as the gguf package does) for F.linear.
 
 A model holds a QuantizedWeight per quantized linear (QuantizedWeight.from_gguf on the GGUF
-tensor's bytes) and calls quant_linear(x, weight, bias), or builds a QuantizedLinear (which
-reads its activation precision from the active plan too); an
-embedding table in blocks is a QuantizedEmbedding, whose lookups decode only the rows asked for.
+tensor's bytes) and calls quant_linear(x, weight, bias), or builds a QuantizedLinear; either
+takes its activation precision from the active plan too. An embedding table in blocks is a
+QuantizedEmbedding, whose lookups decode only the rows asked for.
 """
 
 from __future__ import annotations
