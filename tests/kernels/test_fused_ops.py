@@ -208,7 +208,7 @@ def test_every_kernel_op_has_a_fake_implementation_for_tracing():
     with FakeTensorMode():
         x, weight, norm = torch.empty(3, 32), torch.empty(16, 32), torch.empty(32)
         qk, cos = torch.empty(3, 6, 8), torch.empty(3, 1, 8)
-        assert torch.ops.astrai.linear(x, weight, None).shape == (3, 16)
+        assert torch.ops.astrai.linear(x, weight, None, "kernel", "vec8", 2048).shape == (3, 16)
         assert torch.ops.astrai.rms_norm(x, norm, 1e-5).shape == (3, 32)
         assert [t.shape for t in torch.ops.astrai.add_rms_norm(x, x, norm, 1e-5)] == [(3, 32)] * 2
         assert torch.ops.astrai.silu_and_mul(x).shape == (3, 16)
