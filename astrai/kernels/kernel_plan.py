@@ -21,7 +21,6 @@ ISA and then its prefetch distance (fastest_isa, fastest_prefetch).
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -118,7 +117,6 @@ def widest_quantized_isa() -> str:
     return native.quant_linear.isas()[-1] if native.quant_linear is not None else "scalar"
 
 
-@functools.cache
 def untuned_choice(quantized: bool, dtype: torch.dtype, forced: LinearPath | None) -> LinearChoice:
     """The choice of a plan that timed nothing: forced's path, else untuned_paths; the dense
     kernel's portable bf16 path, the quantized kernel's widest."""
