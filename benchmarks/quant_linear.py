@@ -27,7 +27,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from machine import read_bandwidth
 
 from astrai.kernels import native
-from astrai.kernels.quant_ops import QuantizedWeight, quant_linear
+from astrai.kernels.quant_ops import (
+    ACTIVATION_TERMS,
+    DEFAULT_ACTIVATION_PRECISION,
+    QuantizedWeight,
+    quant_linear,
+)
 
 
 def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], list, QuantizedWeight]:
@@ -64,13 +69,14 @@ def smollm2_weights() -> tuple[list[tuple[str, QuantizedWeight]], list, Quantize
 
 def quant_calls(weights: list[QuantizedWeight], dtype: torch.dtype) -> list[tuple]:
     """(function, arguments, weight bytes, tensors to keep) per weight, for x [1, in] of
-    dtype, as a replay calls it."""
+    dtype in the default activation precision's terms, as a replay calls it."""
+    terms = ACTIVATION_TERMS[DEFAULT_ACTIVATION_PRECISION]
     calls = []
     for w in weights:
         x = torch.randn(1, w.shape[1]).to(dtype)
         out = torch.empty(1, w.shape[0], dtype=dtype)
-        args = (out.data_ptr(), x.data_ptr(), w.packed.data_ptr(), 0, 1, *w.shape[::-1])
-        args = (*args, int(w.qtype), dtype == torch.bfloat16)
+        args = (out.data_ptr(), x.data_ptr(), w.packed.data_ptr(), w.nbytes(), 0, 1)
+        args = (*args, *w.shape[::-1], int(w.qtype), dtype == torch.bfloat16, terms)
         calls.append((native.quant_linear.linear, args, w.nbytes(), (x, out)))
     return calls
 
