@@ -930,34 +930,34 @@ static inline __attribute__((always_inline)) void dequantize_row(void *out, cons
 }
 
 /* Each type's kernels: the templates above compiled with the type a constant. */
-#define PORTABLE_KERNELS(T)                                                                       \
-    static void group_scalar_##T(const struct call *c, int64_t g) { scalar_group(c, g, T); }     \
-    VECTOR_CLONES static void row_fp32_##T(void *out, const uint8_t *recs, int64_t blocks,      \
-                                           int r) {                                              \
-        dequantize_row(out, recs, blocks, T, r, 0);                                               \
-    }                                                                                             \
-    VECTOR_CLONES static void row_bf16_##T(void *out, const uint8_t *recs, int64_t blocks,      \
-                                           int r) {                                              \
-        dequantize_row(out, recs, blocks, T, r, 1);                                               \
+#define PORTABLE_KERNELS(T)                                                                        \
+    static void group_scalar_##T(const struct call *c, int64_t g) { scalar_group(c, g, T); }       \
+    VECTOR_CLONES static void row_fp32_##T(void *out, const uint8_t *recs, int64_t blocks,         \
+                                           int r) {                                                \
+        dequantize_row(out, recs, blocks, T, r, 0);                                                \
+    }                                                                                              \
+    VECTOR_CLONES static void row_bf16_##T(void *out, const uint8_t *recs, int64_t blocks,         \
+                                           int r) {                                                \
+        dequantize_row(out, recs, blocks, T, r, 1);                                                \
     }
 #if X86
-#define X86_KERNELS(T)                                                                            \
-    TARGET_AVX2 static void group_avx2_##T(const struct call *c, int64_t g) {                     \
-        avx2_group(c, g, T);                                                                      \
-    }                                                                                             \
-    TARGET_VNNI static void group_vnni_##T(const struct call *c, int64_t g) {                     \
-        vnni_group(c, g, T);                                                                      \
-    }                                                                                             \
-    TARGET_VNNI static void columns_fp32_##T(void *out, const uint8_t *recs, int64_t blocks,     \
-                                             int64_t n_out, int64_t g) {                          \
-        vnni_dequantize_group(out, recs, blocks, n_out, g, T, 0);                                 \
-    }                                                                                             \
-    TARGET_VNNI static void columns_bf16_##T(void *out, const uint8_t *recs, int64_t blocks,     \
-                                             int64_t n_out, int64_t g) {                          \
-        vnni_dequantize_group(out, recs, blocks, n_out, g, T, 1);                                 \
+#define X86_KERNELS(T)                                                                             \
+    TARGET_AVX2 static void group_avx2_##T(const struct call *c, int64_t g) {                      \
+        avx2_group(c, g, T);                                                                       \
+    }                                                                                              \
+    TARGET_VNNI static void group_vnni_##T(const struct call *c, int64_t g) {                      \
+        vnni_group(c, g, T);                                                                       \
+    }                                                                                              \
+    TARGET_VNNI static void columns_fp32_##T(void *out, const uint8_t *recs, int64_t blocks,       \
+                                             int64_t n_out, int64_t g) {                           \
+        vnni_dequantize_group(out, recs, blocks, n_out, g, T, 0);                                  \
+    }                                                                                              \
+    TARGET_VNNI static void columns_bf16_##T(void *out, const uint8_t *recs, int64_t blocks,       \
+                                             int64_t n_out, int64_t g) {                           \
+        vnni_dequantize_group(out, recs, blocks, n_out, g, T, 1);                                  \
     }
-#define KERNELS_OF(T)                                                                             \
-    .group = {group_scalar_##T, group_avx2_##T, group_vnni_##T},                                  \
+#define KERNELS_OF(T)                                                                              \
+    .group = {group_scalar_##T, group_avx2_##T, group_vnni_##T},                                   \
     .row = {row_fp32_##T, row_bf16_##T}, .columns = {columns_fp32_##T, columns_bf16_##T}
 #else
 #define X86_KERNELS(T)
@@ -972,7 +972,8 @@ KERNELS(Q8_0)
 KERNELS(Q4_K)
 KERNELS(Q6_K)
 
-/* A type's record sizes are quant_blocks.py's BLOCK_TYPES row packed (the top draws them). */
+/* The rows. A record's layout is what quant_blocks.py's row of the type packs (the top draws
+ * it). Adding a type is its arithmetic in the templates, a KERNELS line and a row here. */
 static const struct block_type block_types[TYPES] = {
     [Q4_0] = {.name = "Q4_0", .unit_blocks = 1, .code_offset = 8,
               .at = {.d = 256, .bytes = 288}, KERNELS_OF(Q4_0)},
