@@ -71,7 +71,8 @@ class EngineReplica:
 
     def __init__(self, serve_flags: Sequence[str]) -> None:
         # Imported here, so the ingress, which shares this module, does not load torch.
-        from astrai.cli import open_server, serve_settings
+        from astrai.flags import serve_settings
+        from astrai.launch import open_server
 
         self.engine, self.app = open_server(*serve_settings(list(serve_flags)))
         self.name = serve.get_replica_context().replica_id.unique_id.encode()
@@ -193,7 +194,7 @@ def build_app(
     imbalanced_threshold (default: a quarter of the max batch size); then, and without
     prefix_affinity, to the less loaded of two random replicas.
     """
-    from astrai.cli import serve_settings
+    from astrai.flags import serve_settings
 
     flags = ([] if model is None else ["--model", model]) + list(serve_flags)
     args, config = serve_settings(flags)

@@ -40,7 +40,7 @@ import httpx
 import openai
 from contention import model_path
 
-from astrai.cli import DEMO_MODEL_DIR
+from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 

@@ -14,8 +14,8 @@ import pexpect
 import pytest
 
 import astrai
-from astrai.cli import DEMO_MODEL_DIR
 from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
+from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 

@@ -27,18 +27,13 @@ from serve_process import astrai_serve
 from tiny_models import add_snapshot, noise_image, write_gguf, write_hf_model, write_idefics3_gguf
 
 import astrai
-from astrai.cli import (
-    DEMO_MODEL_DIR,
-    _parser,
-    _take_positional_model,
-    add_flags,
-    from_flags,
-    main,
-)
+from astrai.cli import main
 from astrai.config import EngineConfig, parse_kv_cache_memory
+from astrai.flags import add_flags, build_parser, from_flags, take_positional_model
 from astrai.inference import GenerationParams, GenerationRequest, InferenceEngine
 from astrai.inference.constraints import Constraint
 from astrai.inference.task import ThinkingBudget
+from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.model.weights import gguf as gguf_weights
 from astrai.tokenize import AutoTokenizer
@@ -438,9 +433,9 @@ def test_help_explains_every_flag_in_its_group(command, capsys, monkeypatch):
 )
 def test_the_peers_spellings_are_aliases(words, field, value, capsys):
     """vLLM's, llama.cpp's and Ollama users' flags, named as aliases in --help."""
-    args, unknown = _parser().parse_known_args(words)
+    args, unknown = build_parser().parse_known_args(words)
     assert unknown == []
-    _take_positional_model(args)
+    take_positional_model(args)
     settings = from_flags(EngineConfig, args)
     assert getattr(settings if field == "max_seq_len" else args, field) == value
     with pytest.raises(SystemExit):
@@ -550,9 +545,9 @@ def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
 def test_every_setting_is_a_flag_of_the_commands_that_use_it(command, cls, spec):
     words, value = other_value(cls, spec)
     prompt = ["Hello"] if command == "generate" else []
-    args = _parser().parse_args([command, *words, *prompt])
+    args = build_parser().parse_args([command, *words, *prompt])
     assert getattr(from_flags(cls, args), spec.name) == value
-    assert from_flags(cls, _parser().parse_args([command, *prompt])) == cls()
+    assert from_flags(cls, build_parser().parse_args([command, *prompt])) == cls()
 
 
 @pytest.fixture
@@ -815,7 +810,7 @@ def test_gguf_file_flag_picks_a_file_of_the_repo(hf_home, monkeypatch):
 
     import huggingface_hub.constants
 
-    from astrai.cli import _model_path
+    from astrai.launch import model_path
 
     monkeypatch.setenv("HF_HOME", str(hf_home))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
@@ -823,11 +818,11 @@ def test_gguf_file_flag_picks_a_file_of_the_repo(hf_home, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     importlib.reload(huggingface_hub.constants)  # it reads the environment once, at import
     try:
-        args = _parser().parse_args(
+        args = build_parser().parse_args(
             ["generate", "--model", "org/ggufs", "--gguf-file", "m.Q8_0.gguf", "Hi"]
         )
         snapshot = hf_home / "hub" / "models--org--ggufs" / "snapshots" / HUB_MAIN
-        assert _model_path(args) == snapshot / "m.Q8_0.gguf"
+        assert model_path(args) == snapshot / "m.Q8_0.gguf"
     finally:
         monkeypatch.undo()
         importlib.reload(huggingface_hub.constants)
@@ -867,5 +862,5 @@ def test_quantization_flag_reaches_the_loader(llama_dir, built, capsys):
     w13 = engine.model.layers[0].feed_forward.w13
     assert isinstance(w13, QuantizedLinear) and w13.weight.qtype.name == "Q4_0"
     with pytest.raises(SystemExit):
-        _parser().parse_args(["generate", "--quantization", "q4_k", "Hello"])
+        build_parser().parse_args(["generate", "--quantization", "q4_k", "Hello"])
     assert "no quantizer for it" in capsys.readouterr().err

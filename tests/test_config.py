@@ -229,12 +229,12 @@ def test_every_load_setting_has_command_line_help(spec):
 
 
 def test_load_flags_are_load_config_fields():
-    from astrai.cli import _parser, from_flags
+    from astrai.flags import build_parser, from_flags
 
     flags = ["--model", "m.gguf", "--dtype", "bfloat16", "--dequantize", "--device", "cpu"]
-    args = _parser().parse_args(["generate", *flags, "Hi"])
+    args = build_parser().parse_args(["generate", *flags, "Hi"])
     expected = LoadConfig(model="m.gguf", dtype="bfloat16", dequantize=True, device="cpu")
     assert from_flags(LoadConfig, args) == expected
-    assert from_flags(LoadConfig, _parser().parse_args(["generate", "Hi"])) == LoadConfig()
+    assert from_flags(LoadConfig, build_parser().parse_args(["generate", "Hi"])) == LoadConfig()
     with pytest.raises(ConfigError, match=r"dtype must be one of \['auto'"):
         LoadConfig(dtype="int8")

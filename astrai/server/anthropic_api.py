@@ -20,7 +20,7 @@ from astrai.server.protocol import CountTokensRequest, MessagesRequest
 from astrai.server.reasoning import ReasoningStream
 from astrai.server.registry import model_service
 from astrai.server.sse import EventStreamResponse, sse_event
-from astrai.server.tool_parsers import ToolCallDelta, ToolChoice, ToolUse
+from astrai.server.tool_parsers import ToolCallDelta, ToolUse
 
 router = APIRouter()
 
@@ -81,22 +81,6 @@ def _thinking_budget(service: GenerationService, body: MessagesRequest, tools: T
         )
     end_ids = service.tokenizer.encode(service.reasoning_parser.end, add_special_tokens=False)
     return {"thinking_budget": ThinkingBudget(budget, tuple(end_ids))}
-
-
-def _tool_use(service: GenerationService, body: MessagesRequest | CountTokensRequest) -> ToolUse:
-    """What the request's tools and tool_choice ask for, in OpenAI's terms that chat templates
-    and the parsers share: tools as function definitions, any and tool as forced calls."""
-    choice = body.tool_choice
-    modes = {None: "auto", "auto": "auto", "none": "none", "any": "required", "tool": "named"}
-    named = ToolChoice(modes[choice and choice.type], choice and choice.name)
-    # In the order of OpenAI's definitions, so the template renders both APIs' tools alike.
-    functions = [
-        {"name": t.name, "description": t.description, "parameters": t.input_schema}
-        for t in body.tools or ()
-    ]
-    functions = [{k: v for k, v in f.items() if v is not None} for f in functions]
-    parallel = choice is None or not choice.disable_parallel_tool_use
-    return service.tool_use(functions, named, parallel)
 
 
 async def _compile(service: GenerationService, tools: ToolUse) -> None:
@@ -162,7 +146,9 @@ def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     service = await model_service(request, body.model)
     refuse_unsupported(body)
-    return {"input_tokens": len(await _prompt(service, body, _tool_use(service, body)))}
+    return {
+        "input_tokens": len(await _prompt(service, body, service.tool_use(body.tool_request())))
+    }
 
 
 @router.post("/v1/messages")
@@ -176,7 +162,7 @@ async def messages(body: MessagesRequest, request: Request):
             f"temperature must be between 0 and 1 in the Messages API, got {body.temperature}",
             param="temperature",
         )
-    tools = _tool_use(service, body)
+    tools = service.tool_use(body.tool_request())
     prompt = await _prompt(service, body, tools)
     await _compile(service, tools)
     params = service.params(

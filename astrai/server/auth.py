@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hmac
 
-from astrai.server.errors import APIError, error_response
+from astrai.server.errors import APIError
+from astrai.server.middleware import Receive, RequestGate
 
 # Load balancers and Prometheus probe these without a key.
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
@@ -18,7 +19,7 @@ def _presented_key(headers: dict[bytes, bytes]) -> bytes | None:
     return headers.get(b"x-api-key")
 
 
-class APIKeyAuth:
+class APIKeyAuth(RequestGate):
     """ASGI middleware: a request must carry `Authorization: Bearer KEY` or `x-api-key: KEY`.
 
     It runs before routing and body parsing, so a bad key is refused whatever the body holds.
@@ -26,23 +27,19 @@ class APIKeyAuth:
     """
 
     def __init__(self, app, api_key: str) -> None:
-        self.app = app
+        super().__init__(app)
         self.api_key = api_key.encode()
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            presented = _presented_key(dict(scope["headers"]))
-            if presented is None:
-                error = APIError(
-                    401,
-                    "missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                    code="invalid_api_key",
-                )
-            elif not hmac.compare_digest(presented, self.api_key):
-                error = APIError(401, "invalid API key", code="invalid_api_key")
-            else:
-                error = None
-            if error is not None:
-                await error_response(scope["path"], error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    async def admit(self, path: str, headers: dict[bytes, bytes], receive: Receive) -> Receive:
+        if path in PUBLIC_PATHS:
+            return receive
+        presented = _presented_key(headers)
+        if presented is None:
+            raise APIError(
+                401,
+                "missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                code="invalid_api_key",
+            )
+        if not hmac.compare_digest(presented, self.api_key):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+        return receive

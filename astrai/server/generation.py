@@ -37,7 +37,7 @@ from astrai.server.media import MediaFetcher, MediaFetchError
 from astrai.server.metrics import ServerMetrics
 from astrai.server.protocol import RequestImage
 from astrai.server.reasoning import ReasoningParser
-from astrai.server.tool_parsers import HermesParser, ToolCallParser, ToolChoice, ToolUse
+from astrai.server.tool_parsers import HermesParser, ToolCallParser, ToolRequest, ToolUse
 from astrai.tokenize import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -247,9 +247,7 @@ class GenerationService:
             raise APIError(400, f"{name}: {exc}", param=name) from exc
         return constraint
 
-    def tool_use(
-        self, functions: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool = True
-    ) -> ToolUse:
+    def tool_use(self, request: ToolRequest) -> ToolUse:
         """What a request's tools (OpenAI function definitions), tool_choice and parallel calls
         ask for, whichever API they came through; a 400 for what cannot be honoured.
 
@@ -257,6 +255,7 @@ class GenerationService:
         in Hermes' where none is known (the output is then astrai's to read). Under auto, calls
         are read in the model's format, and strict tools hold a call the model starts to their
         schema from its marker on."""
+        functions, choice, parallel = request.functions, request.choice, request.parallel
         if not functions:
             if choice.mode in ("required", "named"):
                 raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")

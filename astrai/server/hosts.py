@@ -5,7 +5,8 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-from astrai.server.errors import APIError, error_response
+from astrai.server.errors import APIError
+from astrai.server.middleware import Receive, RequestGate
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -29,7 +30,7 @@ def _is_ip_address(name: str) -> bool:
     return True
 
 
-class HostCheck:
+class HostCheck(RequestGate):
     """ASGI middleware: a request's Host must be a loopback name, an IP address or allowed.
 
     A web page can point a name it controls at 127.0.0.1 and then call the server from the
@@ -39,20 +40,17 @@ class HostCheck:
     """
 
     def __init__(self, app, allowed_hosts: Iterable[str]) -> None:
-        self.app = app
+        super().__init__(app)
         self.allowed = LOOPBACK_NAMES | {host_name(h) for h in allowed_hosts}
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            header = dict(scope["headers"]).get(b"host")
-            name = host_name(header.decode("latin-1")) if header is not None else None
-            if name is not None and name not in self.allowed and not _is_ip_address(name):
-                error = APIError(
-                    403,
-                    f"this server does not answer to the host name {name!r}; it accepts "
-                    f"{', '.join(sorted(self.allowed))} and IP addresses. Its operator can "
-                    "allow more names with --allowed-hosts",
-                )
-                await error_response(scope["path"], error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    async def admit(self, path: str, headers: dict[bytes, bytes], receive: Receive) -> Receive:
+        header = headers.get(b"host")
+        name = host_name(header.decode("latin-1")) if header is not None else None
+        if name is not None and name not in self.allowed and not _is_ip_address(name):
+            raise APIError(
+                403,
+                f"this server does not answer to the host name {name!r}; it accepts "
+                f"{', '.join(sorted(self.allowed))} and IP addresses. Its operator can "
+                "allow more names with --allowed-hosts",
+            )
+        return receive

@@ -10,7 +10,8 @@ import re
 import h11
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
-from astrai.server.errors import APIError, error_response
+from astrai.server.errors import APIError
+from astrai.server.middleware import Receive, RequestGate
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ class _BodyTooLarge(Exception):
     pass
 
 
-class RequestBodyLimit:
+class RequestBodyLimit(RequestGate):
     """ASGI middleware that reads each request body before the app sees it, within bounds.
 
     A body over max_bytes is refused with 413 before it is held in memory (at once when its
@@ -28,37 +29,35 @@ class RequestBodyLimit:
     connection, so the rest of the body is never read.
     """
 
+    closes_on_refusal = True
+
     def __init__(self, app, max_bytes: int, timeout: float) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
         self.timeout = timeout
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def admit(
+        self, path: str, headers: dict[bytes, bytes], receive: Receive
+    ) -> Receive | None:
         too_large = APIError(
             413,
             f"the request body is larger than this server's limit of {self.max_bytes} bytes; "
             "send a smaller request (the operator sets the limit with --max-request-bytes)",
         )
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = headers.get(b"content-length")
         if declared is not None and int(declared) > self.max_bytes:
-            await _refuse(scope, receive, send, too_large)
-            return
+            raise too_large
         try:
             async with asyncio.timeout(self.timeout):
                 body = await self._read_body(receive)
         except _BodyTooLarge:
-            await _refuse(scope, receive, send, too_large)
-            return
+            raise too_large from None
         except TimeoutError:
             message = f"the request body did not arrive within {self.timeout:g} seconds"
-            await _refuse(scope, receive, send, APIError(408, message))
-            return
+            raise APIError(408, message) from None
         if body is None:  # the client left before sending its body: nobody to answer
-            return
-        await self.app(scope, _replay(body, receive), send)
+            return None
+        return _replay(body, receive)
 
     async def _read_body(self, receive) -> bytes | None:
         chunks, size = [], 0
@@ -73,12 +72,6 @@ class RequestBodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-
-async def _refuse(scope, receive, send, error: APIError) -> None:
-    response = error_response(scope["path"], error)
-    response.headers["Connection"] = "close"
-    await response(scope, receive, send)
 
 
 def _replay(body: bytes, receive):

@@ -38,7 +38,7 @@ from astrai.server.protocol import (
 from astrai.server.reasoning import ReasoningStream
 from astrai.server.registry import ModelRegistry, ServedModel, model_service
 from astrai.server.sse import NDJSONResponse, ndjson_line
-from astrai.server.tool_parsers import ToolCallStream, ToolChoice, ToolUse
+from astrai.server.tool_parsers import ToolCallStream, ToolUse
 
 
 class JSONBodyRoute(APIRoute):
@@ -377,8 +377,7 @@ async def chat(body: OllamaChatRequest, request: Request):
     template_kwargs = _thinking(service, body.think)
     if not body.messages:
         return _loaded(head, empty)
-    functions = [tool.function.model_dump(exclude_none=True) for tool in body.tools or ()]
-    tools = service.tool_use(functions, ToolChoice("auto"))
+    tools = service.tool_use(body.tool_request())
     prompt = await service.chat_prompt(
         [m.template_message() for m in body.messages],
         tools=tools.definitions,

@@ -21,7 +21,7 @@ from astrai.server.logprobs import (
     joined_logprobs,
     prompt_logprobs,
 )
-from astrai.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from astrai.server.protocol import ChatCompletionRequest, CompletionRequest
 from astrai.server.reasoning import ReasoningStream
 from astrai.server.registry import ModelRegistry, ServedModel, model_service
 from astrai.server.sse import EventStreamResponse, sse_data
@@ -29,7 +29,6 @@ from astrai.server.tool_parsers import (
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
-    ToolChoice,
     ToolUse,
 )
 
@@ -98,17 +97,6 @@ async def _constraint(
         raise APIError(400, f"{names} both constrain the output; give one", param=asked[1][0])
     [(name, constraint)] = asked
     return await service.compiled(name, constraint)
-
-
-def _tool_use(service: GenerationService, body: ChatCompletionRequest) -> ToolUse:
-    """What the request's tools, tool_choice and parallel_tool_calls ask for."""
-    choice = body.tool_choice
-    if isinstance(choice, NamedToolChoice):
-        choice = ToolChoice("named", choice.function.name)
-    else:
-        choice = ToolChoice(choice or "auto")
-    functions = [tool.function.model_dump(exclude_none=True) for tool in body.tools or ()]
-    return service.tool_use(functions, choice, parallel=body.parallel_tool_calls is not False)
 
 
 def _call_id() -> str:
@@ -270,7 +258,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "opens a new one; set add_generation_prompt to false or leave it out",
             param="continue_final_message",
         )
-    tools = _tool_use(service, body)
+    tools = service.tool_use(body.tool_request())
     service.check_message_extras(body.messages)
     messages = [m.template_message() for m in body.messages]
     prompt = await service.chat_prompt(

@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from astrai.server.tool_parsers import ToolChoice, ToolRequest
+
 
 def _unicode(text: str) -> str:
     """Refuse lone surrogates, which no tokenizer can encode.
@@ -374,6 +376,17 @@ class ChatCompletionRequest(_OpenAISampling):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: Any = None
 
+    def tool_request(self) -> ToolRequest:
+        """tools, tool_choice and parallel_tool_calls."""
+        choice = self.tool_choice
+        return ToolRequest(
+            [tool.function.model_dump(exclude_none=True) for tool in self.tools or ()],
+            ToolChoice("named", choice.function.name)
+            if isinstance(choice, NamedToolChoice)
+            else ToolChoice(choice or "auto"),
+            self.parallel_tool_calls is not False,
+        )
+
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -558,6 +571,23 @@ class _AnthropicPrompt(_Request):
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
     output_config: Any = None
+
+    def tool_request(self) -> ToolRequest:
+        """tools and tool_choice in OpenAI's terms, which chat templates and the parsers share:
+        tools as function definitions, any and tool as forced calls."""
+        choice = self.tool_choice
+        modes = {None: "auto", "auto": "auto", "none": "none", "any": "required", "tool": "named"}
+        # In the order of OpenAI's definitions, so the template renders both APIs' tools alike.
+        functions = [
+            {"name": t.name, "description": t.description, "parameters": t.input_schema}
+            for t in self.tools or ()
+        ]
+        return ToolRequest(
+            [{k: v for k, v in f.items() if v is not None} for f in functions],
+            ToolChoice(modes[choice and choice.type], choice and choice.name),
+            choice is None or not choice.disable_parallel_tool_use,
+        )
+
     cache_control: Any = None
     speed: Any = None
     user_profile_id: Any = None
@@ -937,6 +967,22 @@ class ResponsesRequest(_Request):
 
     _text = field_validator("model", "instructions")(_unicode_strings)
 
+    def tool_request(self) -> ToolRequest:
+        """tools, tool_choice and parallel_tool_calls."""
+        choice = self.tool_choice
+        return ToolRequest(
+            [
+                tool.model_dump(
+                    include={"name", "description", "parameters", "strict"}, exclude_none=True
+                )
+                for tool in self.tools or ()
+            ],
+            ToolChoice("named", choice.name)
+            if isinstance(choice, ResponsesNamedTool)
+            else ToolChoice(choice or "auto"),
+            self.parallel_tool_calls is not False,
+        )
+
     @field_validator("include")
     @classmethod
     def _includable(cls, include: list[str] | None) -> list[str] | None:
@@ -1078,6 +1124,12 @@ class _OllamaGeneration(_Request):
 class OllamaChatRequest(_OllamaGeneration):
     messages: list[OllamaMessage] = Field(default_factory=list)  # none: load the model
     tools: list[ChatTool] | None = None
+
+    def tool_request(self) -> ToolRequest:
+        """tools, which Ollama lets the model call as it likes (OpenAI's auto)."""
+        return ToolRequest(
+            [tool.function.model_dump(exclude_none=True) for tool in self.tools or ()]
+        )
 
 
 class OllamaGenerateRequest(_OllamaGeneration):

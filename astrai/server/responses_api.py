@@ -30,14 +30,13 @@ from astrai.server.protocol import (
     ResponsesFunctionCall,
     ResponsesFunctionCallOutput,
     ResponsesMessage,
-    ResponsesNamedTool,
     ResponsesReasoning,
     ResponsesRequest,
 )
 from astrai.server.reasoning import ReasoningStream
 from astrai.server.registry import model_service
 from astrai.server.sse import EventStreamResponse, sse_event
-from astrai.server.tool_parsers import ToolCallDelta, ToolChoice, ToolUse
+from astrai.server.tool_parsers import ToolCallDelta, ToolUse
 
 router = APIRouter()
 
@@ -119,20 +118,6 @@ def _conversation(items: list[Any]) -> list[dict]:
     return messages
 
 
-def _tool_use(service: GenerationService, body: ResponsesRequest) -> ToolUse:
-    """The request's tools and tool_choice, through the service's shared path."""
-    choice = body.tool_choice
-    if isinstance(choice, ResponsesNamedTool):
-        choice = ToolChoice("named", choice.name)
-    else:
-        choice = ToolChoice(choice or "auto")
-    functions = [
-        tool.model_dump(include={"name", "description", "parameters", "strict"}, exclude_none=True)
-        for tool in body.tools or ()
-    ]
-    return service.tool_use(functions, choice, parallel=body.parallel_tool_calls is not False)
-
-
 async def _constraint(
     service: GenerationService, body: ResponsesRequest, tools: ToolUse
 ) -> Constraint | None:
@@ -177,7 +162,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     conversation = earlier + _conversation(body.input)
     if not conversation:
         raise APIError(400, "input holds no message for the model to answer", param="input")
-    tools = _tool_use(service, body)
+    tools = service.tool_use(body.tool_request())
     messages = conversation
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *conversation]

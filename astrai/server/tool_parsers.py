@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from astrai.inference.constraints import Constraint, closed_schema
@@ -39,6 +39,18 @@ class ToolChoice:
 
     mode: Literal["none", "auto", "required", "named"] = "auto"
     name: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's tools in OpenAI's terms, whichever API it came through: the function
+    definitions, the tool choice, and whether more than one call may be made. Each API's
+    request body reads its own fields into one (protocol.py); GenerationService.tool_use
+    decides what they ask for."""
+
+    functions: list[dict[str, Any]] = field(default_factory=list)
+    choice: ToolChoice = ToolChoice()
+    parallel: bool = True
 
 
 @dataclass(frozen=True)

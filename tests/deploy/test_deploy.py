@@ -17,10 +17,11 @@ import pytest
 import ray
 from ray import serve
 
-from astrai.cli import open_server, serve_settings
 from astrai.config import ConfigError
 from astrai.deploy import app, build_app, prompt_text
+from astrai.flags import serve_settings
 from astrai.inference import GenerationParams, GenerationRequest
+from astrai.launch import open_server
 
 API_KEY = "test-key"
 SERVE_FLAGS = ["--api-key", API_KEY, "--max-batch-size", "32", "--kv-cache-memory", "33554432"]

@@ -9,10 +9,10 @@ import torch
 from gguf import GGMLQuantizationType
 from tiny_models import write_gguf, write_hf_model
 
-from astrai.cli import DEMO_MODEL_DIR
 from astrai.config import ConfigError, ModelConfig, MoEConfig
 from astrai.distributed import TensorShard, check_shardable
 from astrai.kernels.quant_ops import QuantizedLinear
+from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.model.weights.gguf import ConcatenatedLinear, shard_problems
 

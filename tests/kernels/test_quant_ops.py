@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -136,6 +137,17 @@ def kernel_product(x: Tensor, weight: QuantizedWeight, bias=None, terms: int = 1
 def test_kernel_is_built_where_a_compiler_is():
     assert native.quant_linear is not None, "pip install should have built it"
     assert "scalar" in native.quant_linear.isas()
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_1, 99, -1], ids=str)
+def test_the_kernel_has_a_row_for_each_block_type_and_no_other(qtype):
+    """quant_linear.c's table of block types holds quant_blocks.BLOCK_TYPES' types: a type
+    without a row there (one GGML knows, or no type at all) is refused, naming those types."""
+    with pytest.raises(ValueError, match=f"GGML type {int(qtype)} has no kernel") as refused:
+        native.quant_linear.dequantize(0, 0, 0, 1, 256, int(qtype), False, False)
+    names = re.search(r"\((.*)\)", str(refused.value)).group(1).split(", ")
+    assert sorted(names) == sorted(t.name for t in BLOCK_TYPES)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

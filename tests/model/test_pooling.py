@@ -11,7 +11,8 @@ import pytest
 import torch
 from tiny_models import write_gguf
 
-from astrai.cli import open_server, serve_settings
+from astrai.flags import serve_settings
+from astrai.launch import open_server
 from astrai.model.checkpoint import CheckpointError
 from astrai.model.pooling import checkpoint_pooling
 

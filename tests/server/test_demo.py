@@ -8,8 +8,8 @@ import sys
 import pytest
 from live_server import start_server, stop_server
 
-from astrai.cli import DEMO_MODEL_DIR
 from astrai.inference import InferenceEngine
+from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.server import create_app
 from astrai.tokenize import AutoTokenizer

@@ -99,7 +99,7 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(hardened, path):
     request = head(path, "Content-Type: application/json", f"Content-Length: {50 << 20}")
     reply, closed = exchange(hardened, request)
     assert reply.startswith(b"HTTP/1.1 413"), reply
-    assert closed
+    assert closed and b"connection: close" in reply.lower()  # the response says it, too
     assert b"--max-request-bytes" in reply
     if path == "/v1/messages":
         assert b'"request_too_large"' in reply
@@ -129,7 +129,7 @@ def test_a_body_that_stalls_is_answered_408(hardened):
     started = time.monotonic()
     reply, closed = exchange(hardened, request + b'{"prompt": ')
     assert reply.startswith(b"HTTP/1.1 408"), reply
-    assert closed
+    assert closed and b"connection: close" in reply.lower()
     assert time.monotonic() - started < READ_TIMEOUT + 2
 
 

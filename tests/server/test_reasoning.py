@@ -18,10 +18,10 @@ import openai
 import pytest
 from live_server import API_KEY, MODEL_NAME, RunningServer, make_engine, start_server, stop_server
 
-from astrai.cli import DEMO_MODEL_DIR
 from astrai.inference import STOP, GenerationParams, InferenceEngine, InvalidParamsError
 from astrai.inference.constraints import Constraint
 from astrai.inference.task import ThinkingBudget
+from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.server import create_app
 from astrai.server.reasoning import ThinkParser, reasoning_parser_for

@@ -21,8 +21,10 @@ from live_server import make_engine, serving, start_server, stop_server
 from serve_process import astrai_serve
 from tiny_models import add_snapshot, write_gguf, write_hf_model
 
-from astrai.cli import main, open_router, serve_settings
+from astrai.cli import main
 from astrai.config import ConfigError
+from astrai.flags import serve_settings
+from astrai.launch import open_router
 from astrai.server.registry import ModelRegistry
 
 ENGINE_FLAGS = ("--max-seq-len", "256", "--kv-cache-memory", str(64 << 20))

@@ -10,8 +10,9 @@ import httpx
 import pytest
 from live_server import start_server, stop_server
 
-from astrai.cli import open_router, open_server, serve_settings
 from astrai.config import ConfigError
+from astrai.flags import serve_settings
+from astrai.launch import open_router, open_server
 
 FLAGS = ["--max-seq-len", "256", "--kv-cache-memory", "8000000", "--model-name", "tiny"]
 PROMPT = "Hello world"

@@ -6,8 +6,8 @@ import httpx
 import openai
 from serve_process import astrai_serve
 
-from astrai.cli import DEMO_MODEL_DIR
 from astrai.inference import InferenceEngine
+from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 

@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 from live_server import make_engine, start_server, stop_server
 from tiny_models import write_hf_model
 
-from astrai.cli import DEMO_MODEL_DIR, _parser, open_router, serve_settings
+from astrai.flags import build_parser, serve_settings
+from astrai.launch import DEMO_MODEL_DIR, open_router
 from astrai.server import create_app
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -54,7 +55,7 @@ def test_the_page_is_served_at_the_root_unless_turned_off(demo_engine, webui):
     if webui:
         assert "<title>astrai chat</title>" in page.text
         assert "/v1/chat/completions" in script.text
-    assert _parser().parse_args(["serve", *([] if webui else ["--no-webui"])]).webui is webui
+    assert build_parser().parse_args(["serve", *([] if webui else ["--no-webui"])]).webui is webui
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs chromium: apt-get install chromium")

@@ -78,14 +78,14 @@
 #define X86 0
 #endif
 
-/* GGML's type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+/* GGML's type ids; TYPES bounds them */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, TYPES };
 #define QK 32
 #define GROUP 16
 #define CHUNK (4 * GROUP) /* bytes of 4 codes (or code bytes) of each row */
 
-/* 32-blocks per unit, by type */
-static int unit_blocks(int qtype) { return qtype == Q4_K || qtype == Q6_K ? 8 : 1; }
+enum isa { SCALAR, AVX2, AVX512VNNI, ISAS };
+static const char *const isa_names[] = {"scalar", "avx2", "avx512vnni"};
 
 /* Where a record's parts start: its scales d (and m: Q4_1's m, Q4_K's dmin; sc: the K types'
  * 8-bit scales, mn: Q4_K's mins; high: Q5_0's and Q6_K's high bits), and its size. */
@@ -93,28 +93,30 @@ struct layout {
     int d, m, sc, mn, high, bytes;
 };
 
-static struct layout layout_of(int qtype) {
-    switch (qtype) {
-    case Q4_0: return (struct layout){.d = 256, .bytes = 288};
-    case Q4_1: return (struct layout){.d = 256, .m = 288, .bytes = 320};
-    case Q5_0: return (struct layout){.high = 256, .d = 320, .bytes = 352};
-    case Q8_0: return (struct layout){.d = 512, .bytes = 544};
-    case Q4_K: return (struct layout){.sc = 2048, .mn = 2176, .d = 2304, .m = 2336, .bytes = 2368};
-    default: return (struct layout){.high = 2048, .sc = 3072, .d = 3328, .bytes = 3360};
-    }
-}
+struct call;
 
-/* the integer offset c (see the top) */
-static int code_offset(int qtype) {
-    return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32 : 0;
-}
+/* One GGML block type, a row of block_types (ggml's type traits): its record and arithmetic,
+ * and its kernels. Each kernel is a template below compiled with the type a constant, so no
+ * inner loop tests the type: a call looks its row up once and takes the kernel of its path. */
+struct block_type {
+    const char *name;
+    int unit_blocks;    /* 32-blocks per unit */
+    int code_offset;    /* the integer offset c (see the top) */
+    int seeds_per_half; /* whether x's blocks carry a seed per 16-weight half: Q6_K has a scale
+                           per half, and Q5_0's 5-bit products overflow AVX2's int16 sums of a
+                           whole block, so it sums each half apart */
+    struct layout at;
+    /* x rows' products with group g of W, stored: per path (NULL where not compiled) */
+    void (*group[ISAS])(const struct call *c, int64_t g);
+    /* row r of a group as fp32 [0] or bf16 [1], from the group's records */
+    void (*row[2])(void *out, const uint8_t *recs, int64_t blocks, int r);
+    /* group g's rows as columns of W^T [in, n_out], fp32 [0] or bf16 [1]: avx512vnni only */
+    void (*columns[2])(void *out, const uint8_t *recs, int64_t blocks, int64_t n_out, int64_t g);
+};
 
-/* Whether x's blocks carry a seed per 16-weight half: Q6_K has a scale per half, and Q5_0's
- * 5-bit products overflow AVX2's int16 sums of a whole block, so it sums each half apart. */
-static int seeds_per_half(int qtype) { return qtype == Q6_K || qtype == Q5_0; }
-
-enum isa { SCALAR, AVX2, AVX512VNNI };
-static const char *const isa_names[] = {"scalar", "avx2", "avx512vnni"};
+/* The rows, indexed by the type; filled in at the end, once the kernels are compiled (the
+ * templates read a row's record and arithmetic as constants). */
+static const struct block_type block_types[TYPES];
 
 static int isa_runs(enum isa isa) {
 #if X86
@@ -166,17 +168,19 @@ static inline __attribute__((always_inline)) int code(const uint8_t *rec, int qt
     const uint8_t byte = rec[4 * CHUNK * j + CHUNK * (k % 16 / 4) + in_chunk];
     const int low = k < 16 ? byte & 15 : byte >> 4;
     if (qtype == Q5_0)
-        return low | (rec[layout_of(Q5_0).high + in_chunk] >> (k % 16 / 4 + 4 * (k / 16)) & 1) << 4;
+        return low | (rec[block_types[Q5_0].at.high + in_chunk] >> (k % 16 / 4 + 4 * (k / 16)) & 1)
+                         << 4;
     if (qtype != Q6_K) return low;
     const int t = k % 16 / 4, shift = 2 * (2 * (t % 2) + k / 16);
-    const uint8_t bits = rec[layout_of(Q6_K).high + 2 * CHUNK * j + CHUNK * (t / 2) + in_chunk];
+    const uint8_t bits =
+        rec[block_types[Q6_K].at.high + 2 * CHUNK * j + CHUNK * (t / 2) + in_chunk];
     return low | (bits >> shift & 3) << 4;
 }
 
 /* Row r's scales of 32-block j of a record: d of its two halves, and m. */
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *rec, int qtype, int r,
                                                                int j, float d[2], float *m) {
-    const struct layout at = layout_of(qtype);
+    const struct layout at = block_types[qtype].at;
     *m = 0.0f;
     switch (qtype) {
     case Q4_K:
@@ -281,7 +285,7 @@ struct call {
     const struct xblock *x; /* [rows, in / 32] */
     const void *bias;
     int64_t rows, blocks, n_out, rec_bytes; /* rows of x: output rows times terms */
-    int qtype, is_bf16, terms;
+    int is_bf16, terms;
     int prefetch_bytes; /* how far the x86 paths prefetch W (prefetch.h) */
 };
 
@@ -328,8 +332,9 @@ static inline __attribute__((always_inline)) void store_group(const struct call 
 }
 
 /* The portable path: correct everywhere, and the plainest statement of the arithmetic. */
-static void group_scalar(const struct call *c, int64_t g) {
-    const int per_unit = unit_blocks(c->qtype), offset = code_offset(c->qtype);
+static inline __attribute__((always_inline)) void scalar_group(const struct call *c, int64_t g,
+                                                               const int qtype) {
+    const int per_unit = block_types[qtype].unit_blocks, offset = block_types[qtype].code_offset;
     const uint8_t *recs = c->w + g * c->blocks / per_unit * c->rec_bytes;
     for (int64_t m = 0; m < c->rows; m++) {
         float sums[GROUP];
@@ -341,9 +346,9 @@ static void group_scalar(const struct call *c, int64_t g) {
                 const struct xblock *xb = c->x + m * c->blocks + b;
                 int32_t half[2] = {0, 0};
                 for (int k = 0; k < QK; k++)
-                    half[k / 16] += (code(rec, c->qtype, r, j, k) - offset) * xb->q[k];
+                    half[k / 16] += (code(rec, qtype, r, j, k) - offset) * xb->q[k];
                 float d[2], mb;
-                block_scales(rec, c->qtype, r, j, d, &mb);
+                block_scales(rec, qtype, r, j, d, &mb);
                 dot += xb->dx * (d[0] * (float)half[0] + d[1] * (float)half[1]) + mb * xb->sx;
             }
             sums[r] = dot;
@@ -465,8 +470,8 @@ TARGET_VNNI INLINE void vnni_unit_scales(const uint8_t *rec, const struct layout
 
 TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
                                   const int n_x, const int qtype) {
-    const int per_unit = unit_blocks(qtype);
-    const struct layout at = layout_of(qtype);
+    const int per_unit = block_types[qtype].unit_blocks;
+    const struct layout at = block_types[qtype].at;
     __m512 acc[VNNI_X], offsets[VNNI_X];
     UNROLL
     for (int i = 0; i < n_x; i++) acc[i] = offsets[i] = _mm512_setzero_ps();
@@ -523,7 +528,7 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
 }
 
 TARGET_VNNI INLINE void vnni_group(const struct call *c, int64_t g, const int qtype) {
-    const uint8_t *recs = c->w + g * (c->blocks / unit_blocks(qtype)) * c->rec_bytes;
+    const uint8_t *recs = c->w + g * (c->blocks / block_types[qtype].unit_blocks) * c->rec_bytes;
     int64_t m = 0;
     for (; m + VNNI_X <= c->rows; m += VNNI_X) vnni_tile(c, recs, g, m, VNNI_X, qtype);
     switch (c->rows - m) { /* the rest in one pass over W */
@@ -572,17 +577,6 @@ TARGET_VNNI static void quantize_vnni(struct xblock *out, const void *x, int64_t
     }
 }
 
-TARGET_VNNI static void group_vnni(const struct call *c, int64_t g) {
-    switch (c->qtype) {
-    case Q4_0: vnni_group(c, g, Q4_0); break;
-    case Q5_0: vnni_group(c, g, Q5_0); break;
-    case Q4_1: vnni_group(c, g, Q4_1); break;
-    case Q8_0: vnni_group(c, g, Q8_0); break;
-    case Q4_K: vnni_group(c, g, Q4_K); break;
-    default: vnni_group(c, g, Q6_K);
-    }
-}
-
 /* 16 values, lane r at column r of a row of W^T from at on, fp32 or bf16 (rounded as
  * float_to_bf16 rounds a finite value); mask: the group's rows that exist. */
 TARGET_VNNI INLINE void store_column(void *out, const int64_t at, const __m512 v,
@@ -603,11 +597,11 @@ TARGET_VNNI INLINE void store_column(void *out, const int64_t at, const __m512 v
 TARGET_VNNI INLINE void vnni_dequantize_group(void *out, const uint8_t *recs, int64_t blocks,
                                               int64_t n_out, int64_t g, const int qtype,
                                               const int is_bf16) {
-    const int per_unit = unit_blocks(qtype);
-    const struct layout at = layout_of(qtype);
+    const int per_unit = block_types[qtype].unit_blocks;
+    const struct layout at = block_types[qtype].at;
     const int64_t rows = n_out - GROUP * g < GROUP ? n_out - GROUP * g : GROUP;
     const __mmask16 mask = (__mmask16)((1u << rows) - 1);
-    const __m512 c = _mm512_set1_ps((float)code_offset(qtype));
+    const __m512 c = _mm512_set1_ps((float)block_types[qtype].code_offset);
     const __m512i byte = _mm512_set1_epi32(0xff);
     for (int64_t unit = 0; unit < blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * at.bytes;
@@ -638,22 +632,6 @@ TARGET_VNNI INLINE void vnni_dequantize_group(void *out, const uint8_t *recs, in
             }
         }
     }
-}
-
-TARGET_VNNI static void dequantize_group_vnni(void *out, const uint8_t *recs, int64_t blocks,
-                                              int64_t n_out, int64_t g, int qtype, int is_bf16) {
-#define DEQUANTIZE_AS(type)                                                                       \
-    is_bf16 ? vnni_dequantize_group(out, recs, blocks, n_out, g, type, 1)                         \
-            : vnni_dequantize_group(out, recs, blocks, n_out, g, type, 0)
-    switch (qtype) {
-    case Q4_0: DEQUANTIZE_AS(Q4_0); break;
-    case Q5_0: DEQUANTIZE_AS(Q5_0); break;
-    case Q4_1: DEQUANTIZE_AS(Q4_1); break;
-    case Q8_0: DEQUANTIZE_AS(Q8_0); break;
-    case Q4_K: DEQUANTIZE_AS(Q4_K); break;
-    default: DEQUANTIZE_AS(Q6_K);
-    }
-#undef DEQUANTIZE_AS
 }
 
 /* AVX2: as the VNNI path with 256-bit vectors, half h (h = 0, 1) of a group's rows, 8 h..8 h +
@@ -708,7 +686,7 @@ TARGET_AVX2 INLINE __m256i load32(const uint8_t *p) {
 /* Rows 8 h.. of chunk t of 32-block j: codes of elements 4 t.. (low) and 16 + 4 t.. (high). */
 TARGET_AVX2 INLINE void avx2_codes(const uint8_t *rec, const int j, const int t, const int h,
                                    __m256i *low, __m256i *high, const int qtype) {
-    const struct layout at = layout_of(qtype);
+    const struct layout at = block_types[qtype].at;
     const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
     if (qtype == Q8_0) {
         *low = load32(rec + CHUNK * t + 32 * h);
@@ -737,9 +715,9 @@ TARGET_AVX2 INLINE void avx2_codes(const uint8_t *rec, const int j, const int t,
 TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
                                   const int n_x, const int qtype) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const int per_unit = unit_blocks(qtype), k_type = qtype == Q4_K || qtype == Q6_K;
+    const int per_unit = block_types[qtype].unit_blocks, k_type = per_unit > 1;
     const int is_signed = qtype == Q8_0;
-    const struct layout at = layout_of(qtype);
+    const struct layout at = block_types[qtype].at;
     /* Q4_1's m sx apart from the rest until the end, as the VNNI tile sums them */
     __m256 acc[AVX2_X][2], offsets[AVX2_X][2];
     UNROLL
@@ -873,7 +851,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
 }
 
 TARGET_AVX2 INLINE void avx2_group(const struct call *c, int64_t g, const int qtype) {
-    const uint8_t *recs = c->w + g * (c->blocks / unit_blocks(qtype)) * c->rec_bytes;
+    const uint8_t *recs = c->w + g * (c->blocks / block_types[qtype].unit_blocks) * c->rec_bytes;
     int64_t m = 0;
     for (; m + AVX2_X <= c->rows; m += AVX2_X) avx2_tile(c, recs, g, m, AVX2_X, qtype);
     for (; m < c->rows; m++) avx2_tile(c, recs, g, m, 1, qtype);
@@ -918,40 +896,142 @@ TARGET_AVX2 static void quantize_avx2(struct xblock *out, const void *x, int64_t
     }
 }
 
-TARGET_AVX2 static void group_avx2(const struct call *c, int64_t g) {
-    switch (c->qtype) {
-    case Q4_0: avx2_group(c, g, Q4_0); break;
-    case Q5_0: avx2_group(c, g, Q5_0); break;
-    case Q4_1: avx2_group(c, g, Q4_1); break;
-    case Q8_0: avx2_group(c, g, Q8_0); break;
-    case Q4_K: avx2_group(c, g, Q4_K); break;
-    default: avx2_group(c, g, Q6_K);
-    }
-}
 #endif
 
-/* Whether the kernels take qtype and in_features; sets a ValueError if not. */
-static int check_shape(int qtype, int64_t in_features) {
-    if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q5_0 && qtype != Q8_0 && qtype != Q4_K &&
-        qtype != Q6_K) {
-        PyErr_Format(
-            PyExc_ValueError,
-            "quant_linear: GGML type %d has no kernel (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)", qtype);
-        return 0;
+/* Row r of a group as fp32 or bf16, from the group's records. Exact, as the gguf package
+ * computes it: d (u - c) + m has at most 24 significant bits. */
+static inline __attribute__((always_inline)) void dequantize_row(void *out, const uint8_t *recs,
+                                                                 int64_t blocks, int qtype, int r,
+                                                                 const int is_bf16) {
+    const int per_unit = block_types[qtype].unit_blocks, offset = block_types[qtype].code_offset;
+    const int64_t rec_bytes = block_types[qtype].at.bytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = recs + b / per_unit * rec_bytes;
+        const int j = b % per_unit;
+        /* row r's bytes of the block's chunks, then codes in loops the compiler vectorizes */
+        uint8_t bytes[QK], high[8];
+        int u[QK];
+        const uint8_t *codes = rec + (qtype == Q8_0 ? 0 : 4 * CHUNK * j) + 4 * r;
+        for (int t = 0; t < (qtype == Q8_0 ? 8 : 4); t++)
+            memcpy(bytes + 4 * t, codes + CHUNK * t, 4);
+        if (qtype == Q8_0)
+            for (int k = 0; k < QK; k++) u[k] = bytes[k] ^ 0x80;
+        else
+            for (int k = 0; k < 16; k++) {
+                u[k] = bytes[k] & 15;
+                u[16 + k] = bytes[k] >> 4;
+            }
+        if (qtype == Q5_0) {
+            memcpy(high, rec + block_types[Q5_0].at.high + 4 * r, 4);
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 16; k++) /* k = 4 t + i */
+                    u[16 * h + k] |= (high[k % 4] >> (k / 4 + 4 * h) & 1) << 4;
+        }
+        if (qtype == Q6_K) {
+            for (int p = 0; p < 2; p++)
+                memcpy(high + 4 * p,
+                       rec + block_types[Q6_K].at.high + 2 * CHUNK * j + CHUNK * p + 4 * r, 4);
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 16; k++) /* k = 4 (2 p + w) + i */
+                    u[16 * h + k] |= (high[4 * (k / 8) + k % 4] >> 2 * (2 * (k / 4 % 2) + h) & 3)
+                                     << 4;
+        }
+        float d[2], m, value[QK];
+        block_scales(rec, qtype, r, j, d, &m);
+        for (int k = 0; k < QK; k++) value[k] = d[k / 16] * (float)(u[k] - offset) + m;
+        for (int k = 0; k < QK; k += LANES) store_any(out, b * QK + k, load8(value + k), is_bf16);
     }
-    if (in_features % (QK * unit_blocks(qtype)) != 0) {
+}
+
+/* Each type's kernels: the templates above compiled with the type a constant. */
+#define PORTABLE_KERNELS(T)                                                                        \
+    static void group_scalar_##T(const struct call *c, int64_t g) { scalar_group(c, g, T); }       \
+    VECTOR_CLONES static void row_fp32_##T(void *out, const uint8_t *recs, int64_t blocks,         \
+                                           int r) {                                                \
+        dequantize_row(out, recs, blocks, T, r, 0);                                                \
+    }                                                                                              \
+    VECTOR_CLONES static void row_bf16_##T(void *out, const uint8_t *recs, int64_t blocks,         \
+                                           int r) {                                                \
+        dequantize_row(out, recs, blocks, T, r, 1);                                                \
+    }
+#if X86
+#define X86_KERNELS(T)                                                                             \
+    TARGET_AVX2 static void group_avx2_##T(const struct call *c, int64_t g) {                      \
+        avx2_group(c, g, T);                                                                       \
+    }                                                                                              \
+    TARGET_VNNI static void group_vnni_##T(const struct call *c, int64_t g) {                      \
+        vnni_group(c, g, T);                                                                       \
+    }                                                                                              \
+    TARGET_VNNI static void columns_fp32_##T(void *out, const uint8_t *recs, int64_t blocks,       \
+                                             int64_t n_out, int64_t g) {                           \
+        vnni_dequantize_group(out, recs, blocks, n_out, g, T, 0);                                  \
+    }                                                                                              \
+    TARGET_VNNI static void columns_bf16_##T(void *out, const uint8_t *recs, int64_t blocks,       \
+                                             int64_t n_out, int64_t g) {                           \
+        vnni_dequantize_group(out, recs, blocks, n_out, g, T, 1);                                  \
+    }
+#define KERNELS_OF(T)                                                                              \
+    .group = {group_scalar_##T, group_avx2_##T, group_vnni_##T},                                   \
+    .row = {row_fp32_##T, row_bf16_##T}, .columns = {columns_fp32_##T, columns_bf16_##T}
+#else
+#define X86_KERNELS(T)
+#define KERNELS_OF(T) .group = {group_scalar_##T}, .row = {row_fp32_##T, row_bf16_##T}
+#endif
+#define KERNELS(T) PORTABLE_KERNELS(T) X86_KERNELS(T)
+
+KERNELS(Q4_0)
+KERNELS(Q4_1)
+KERNELS(Q5_0)
+KERNELS(Q8_0)
+KERNELS(Q4_K)
+KERNELS(Q6_K)
+
+/* The rows. A record's layout is what quant_blocks.py's row of the type packs (the top draws
+ * it). Adding a type is its arithmetic in the templates, a KERNELS line and a row here. */
+static const struct block_type block_types[TYPES] = {
+    [Q4_0] = {.name = "Q4_0", .unit_blocks = 1, .code_offset = 8,
+              .at = {.d = 256, .bytes = 288}, KERNELS_OF(Q4_0)},
+    [Q4_1] = {.name = "Q4_1", .unit_blocks = 1, .code_offset = 0,
+              .at = {.d = 256, .m = 288, .bytes = 320}, KERNELS_OF(Q4_1)},
+    [Q5_0] = {.name = "Q5_0", .unit_blocks = 1, .code_offset = 16, .seeds_per_half = 1,
+              .at = {.high = 256, .d = 320, .bytes = 352}, KERNELS_OF(Q5_0)},
+    [Q8_0] = {.name = "Q8_0", .unit_blocks = 1, .code_offset = 128,
+              .at = {.d = 512, .bytes = 544}, KERNELS_OF(Q8_0)},
+    [Q4_K] = {.name = "Q4_K", .unit_blocks = 8, .code_offset = 0,
+              .at = {.sc = 2048, .mn = 2176, .d = 2304, .m = 2336, .bytes = 2368},
+              KERNELS_OF(Q4_K)},
+    [Q6_K] = {.name = "Q6_K", .unit_blocks = 8, .code_offset = 32, .seeds_per_half = 1,
+              .at = {.high = 2048, .sc = 3072, .d = 3328, .bytes = 3360}, KERNELS_OF(Q6_K)},
+};
+
+/* qtype's row of block_types where it has one and the kernels take in_features; else NULL,
+ * with a ValueError set. */
+static const struct block_type *block_type_of(int qtype, int64_t in_features) {
+    if (qtype < 0 || qtype >= TYPES || block_types[qtype].name == NULL) {
+        char names[64] = "";
+        for (int t = 0; t < TYPES; t++)
+            if (block_types[t].name != NULL)
+                snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s",
+                         names[0] ? ", " : "", block_types[t].name);
+        PyErr_Format(PyExc_ValueError, "quant_linear: GGML type %d has no kernel (%s)", qtype,
+                     names);
+        return NULL;
+    }
+    const struct block_type *type = block_types + qtype;
+    if (in_features % (QK * type->unit_blocks) != 0) {
         PyErr_Format(PyExc_ValueError, "quant_linear: in_features %lld is not a multiple of %d",
-                     (long long)in_features, QK * unit_blocks(qtype));
-        return 0;
+                     (long long)in_features, QK * type->unit_blocks);
+        return NULL;
     }
-    return 1;
+    return type;
 }
 
 /* Whether w_bytes of packed records hold W [n_out, in_features] (n_out rows in groups of GROUP,
  * the last one padded); sets a ValueError if not. The caller's sizes are checked against the
  * buffer it hands over, so that no size can send a kernel reading past its end. */
-static int check_weight_bytes(Py_ssize_t w_bytes, int64_t n_out, int64_t in_features, int qtype) {
-    const int64_t group_bytes = in_features / QK / unit_blocks(qtype) * layout_of(qtype).bytes;
+static int check_weight_bytes(Py_ssize_t w_bytes, int64_t n_out, int64_t in_features,
+                              const struct block_type *type) {
+    const int64_t group_bytes = in_features / QK / type->unit_blocks * type->at.bytes;
     const int64_t groups = (n_out + GROUP - 1) / GROUP;
     if (n_out < 0 || w_bytes < 0 || (group_bytes > 0 && groups > w_bytes / group_bytes)) {
         PyErr_Format(PyExc_ValueError,
@@ -971,8 +1051,9 @@ typedef void (*quantize_fn)(struct xblock *, const void *, int64_t, int, int, in
  * into residual's `in` floats): x ~= dx q + dr r with dr <= dx / 254, so a product is about as
  * exact as one with 15-bit activations, for twice the integer work of one row. */
 static void quantize_terms(quantize_fn quantize_row, struct xblock *xq, const void *x, int64_t in,
-                           int qtype, int is_bf16, int terms, float *residual) {
-    const int c = code_offset(qtype), halves = seeds_per_half(qtype);
+                           const struct block_type *type, int is_bf16, int terms,
+                           float *residual) {
+    const int c = type->code_offset, halves = type->seeds_per_half;
     quantize_row(xq, x, in, c, halves, is_bf16);
     if (terms == 1) return;
     for (int64_t k = 0; k < in; k++) {
@@ -990,11 +1071,12 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nnnnnnnnipisi", &out, &x, &w, &w_bytes, &bias, &rows,
                           &in_features, &n_out, &qtype, &is_bf16, &terms, &isa_name,
                           &prefetch_bytes) ||
-        !check_shape(qtype, in_features) ||
-        !check_weight_bytes(w_bytes, n_out, in_features, qtype) || !check_prefetch(prefetch_bytes))
+        !check_prefetch(prefetch_bytes))
         return NULL;
     const int isa = isa_named(isa_name);
     if (isa < 0) return NULL;
+    const struct block_type *type = block_type_of(qtype, in_features);
+    if (type == NULL || !check_weight_bytes(w_bytes, n_out, in_features, type)) return NULL;
     if (terms != 1 && terms != 2) {
         PyErr_Format(PyExc_ValueError, "quant_linear: x in %d terms (1: int8, 2: int8x2)", terms);
         return NULL;
@@ -1007,14 +1089,10 @@ static PyObject *linear(PyObject *module, PyObject *args) {
         free(residual);
         return PyErr_NoMemory();
     }
-    const struct call c = {(void *)out,    (const uint8_t *)w, xq,      (const void *)bias,
-                           rows * terms,   blocks,             n_out,   layout_of(qtype).bytes,
-                           qtype,          is_bf16,            terms,   prefetch_bytes};
-    void (*group)(const struct call *, int64_t) = group_scalar;
-#if X86
-    if (isa == AVX512VNNI) group = group_vnni;
-    if (isa == AVX2) group = group_avx2;
-#endif
+    const struct call c = {(void *)out,  (const uint8_t *)w, xq,    (const void *)bias,
+                           rows * terms, blocks,             n_out, type->at.bytes,
+                           is_bf16,      terms,              prefetch_bytes};
+    void (*const group)(const struct call *, int64_t) = type->group[isa];
     const size_t x_row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
     quantize_fn quantize_row = quantize_generic;
@@ -1027,12 +1105,12 @@ static PyObject *linear(PyObject *module, PyObject *args) {
 #pragma omp parallel for schedule(static)
         for (int64_t m = 0; m < rows; m++)
             quantize_terms(quantize_row, xq + m * terms * blocks, (const char *)x + m * x_row_bytes,
-                           in_features, qtype, is_bf16, terms,
+                           in_features, type, is_bf16, terms,
                            residual == NULL ? NULL : residual + m * in_features);
     } else {
         for (int64_t m = 0; m < rows; m++)
             quantize_terms(quantize_row, xq + m * terms * blocks, (const char *)x + m * x_row_bytes,
-                           in_features, qtype, is_bf16, terms,
+                           in_features, type, is_bf16, terms,
                            residual == NULL ? NULL : residual + m * in_features);
     }
 #pragma omp parallel
@@ -1047,61 +1125,6 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Row r of a group as fp32 or bf16, from the group's records. Exact, as the gguf package
- * computes it: d (u - c) + m has at most 24 significant bits. */
-static inline __attribute__((always_inline)) void dequantize_row(void *out, const uint8_t *recs,
-                                                                 int64_t blocks, int qtype, int r,
-                                                                 const int is_bf16) {
-    const int per_unit = unit_blocks(qtype), offset = code_offset(qtype);
-    const int64_t rec_bytes = layout_of(qtype).bytes;
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *rec = recs + b / per_unit * rec_bytes;
-        const int j = b % per_unit;
-        /* row r's bytes of the block's chunks, then codes in loops the compiler vectorizes */
-        uint8_t bytes[QK], high[8];
-        int u[QK];
-        const uint8_t *codes = rec + (qtype == Q8_0 ? 0 : 4 * CHUNK * j) + 4 * r;
-        for (int t = 0; t < (qtype == Q8_0 ? 8 : 4); t++)
-            memcpy(bytes + 4 * t, codes + CHUNK * t, 4);
-        if (qtype == Q8_0)
-            for (int k = 0; k < QK; k++) u[k] = bytes[k] ^ 0x80;
-        else
-            for (int k = 0; k < 16; k++) {
-                u[k] = bytes[k] & 15;
-                u[16 + k] = bytes[k] >> 4;
-            }
-        if (qtype == Q5_0) {
-            memcpy(high, rec + layout_of(Q5_0).high + 4 * r, 4);
-            for (int h = 0; h < 2; h++)
-                for (int k = 0; k < 16; k++) /* k = 4 t + i */
-                    u[16 * h + k] |= (high[k % 4] >> (k / 4 + 4 * h) & 1) << 4;
-        }
-        if (qtype == Q6_K) {
-            for (int p = 0; p < 2; p++)
-                memcpy(high + 4 * p, rec + layout_of(Q6_K).high + 2 * CHUNK * j + CHUNK * p + 4 * r,
-                       4);
-            for (int h = 0; h < 2; h++)
-                for (int k = 0; k < 16; k++) /* k = 4 (2 p + w) + i */
-                    u[16 * h + k] |= (high[4 * (k / 8) + k % 4] >> 2 * (2 * (k / 4 % 2) + h) & 3)
-                                     << 4;
-        }
-        float d[2], m, value[QK];
-        block_scales(rec, qtype, r, j, d, &m);
-        for (int k = 0; k < QK; k++) value[k] = d[k / 16] * (float)(u[k] - offset) + m;
-        for (int k = 0; k < QK; k += LANES) store_any(out, b * QK + k, load8(value + k), is_bf16);
-    }
-}
-
-VECTOR_CLONES static void dequantize_row_fp32(void *out, const uint8_t *recs, int64_t blocks,
-                                              int qtype, int r) {
-    dequantize_row(out, recs, blocks, qtype, r, 0);
-}
-
-VECTOR_CLONES static void dequantize_row_bf16(void *out, const uint8_t *recs, int64_t blocks,
-                                              int qtype, int r) {
-    dequantize_row(out, recs, blocks, qtype, r, 1);
-}
-
 /* W as fp32 or bf16 [n_out, in] from its packed records, or (transposed, on the AVX-512 path
  * only, which writes a column's 16 rows at once) W^T [in, n_out]: the many-row products take a
  * GEMM. */
@@ -1110,31 +1133,31 @@ static PyObject *dequantize(PyObject *module, PyObject *args) {
     Py_ssize_t out, w, w_bytes, n_out, in_features;
     int qtype, is_bf16, transposed;
     if (!PyArg_ParseTuple(args, "nnnnnipp", &out, &w, &w_bytes, &n_out, &in_features, &qtype,
-                          &is_bf16, &transposed) ||
-        !check_shape(qtype, in_features) || !check_weight_bytes(w_bytes, n_out, in_features, qtype))
+                          &is_bf16, &transposed))
         return NULL;
+    const struct block_type *type = block_type_of(qtype, in_features);
+    if (type == NULL || !check_weight_bytes(w_bytes, n_out, in_features, type)) return NULL;
     if (transposed && !isa_runs(AVX512VNNI)) {
         PyErr_SetString(PyExc_ValueError, "quant_linear: W^T is written on the avx512vnni path "
                                           "only, which this CPU does not run");
         return NULL;
     }
     const int64_t blocks = in_features / QK;
-    const int64_t group_bytes = blocks / unit_blocks(qtype) * layout_of(qtype).bytes;
+    const int64_t group_bytes = blocks / type->unit_blocks * type->at.bytes;
     const size_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
     Py_BEGIN_ALLOW_THREADS;
     if (transposed) {
-#if X86
+        void (*const columns)(void *, const uint8_t *, int64_t, int64_t, int64_t) =
+            type->columns[is_bf16];
 #pragma omp parallel for schedule(static)
         for (int64_t g = 0; g < (n_out + GROUP - 1) / GROUP; g++)
-            dequantize_group_vnni((void *)out, (const uint8_t *)w + g * group_bytes, blocks, n_out,
-                                  g, qtype, is_bf16);
-#endif
+            columns((void *)out, (const uint8_t *)w + g * group_bytes, blocks, n_out, g);
     } else {
+        void (*const row)(void *, const uint8_t *, int64_t, int) = type->row[is_bf16];
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < n_out; n++)
-            (is_bf16 ? dequantize_row_bf16 : dequantize_row_fp32)(
-                (char *)out + n * row_bytes, (const uint8_t *)w + n / GROUP * group_bytes, blocks,
-                qtype, n % GROUP);
+            row((char *)out + n * row_bytes, (const uint8_t *)w + n / GROUP * group_bytes, blocks,
+                n % GROUP);
     }
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
@@ -1148,9 +1171,10 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
     Py_ssize_t out, w, w_bytes, ids_address, n_ids, n_out, in_features;
     int qtype, is_bf16;
     if (!PyArg_ParseTuple(args, "nnnnnnnip", &out, &w, &w_bytes, &ids_address, &n_ids, &n_out,
-                          &in_features, &qtype, &is_bf16) ||
-        !check_shape(qtype, in_features) || !check_weight_bytes(w_bytes, n_out, in_features, qtype))
+                          &in_features, &qtype, &is_bf16))
         return NULL;
+    const struct block_type *type = block_type_of(qtype, in_features);
+    if (type == NULL || !check_weight_bytes(w_bytes, n_out, in_features, type)) return NULL;
     const int64_t *ids = (const int64_t *)ids_address;
     for (Py_ssize_t i = 0; i < n_ids; i++)
         if (ids[i] < 0 || ids[i] >= n_out)
@@ -1158,15 +1182,15 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
                                 "quant_linear: row %lld is out of range for a table of %lld rows",
                                 (long long)ids[i], (long long)n_out);
     const int64_t blocks = in_features / QK;
-    const int64_t group_bytes = blocks / unit_blocks(qtype) * layout_of(qtype).bytes;
+    const int64_t group_bytes = blocks / type->unit_blocks * type->at.bytes;
     const size_t row_bytes = in_features * (is_bf16 ? sizeof(bf16) : sizeof(float));
+    void (*const row)(void *, const uint8_t *, int64_t, int) = type->row[is_bf16];
     Py_BEGIN_ALLOW_THREADS;
     /* a step's few rows decode in microseconds, less than waking the other threads takes */
 #pragma omp parallel for schedule(static) if (n_ids * in_features >= (1 << 20))
     for (Py_ssize_t i = 0; i < n_ids; i++)
-        (is_bf16 ? dequantize_row_bf16 : dequantize_row_fp32)(
-            (char *)out + i * row_bytes, (const uint8_t *)w + ids[i] / GROUP * group_bytes, blocks,
-            qtype, ids[i] % GROUP);
+        row((char *)out + i * row_bytes, (const uint8_t *)w + ids[i] / GROUP * group_bytes, blocks,
+            ids[i] % GROUP);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
