@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from kernel_switch import CountingKernels, kernel_or_fallback
 from safetensors.torch import load_file, save_file
 from tiny_models import (
     hf_greedy,
@@ -23,6 +24,7 @@ from tiny_models import (
 )
 
 from astrai.inference import STOP, GenerationParams
+from astrai.kernels import native
 from astrai.model import AutoModel
 from astrai.model.lora import LoraError, UnknownAdapterError, read_adapter
 from astrai.tokenize import AutoTokenizer
@@ -113,10 +115,24 @@ def test_other_families_equal_peft(arch, targets, tmp_path):
         assert greedy(engine, ids) != expected
 
 
-def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(adapters, model, tokenizer):
-    """The products of every slot run for every row; each row keeps only its own adapter's.
-    Small pages and a small token budget put prompt chunks and decodes of every adapter in one
-    step, and decode steps replay recorded calls."""
+@pytest.fixture(params=["c-kernel", "pytorch"])
+def products(request, monkeypatch):
+    """Run a test on the LoRA kernel, then on the grouped PyTorch products (CUDA's); in the
+    first case the test fails unless the kernel ran."""
+    name = kernel_or_fallback(request, monkeypatch, "lora")
+    calls: list[str] = []
+    if name == "c-kernel":
+        monkeypatch.setattr(native, "lora", CountingKernels(native.lora, calls))
+    yield name
+    assert ("add_products" in calls) == (name == "c-kernel")
+
+
+def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(
+    adapters, model, tokenizer, products
+):
+    """Each row gets its own adapter's products, or none. Small pages and a small token budget
+    put prompt chunks and decodes of every adapter in one step, and decode steps replay
+    recorded calls, with each step's rows."""
     loras = {name: str(path) for name, path in adapters.items()}
     ids = prompts(8, seed=1)
     names = [None, "all", "attention", "mlp"] * 2
