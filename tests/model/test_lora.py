@@ -222,33 +222,29 @@ def test_a_gguf_adapter_whose_tensor_lies_outside_the_file_is_refused(adapters, 
         read_adapter("lying", path, model)
 
 
+QUANTIZED_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_quantized_base_with_an_adapter_follows_the_dequantized_base(
-    base, adapters, tokenizer, tmp_path
+    base, adapters, tokenizer, tmp_path, qtype
 ):
-    """QLoRA's deployment: a Q8_0 GGUF base plus a PEFT adapter. Measure: the adapter's greedy
-    tokens on the quantized kernel (int8x2 activations) equal those on the same file
-    dequantized to fp32, 12 tokens of each prompt."""
+    """QLoRA's deployment: a Q8_0 or 4-bit (Q4_1, as the real SmolLM2 file) GGUF base plus a
+    PEFT adapter. Measure: the adapter's greedy tokens on the quantized kernel (int8x2
+    activations) equal those on the same file dequantized to fp32, 12 tokens of each prompt.
+    (The gguf package cannot write Q4_K blocks, which the K-quant kernel tests cover.)"""
     import gguf
 
-    q8 = write_gguf(
-        tmp_path / "q8.gguf",
+    block_type = gguf.GGMLQuantizationType[qtype]
+    path = write_gguf(
+        tmp_path / f"{qtype}.gguf",
         base,
         "llama",
-        types={
-            f"{name}.weight": gguf.GGMLQuantizationType.Q8_0
-            for name in (
-                "attn_q",
-                "attn_k",
-                "attn_v",
-                "attn_output",
-                "ffn_gate",
-                "ffn_up",
-                "ffn_down",
-            )
-        },
+        types={f"{name}.weight": block_type for name in (*QUANTIZED_LINEARS, "ffn_down")},
     )
-    quantized = AutoModel.from_pretrained(q8)
-    dequantized = AutoModel.from_pretrained(q8, dequantize=True)
+    quantized = AutoModel.from_pretrained(path)
+    dequantized = AutoModel.from_pretrained(path, dequantize=True)
+    assert type(quantized.layers[0].attention.wo) is not type(dequantized.layers[0].attention.wo)
     ids = prompts()
     loras = {"all": str(adapters["all"])}
     with make_engine(dequantized, tokenizer, loras=loras) as engine:
