@@ -62,8 +62,8 @@ def _add_lora_op(
     launch(
         native.lora.add_products,
         out.data_ptr(), x.data_ptr(), a.data_ptr(), bt.data_ptr(), rows.data_ptr(),
-        slot_ranks.data_ptr(), x.shape[0], x.shape[1], out.shape[1], a.shape[0] // len(slot_ranks),
-        max_rank, x.dtype == torch.bfloat16, path,
+        slot_ranks.data_ptr(), x.shape[0], x.shape[1], out.shape[1], len(slot_ranks),
+        a.shape[0] // len(slot_ranks), max_rank, x.dtype == torch.bfloat16, path,
     )  # fmt: skip
 
 

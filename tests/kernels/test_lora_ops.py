@@ -165,6 +165,9 @@ def test_the_rule_and_the_refusals():
     rows.set(np.zeros(2, dtype=np.int64), np.ones(2, dtype=np.float32))
     with pytest.raises(ValueError, match="the step set 2 rows' adapters, x has 9 rows"):
         add_lora(out, x, a, bt, rows, ranks, max_rank)
+    rows.set(np.full(9, 4), scaling)
+    with pytest.raises(ValueError, match="row 0 takes slot 4, not one of the 4"):
+        add_lora(out, x, a, bt, rows, ranks, max_rank)
     rows.set(slots, scaling)
     with pytest.raises(ValueError, match="no path avx9 on this CPU"):
         add_lora(out, x, a, bt, rows, ranks, max_rank, "avx9")
