@@ -15,6 +15,7 @@ from torch import Tensor
 
 from astrai.kernels import native
 from astrai.kernels.graph import launch
+from astrai.kernels.native import kernel_op
 
 
 class StepRows:
@@ -48,7 +49,7 @@ def kernel_takes(x: Tensor, out: Tensor, a: Tensor, bt: Tensor) -> bool:
     )
 
 
-@torch.library.custom_op("astrai::add_lora", mutates_args=("out",))
+@kernel_op("add_lora", mutates_args=("out",))
 def _add_lora_op(
     out: Tensor,
     x: Tensor,
