@@ -24,7 +24,14 @@ import pytest
 import torch
 from PIL import Image
 from serve_process import astrai_serve
-from tiny_models import add_snapshot, noise_image, write_gguf, write_hf_model, write_idefics3_gguf
+from tiny_models import (
+    add_snapshot,
+    noise_image,
+    write_gguf,
+    write_hf_model,
+    write_idefics3_gguf,
+    write_lora_adapter,
+)
 
 import astrai
 from astrai.cli import main
@@ -256,6 +263,66 @@ def test_serve_answers_then_shuts_down_on_sigterm(llama_dir):
         client.join(timeout=10)
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr
+
+
+@pytest.fixture(scope="module")
+def lora_dir(llama_dir, tmp_path_factory) -> Path:
+    """Adapters of the tiny llama: first (rank 4), second (rank 8), wide (rank 16)."""
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("loras")
+    write_lora_adapter(llama_dir, root / "first", ("q_proj", "v_proj", "down_proj"), 4, seed=1)
+    write_lora_adapter(llama_dir, root / "second", ("o_proj", "up_proj"), 8, seed=2)
+    write_lora_adapter(llama_dir, root / "wide", ("q_proj",), 16, seed=3)
+    return root
+
+
+def test_generate_with_lora_answers_as_the_engine_under_that_adapter(llama_dir, lora_dir):
+    """One --lora generates under that adapter (named after its directory); of several,
+    --use-lora picks one."""
+    model = AutoModel.from_pretrained(llama_dir)
+    loras = {name: str(lora_dir / name) for name in ("first", "second")}
+    with InferenceEngine(model, AutoTokenizer.from_pretrained(llama_dir), loras=loras) as engine:
+        expected = {
+            name: engine.generate("Hello world", max_tokens=10, temperature=0, lora=name)
+            for name in (None, "first", "second")
+        }
+    assert len(set(expected.values())) == 3
+    model_flags = ["--model", str(llama_dir), *SMALL_ENGINE, *GREEDY]
+    one = astrai_cli("generate", *model_flags, "--lora", loras["first"], "Hello world")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == expected["first"] + "\n"
+    both = [flag for name, path in loras.items() for flag in ("--lora", f"{name}={path}")]
+    picked = astrai_cli("generate", *model_flags, *both, "--use-lora", "second", "Hello world")
+    assert picked.returncode == 0, picked.stderr
+    assert picked.stdout == expected["second"] + "\n"
+
+
+def test_serve_lora_flags(llama_dir, lora_dir):
+    """--lora serves an adapter by name; --max-loras bounds the adapters loaded at once,
+    --max-lora-rank their rank, and --lora-dir where the load route reads them."""
+    flags = ["--lora", f"first={lora_dir / 'first'}", "--max-loras", "2", "--max-lora-rank", "8"]
+    model = AutoModel.from_pretrained(llama_dir)
+    loras = {"first": str(lora_dir / "first")}
+    with InferenceEngine(model, AutoTokenizer.from_pretrained(llama_dir), loras=loras) as engine:
+        expected = engine.generate("Hello", max_tokens=5, temperature=0, lora="first")
+    with astrai_serve(llama_dir, *SMALL_ENGINE, *flags, "--lora-dir", str(lora_dir)) as (_, base):
+        models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == [llama_dir.name, "first"]
+        body = {"model": "first", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert reply.json()["choices"][0]["text"] == expected
+
+        def load(name: str, path: str | None = None) -> httpx.Response:
+            body = {"lora_name": name, "lora_path": path or name}
+            return httpx.post(f"{base}/v1/load_lora_adapter", json=body, timeout=30)
+
+        refused = load("wide")
+        assert refused.status_code == 400
+        assert "rank 16, above the largest this server holds, 8" in refused.text
+        assert load("second").status_code == 200
+        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "first"}).is_success
+        assert load("first").status_code == 200  # into first's slot, free again
+        assert "all 2 adapter slots are taken" in load("third", "second").text
 
 
 @pytest.fixture(scope="module")

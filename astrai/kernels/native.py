@@ -26,6 +26,7 @@ skinny_linear = _load("_skinny_linear")
 fused_ops = _load("_fused_ops")
 paged_attention = _load("_paged_attention")
 quant_linear = _load("_quant_linear")
+lora = _load("_lora")
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -6,11 +6,12 @@ fused linear is its parts' products side by side: each part's A is a block of co
 low-rank product, and its B writes that part's rows of the output.
 
 Every loaded adapter holds a slot in each adapted linear's stacks, A [slots * width, in] and
-B^T [slots * width, out] (width: the linear's parts times the largest rank). A step groups its
-rows by adapter (the step's input, as its page tables are) and, for each adapter it holds,
-multiplies those rows by that slot's A and B^T and adds the product, scaled, to their output
-rows: two products an adapter a linear, each row computing its own adapter's columns only.
-The CPU's recorded steps replay the call as they replay the kernels, with each step's groups.
+B^T [slots * width, out] (width: the linear's parts times the largest rank). Which slot each
+row of a step takes is the step's input, as its page tables are. On the CPU one kernel call
+per adapted linear adds every row's own adapter's products (astrai.kernels.lora_ops), and the
+recorded steps replay it with each step's rows. Elsewhere (CUDA, fp16) the step groups its rows
+by adapter and, for each adapter it holds, multiplies those rows by that slot's A and B^T in
+PyTorch: two products and a gather and scatter an adapter a linear.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from astrai.config import ConfigError
-from astrai.kernels import launch_opaque
+from astrai.kernels import launch_opaque, lora_ops
 from astrai.model.families import FAMILIES, Family, gguf_family
 from astrai.model.families.gguf_metadata import metadata_value
 from astrai.model.transformer import Transformer
@@ -358,8 +359,12 @@ class AdapterTable:
                 )
                 self.stacks[layer, linear] = stack
                 self.hooks.append(module.register_forward_hook(self._hook(stack)))
-        # this step's (slot, its rows or None for every row, its scaling) per adapter it holds
-        self.groups: list[tuple[int, Tensor | None, float]] = []
+        # each slot's adapter's rank: the columns of its blocks that are not zeros
+        self.slot_ranks = torch.zeros(max_loras, dtype=torch.int64, device=self.device)
+        self.rows = lora_ops.StepRows()
+        # this step's (slot, its rows or None for every row, its scaling) per adapter it holds,
+        # for the PyTorch products; made by the first of them in a step
+        self.groups: list[tuple[int, Tensor | None, float]] | None = None
 
     def close(self) -> None:
         """Take the hooks off the model: it runs as the base model again."""
@@ -389,6 +394,7 @@ class AdapterTable:
                 )
             adapter.slot = slot
             self._write(adapter)
+            self.slot_ranks[slot] = adapter.rank
             self.slots[adapter.slot] = adapter
             self.by_name[adapter.name] = adapter
 
@@ -435,22 +441,35 @@ class AdapterTable:
     def begin_step(self, row_slots: np.ndarray, row_scaling: np.ndarray) -> None:
         """Set the step's rows' adapters: row_slots [rows] (-1: the base model) and their
         scalings."""
-        groups = []
-        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
-            rows = np.flatnonzero(row_slots == slot)
-            every = len(rows) == len(row_slots)
-            index = None if every else torch.from_numpy(rows).to(self.device)
-            groups.append((slot, index, float(row_scaling[rows[0]])))
-        self.groups = groups
+        self.rows.set(row_slots, row_scaling)
+        self.groups = None
+
+    def _step_groups(self) -> list[tuple[int, Tensor | None, float]]:
+        if self.groups is None:
+            row_slots, groups = self.rows.slots, []
+            for slot in np.unique(row_slots[row_slots >= 0]).tolist():
+                rows = np.flatnonzero(row_slots == slot)
+                every = len(rows) == len(row_slots)
+                index = None if every else torch.from_numpy(rows).to(self.device)
+                groups.append((slot, index, float(self.rows.scaling[rows[0]])))
+            self.groups = groups
+        return self.groups
 
     def _hook(self, stack: Stack):
         def add_products(module, args, out: Tensor) -> None:
-            launch_opaque(self._add_products, stack, args[0], out)
+            x = args[0]
+            if lora_ops.kernel_takes(x, out, stack.a, stack.bt):
+                lora_ops.add_lora(
+                    out, x, stack.a, stack.bt, self.rows, self.slot_ranks, self.max_rank
+                )
+            else:
+                launch_opaque(self._add_products, stack, x, out)
 
         return add_products
 
     def _add_products(self, stack: Stack, x: Tensor, out: Tensor) -> None:
-        for slot, index, scaling in self.groups:
+        """The PyTorch products, grouped by adapter: where the kernel does not run."""
+        for slot, index, scaling in self._step_groups():
             columns = slice(slot * stack.width, (slot + 1) * stack.width)
             a, bt = stack.a[columns], stack.bt[columns]
             if index is None:  # every row of the step

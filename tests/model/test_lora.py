@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from kernel_switch import CountingKernels, kernel_or_fallback
 from safetensors.torch import load_file, save_file
 from tiny_models import (
     hf_greedy,
@@ -23,6 +24,7 @@ from tiny_models import (
 )
 
 from astrai.inference import STOP, GenerationParams
+from astrai.kernels import native
 from astrai.model import AutoModel
 from astrai.model.lora import LoraError, UnknownAdapterError, read_adapter
 from astrai.tokenize import AutoTokenizer
@@ -113,10 +115,24 @@ def test_other_families_equal_peft(arch, targets, tmp_path):
         assert greedy(engine, ids) != expected
 
 
-def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(adapters, model, tokenizer):
-    """The products of every slot run for every row; each row keeps only its own adapter's.
-    Small pages and a small token budget put prompt chunks and decodes of every adapter in one
-    step, and decode steps replay recorded calls."""
+@pytest.fixture(params=["c-kernel", "pytorch"])
+def products(request, monkeypatch):
+    """Run a test on the LoRA kernel, then on the grouped PyTorch products (CUDA's); in the
+    first case the test fails unless the kernel ran."""
+    name = kernel_or_fallback(request, monkeypatch, "lora")
+    calls: list[str] = []
+    if name == "c-kernel":
+        monkeypatch.setattr(native, "lora", CountingKernels(native.lora, calls))
+    yield name
+    assert ("add_products" in calls) == (name == "c-kernel")
+
+
+def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(
+    adapters, model, tokenizer, products
+):
+    """Each row gets its own adapter's products, or none. Small pages and a small token budget
+    put prompt chunks and decodes of every adapter in one step, and decode steps replay
+    recorded calls, with each step's rows."""
     loras = {name: str(path) for name, path in adapters.items()}
     ids = prompts(8, seed=1)
     names = [None, "all", "attention", "mlp"] * 2
@@ -206,33 +222,29 @@ def test_a_gguf_adapter_whose_tensor_lies_outside_the_file_is_refused(adapters, 
         read_adapter("lying", path, model)
 
 
+QUANTIZED_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_quantized_base_with_an_adapter_follows_the_dequantized_base(
-    base, adapters, tokenizer, tmp_path
+    base, adapters, tokenizer, tmp_path, qtype
 ):
-    """QLoRA's deployment: a Q8_0 GGUF base plus a PEFT adapter. Measure: the adapter's greedy
-    tokens on the quantized kernel (int8x2 activations) equal those on the same file
-    dequantized to fp32, 12 tokens of each prompt."""
+    """QLoRA's deployment: a Q8_0 or 4-bit (Q4_1, as the real SmolLM2 file) GGUF base plus a
+    PEFT adapter. Measure: the adapter's greedy tokens on the quantized kernel (int8x2
+    activations) equal those on the same file dequantized to fp32, 12 tokens of each prompt.
+    (The gguf package cannot write Q4_K blocks, which the K-quant kernel tests cover.)"""
     import gguf
 
-    q8 = write_gguf(
-        tmp_path / "q8.gguf",
+    block_type = gguf.GGMLQuantizationType[qtype]
+    path = write_gguf(
+        tmp_path / f"{qtype}.gguf",
         base,
         "llama",
-        types={
-            f"{name}.weight": gguf.GGMLQuantizationType.Q8_0
-            for name in (
-                "attn_q",
-                "attn_k",
-                "attn_v",
-                "attn_output",
-                "ffn_gate",
-                "ffn_up",
-                "ffn_down",
-            )
-        },
+        types={f"{name}.weight": block_type for name in (*QUANTIZED_LINEARS, "ffn_down")},
     )
-    quantized = AutoModel.from_pretrained(q8)
-    dequantized = AutoModel.from_pretrained(q8, dequantize=True)
+    quantized = AutoModel.from_pretrained(path)
+    dequantized = AutoModel.from_pretrained(path, dequantize=True)
+    assert type(quantized.layers[0].attention.wo) is not type(dequantized.layers[0].attention.wo)
     ids = prompts()
     loras = {"all": str(adapters["all"])}
     with make_engine(dequantized, tokenizer, loras=loras) as engine:
