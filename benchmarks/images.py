@@ -160,8 +160,11 @@ def first_token_seconds(port: int, image: Image.Image) -> float:
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"answered {response.status}: {response.read()[:300]}")
-    for line in response:
-        if line.startswith(b"data: ") and b'"content"' in line:
+    for line in response:  # the first chunk whose delta holds text (not the role's chunk)
+        if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
+            continue
+        choices = json.loads(line[6:]).get("choices") or [{}]
+        if choices[0].get("delta", {}).get("content"):
             first = time.perf_counter() - started
             break
     response.read()
