@@ -9,13 +9,20 @@ read (fp16) take astrai.model.lora's grouped PyTorch products instead.
 
 from __future__ import annotations
 
+import time
+from functools import partial
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from astrai.kernels import native
 from astrai.kernels.graph import launch
+from astrai.kernels.kernel_plan import fastest
 from astrai.kernels.native import kernel_op
+
+# A path is timed on a step of this many rows over up to this many adapters, at full rank.
+TIMED_ROWS, TIMED_ADAPTERS, TIMED_CALLS = 8, 4, 20
 
 
 class StepRows:
@@ -82,7 +89,8 @@ def add_lora(
     is not -1, where A [slots * width, in] and B^T [slots * width, out] hold slot s in their
     columns s * width + p * max_rank + [0, slot_ranks[s]) for each part p (zeros beyond).
 
-    path: the kernel's CPU path (native.lora.paths()); the widest this CPU runs by default.
+    path: the kernel's CPU path (native.lora.paths(); fastest_path times them); the widest
+    this CPU runs by default.
     """
     if len(rows.slots) != x.shape[0]:
         raise ValueError(f"the step set {len(rows.slots)} rows' adapters, x has {x.shape[0]} rows")
@@ -90,3 +98,27 @@ def add_lora(
     # Copied out here, where a recording sees the copy (and refuses to replay it).
     x = x.contiguous()
     torch.ops.astrai.add_lora(out, x, a, bt, rows.addresses, slot_ranks, max_rank, path)
+
+
+def fastest_path(a: Tensor, bt: Tensor, slots: int, max_rank: int) -> str:
+    """The kernel's fastest CPU path on stacks a and bt (of slots slots, max_rank each), timed
+    on a step of TIMED_ROWS rows over up to TIMED_ADAPTERS adapters at full rank, as the other
+    kernels' paths are chosen: by measuring, the widest winning ties."""
+    paths = native.lora.paths()
+    rows = StepRows()
+    rows.set(np.arange(TIMED_ROWS) % min(slots, TIMED_ADAPTERS), np.ones(TIMED_ROWS, np.float32))
+    ranks = torch.full((slots,), max_rank, dtype=torch.int64)
+    x = torch.randn(TIMED_ROWS, a.shape[1], generator=torch.Generator().manual_seed(0))
+    out = torch.zeros(TIMED_ROWS, bt.shape[1], dtype=a.dtype)
+    step = partial(add_lora, out, x.to(a.dtype), a, bt, rows, ranks, max_rank)
+    return fastest({path: partial(_seconds, step, path) for path in paths}, paths[-1])
+
+
+def _seconds(step, path: str, limit: float) -> float:
+    """Seconds of TIMED_CALLS calls of step on path (stopped once past limit)."""
+    started = time.perf_counter()
+    for _ in range(TIMED_CALLS):
+        step(path=path)
+        if time.perf_counter() - started > limit:
+            break
+    return time.perf_counter() - started

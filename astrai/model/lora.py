@@ -362,6 +362,13 @@ class AdapterTable:
         # each slot's adapter's rank: the columns of its blocks that are not zeros
         self.slot_ranks = torch.zeros(max_loras, dtype=torch.int64, device=self.device)
         self.rows = lora_ops.StepRows()
+        # the kernel's CPU path, timed on the widest stack (gate and up's)
+        self.path = None
+        widest = max(self.stacks.values(), key=lambda stack: stack.a.numel(), default=None)
+        if widest is not None and lora_ops.kernel_takes(
+            widest.a[:1], widest.bt[:1], widest.a, widest.bt
+        ):
+            self.path = lora_ops.fastest_path(widest.a, widest.bt, max_loras, max_rank)
         # this step's (slot, its rows or None for every row, its scaling) per adapter it holds,
         # for the PyTorch products; made by the first of them in a step
         self.groups: list[tuple[int, Tensor | None, float]] | None = None
@@ -460,7 +467,7 @@ class AdapterTable:
             x = args[0]
             if lora_ops.kernel_takes(x, out, stack.a, stack.bt):
                 lora_ops.add_lora(
-                    out, x, stack.a, stack.bt, self.rows, self.slot_ranks, self.max_rank
+                    out, x, stack.a, stack.bt, self.rows, self.slot_ranks, self.max_rank, self.path
                 )
             else:
                 launch_opaque(self._add_products, stack, x, out)

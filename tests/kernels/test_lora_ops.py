@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_switch import requires_compiler
 
-from astrai.kernels import Arena, StepGraph, native
+from astrai.kernels import Arena, StepGraph, lora_ops, native
 from astrai.kernels.lora_ops import StepRows, add_lora, kernel_takes
 
 pytestmark = pytest.mark.skipif(native.lora is None, reason="the C extension _lora was not built")
@@ -171,3 +171,15 @@ def test_the_rule_and_the_refusals():
     rows.set(slots, scaling)
     with pytest.raises(ValueError, match="no path avx9 on this CPU"):
         add_lora(out, x, a, bt, rows, ranks, max_rank, "avx9")
+
+
+@pytest.mark.parametrize("fastest", ["slowest first", "widest"])
+def test_the_path_is_chosen_by_timing(monkeypatch, fastest):
+    """As the other kernels' paths are: measured on the stacks, not read from CPU flags."""
+    paths = native.lora.paths()
+    if len(paths) < 2:
+        pytest.skip("this CPU runs the scalar path only")
+    winner = paths[0] if fastest == "slowest first" else paths[-1]
+    monkeypatch.setattr(lora_ops, "_seconds", lambda step, path, limit: 0.1 + (path != winner))
+    out, x, a, bt, slots, scaling = case(SHAPES[1], torch.float32, seed=3)
+    assert lora_ops.fastest_path(a, bt, len(SHAPES[1][5]), SHAPES[1][4]) == winner

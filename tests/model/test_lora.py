@@ -24,7 +24,7 @@ from tiny_models import (
 )
 
 from astrai.inference import STOP, GenerationParams
-from astrai.kernels import native
+from astrai.kernels import lora_ops, native
 from astrai.model import AutoModel
 from astrai.model.lora import LoraError, UnknownAdapterError, read_adapter
 from astrai.tokenize import AutoTokenizer
@@ -149,6 +149,23 @@ def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(
     assert mixed == alone
     assert len(set(map(tuple, alone))) == len(alone)
     assert any(step is not None for step in recorded.values())  # replayed, not run eagerly
+
+
+def test_the_adapters_run_on_the_kernel_path_timing_chose(adapters, model, tokenizer, monkeypatch):
+    if native.lora is None or len(native.lora.paths()) < 2:
+        pytest.skip("needs the LoRA kernel with more than one CPU path")
+    slowest_named = native.lora.paths()[0]
+    timing = lambda step, path, limit: 0.1 + (path != slowest_named)  # noqa: E731
+    monkeypatch.setattr(lora_ops, "_seconds", timing)
+    paths = []
+    add_lora = lora_ops.add_lora
+    monkeypatch.setattr(
+        lora_ops, "add_lora", lambda *args: paths.append(args[-1]) or add_lora(*args)
+    )
+    loras = {name: str(path) for name, path in adapters.items()}
+    with make_engine(model, tokenizer, loras=loras) as engine:
+        greedy(engine, prompts(1, seed=2), "all")
+    assert paths and set(paths) == {slowest_named}
 
 
 def test_prefix_cache_keys_kv_by_adapter(adapters, model, tokenizer):
