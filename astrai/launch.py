@@ -199,17 +199,8 @@ def open_server(args: argparse.Namespace, config: EngineConfig):
             engine,
             name,
             sampling=sampling,
-            api_key=args.api_key,
-            allowed_hosts=[args.host, *args.allowed_hosts],
-            max_request_bytes=args.max_request_bytes,
-            read_timeout=args.read_timeout,
-            docs=args.docs,
-            webui=args.webui,
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
             lora_dir=args.lora_dir,
-            allowed_media_domains=args.allowed_media_domains,
-            media_fetch_timeout=args.media_fetch_timeout,
+            **_app_settings(args),
         )
     except BaseException:
         engine.close()
@@ -263,16 +254,7 @@ def open_router(args: argparse.Namespace, config: EngineConfig):
         [ModelSource(name, path, loader(path)) for name, path in sources.items()],
         max_loaded_models=args.max_loaded_models,
         idle_unload=args.idle_unload,
-        api_key=args.api_key,
-        allowed_hosts=[args.host, *args.allowed_hosts],
-        max_request_bytes=args.max_request_bytes,
-        read_timeout=args.read_timeout,
-        docs=args.docs,
-        webui=args.webui,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        allowed_media_domains=args.allowed_media_domains,
-        media_fetch_timeout=args.media_fetch_timeout,
+        **_app_settings(args),
     )
     for name, path in sources.items():
         log.info("serving model %r from %s, loaded when a request names it", name, path)
@@ -357,3 +339,19 @@ def _kv_share(config: EngineConfig, load: LoadConfig, models: int) -> EngineConf
         models,
     )
     return dataclasses.replace(config, kv_cache_memory=share)
+
+
+def _app_settings(args: argparse.Namespace) -> dict:
+    """The serve flags an app of one model and a router of several both take."""
+    return dict(
+        api_key=args.api_key,
+        allowed_hosts=[args.host, *args.allowed_hosts],
+        max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+        docs=args.docs,
+        webui=args.webui,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        allowed_media_domains=args.allowed_media_domains,
+        media_fetch_timeout=args.media_fetch_timeout,
+    )
