@@ -411,10 +411,10 @@ class EngineConfig:
     activation_precision: str = setting(
         ACTIVATION_PRECISIONS[0],
         "on the CPU, how the kernel of quantized linears rounds their input: int8x2 quantizes "
-        "it in two int8 terms (the int8 blocks and what they leave), about as exact as 15-bit "
-        "activations, so greedy output follows the dequantized weights' as fp32 does; int8 is "
-        "llama.cpp's one term, faster where the products are bound by arithmetic, and its "
-        "roundings tip a small model's near-ties",
+        "it in two int8 terms (the int8 blocks and what they leave at 1/256 of their scale), "
+        "together 16-bit activations, so greedy output follows the dequantized weights' as "
+        "fp32 does; int8 is llama.cpp's one term, faster where the products are bound by "
+        "arithmetic, and its roundings tip a small model's near-ties",
         choices=ACTIVATION_PRECISIONS,
     )
     cuda_graphs: bool = setting(

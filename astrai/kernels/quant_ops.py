@@ -7,10 +7,10 @@ bf16 one does. Paths, as for the dense linears (linear_ops.LinearPath):
 - kernel: the C kernel (csrc/quant_linear.c) on the packed blocks: x quantized per 32-block to
   int8, integer multiply-adds (AVX512-VNNI, AVX2 or portable scalar code, by CPU). Its
   activation precision is a setting of the linear: int8x2 (the default) quantizes x in two
-  terms, its int8 blocks and the int8 blocks of what they leave, for products about as exact as
-  15-bit activations; int8 is one term, llama.cpp's rounding, which tips near-ties of a small
-  model's greedy choice away from the reference's (benchmarks/README.md, "Activation
-  precision");
+  terms, its int8 blocks and what they leave at 1/256 of their scale, together x in 16 bits,
+  for twice the integer multiply-adds; int8 is one term, llama.cpp's rounding, which tips
+  near-ties of a small model's greedy choice away from the reference's (benchmarks/README.md,
+  "Activation precision");
 - gemm: W dequantized to x's dtype, then PyTorch's GEMM: for prefill-sized products, which are
   bound by arithmetic, not bytes;
 - upcast: W dequantized to fp32 for an fp32 GEMM, for bf16 x where bf16 GEMMs are emulated;

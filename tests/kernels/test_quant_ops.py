@@ -79,12 +79,15 @@ def int8_blocks(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def quantized_x(x: np.ndarray, terms: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """x as the kernel sees it (fp64), and each element's scale dx of the last term: int8
-    blocks of x, and for two terms the int8 blocks of what they leave (x - dx q in fp32)."""
+    blocks of x, and for two terms what they leave (x - dx q in fp32) at the fixed scale
+    dx / 256, rounded to even and clamped to +-127, in fp32 operations as the C code."""
     v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
     q, dx = int8_blocks(v)
     seen = q.astype(np.float64) * dx
     if terms == 2:
-        q2, dx = int8_blocks(v - (dx * q).astype(np.float32))
+        scale = np.divide(np.float32(256), dx, out=np.zeros_like(dx), where=dx != 0)
+        q2 = np.clip(np.rint((v - (dx * q).astype(np.float32)) * scale), -127, 127)
+        dx = dx / np.float32(256)
         seen = seen + q2.astype(np.float64) * dx
     return seen.reshape(x.shape), np.broadcast_to(dx, v.shape).reshape(x.shape)
 

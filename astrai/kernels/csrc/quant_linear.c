@@ -15,10 +15,11 @@
  *   Q4_K  u = 4-bit, d = d_super * sc, m = -dmin_super * mn (6-bit sc, mn per 32-block)
  *
  * With two terms (linear()'s terms = 2, the default activation precision) a row of x is
- * quantized twice: its int8 blocks q with scale dx, then the blocks of what they leave,
- * x - dx q, whose scale is at most dx / 254. The two are rows of their own through the same
- * tiles, and their sums are added as the second is stored, so a product is about as exact as
- * one with 15-bit activations, for twice the integer work.
+ * quantized twice: its int8 blocks q with scale dx, then what they leave, x - dx q, in int8 at
+ * the fixed scale dx / 256. 256 q + q' is x in 16 bits with scale dx / 256, and a block's
+ * integer products of the two terms are summed as 256 D + D' (exact in int32) before the one
+ * conversion to float that a single term has: twice the vpdpbusd work of one term, and no
+ * more of the rest. The two terms are rows of x of their own, next to each other, in a tile.
  *
  * Unsigned codes against signed x are what the CPUs' int8 multiply-adds take (AVX512-VNNI
  * vpdpbusd, AVX2 vpmaddubsw); c sum q depends on x alone and is computed with x's quantization,
@@ -289,27 +290,12 @@ struct call {
     int prefetch_bytes; /* how far the x86 paths prefetch W (prefetch.h) */
 };
 
-/* With two terms, the first term's sums over the group a thread is storing, until the second
- * term's (the next x row, which every path stores right after it) are added to them. */
-static __thread float first_term[GROUP];
-
-/* x row m's sums over group g's rows (GROUP floats, row r's at r), plus the bias, stored (with
- * two terms, x rows 2 m' and 2 m' + 1 summed into output row m'); a padding row of the last
- * group is not. Inlined into each path and compiled with its vectors:
- * as a call per group into baseline (SSE) code it cost the AVX-512 tiles up to half their
- * time at a few rows. */
+/* Output row m's sums over group g's rows (GROUP floats, row r's at r), plus the bias, stored;
+ * a padding row of the last group is not. Inlined into each path and compiled with its
+ * vectors: as a call per group into baseline (SSE) code it cost the AVX-512 tiles up to half
+ * their time at a few rows. */
 static inline __attribute__((always_inline)) void store_group(const struct call *c, int64_t m,
                                                               int64_t g, const float *sums) {
-    float both[GROUP];
-    if (c->terms == 2) {
-        if (m % 2 == 0) {
-            memcpy(first_term, sums, sizeof first_term);
-            return;
-        }
-        for (int r = 0; r < GROUP; r++) both[r] = first_term[r] + sums[r];
-        sums = both;
-        m /= 2;
-    }
     const int64_t first = GROUP * g, at = m * c->n_out + first;
     if (c->n_out - first >= GROUP) {
         for (int h = 0; h < GROUP / LANES; h++) {
@@ -331,25 +317,36 @@ static inline __attribute__((always_inline)) void store_group(const struct call 
     }
 }
 
+/* Two terms' integer sums of a block (or half) as one: 256 D + D', the product with x in 16
+ * bits (see the top); one term's as they are. */
+#define JOIN_TERMS(terms, first, second) ((terms) == 2 ? 256 * (first) + (second) : (first))
+
 /* The portable path: correct everywhere, and the plainest statement of the arithmetic. */
 static inline __attribute__((always_inline)) void scalar_group(const struct call *c, int64_t g,
                                                                const int qtype) {
     const int per_unit = block_types[qtype].unit_blocks, offset = block_types[qtype].code_offset;
     const uint8_t *recs = c->w + g * c->blocks / per_unit * c->rec_bytes;
-    for (int64_t m = 0; m < c->rows; m++) {
+    for (int64_t m = 0; m < c->rows / c->terms; m++) {
         float sums[GROUP];
         for (int r = 0; r < GROUP; r++) {
             float dot = 0.0f;
             for (int64_t b = 0; b < c->blocks; b++) {
                 const uint8_t *rec = recs + b / per_unit * c->rec_bytes;
                 const int j = b % per_unit;
-                const struct xblock *xb = c->x + m * c->blocks + b;
-                int32_t half[2] = {0, 0};
-                for (int k = 0; k < QK; k++)
-                    half[k / 16] += (code(rec, qtype, r, j, k) - offset) * xb->q[k];
+                int32_t half[2][2] = {{0, 0}, {0, 0}}; /* [term][half] */
+                float sx = 0.0f;
+                for (int t = 0; t < c->terms; t++) {
+                    const struct xblock *xb = c->x + (m * c->terms + t) * c->blocks + b;
+                    for (int k = 0; k < QK; k++)
+                        half[t][k / 16] += (code(rec, qtype, r, j, k) - offset) * xb->q[k];
+                    sx += xb->sx;
+                }
+                const float dx = c->x[(m * c->terms + c->terms - 1) * c->blocks + b].dx;
                 float d[2], mb;
                 block_scales(rec, qtype, r, j, d, &mb);
-                dot += xb->dx * (d[0] * (float)half[0] + d[1] * (float)half[1]) + mb * xb->sx;
+                dot += dx * (d[0] * (float)JOIN_TERMS(c->terms, half[0][0], half[1][0]) +
+                             d[1] * (float)JOIN_TERMS(c->terms, half[0][1], half[1][1])) +
+                       mb * sx;
             }
             sums[r] = dot;
         }
@@ -468,13 +465,19 @@ TARGET_VNNI INLINE void vnni_unit_scales(const uint8_t *rec, const struct layout
     if (qtype == Q4_K) *unit_m = _mm512_sub_ps(_mm512_setzero_ps(), halves16(rec + at.m));
 }
 
+/* Integer vectors a and b of two terms as one, 256 a + b (JOIN_TERMS); a as it is for one. */
+TARGET_VNNI INLINE __m512i vnni_join(const __m512i a, const __m512i b, const int terms) {
+    return terms == 2 ? _mm512_add_epi32(_mm512_slli_epi32(a, 8), b) : a;
+}
+
+/* n_x rows of x (x rows m0.., each output row's terms next to each other) against group g. */
 TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
-                                  const int n_x, const int qtype) {
-    const int per_unit = block_types[qtype].unit_blocks;
+                                  const int n_x, const int terms, const int qtype) {
+    const int per_unit = block_types[qtype].unit_blocks, n_rows = n_x / terms;
     const struct layout at = block_types[qtype].at;
     __m512 acc[VNNI_X], offsets[VNNI_X];
     UNROLL
-    for (int i = 0; i < n_x; i++) acc[i] = offsets[i] = _mm512_setzero_ps();
+    for (int i = 0; i < n_rows; i++) acc[i] = offsets[i] = _mm512_setzero_ps();
     for (int64_t unit = 0; unit < c->blocks / per_unit; unit++) {
         const uint8_t *rec = recs + unit * c->rec_bytes;
         __m512 unit_d, unit_m;
@@ -486,6 +489,7 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
             vnni_codes(rec, at, j, qtype, low, high);
             __m512 d_low, d_high, m;
             vnni_scales(rec, at, j, qtype, unit_d, unit_m, &d_low, &d_high, &m);
+            __m512i dot_low[VNNI_X], dot_high[VNNI_X];
             UNROLL
             for (int i = 0; i < n_x; i++) {
                 const struct xblock *xb = c->x + (m0 + i) * c->blocks + b;
@@ -501,45 +505,59 @@ TARGET_VNNI INLINE void vnni_tile(const struct call *c, const uint8_t *recs, int
                     chain[2 + t % 2] = _mm512_dpbusd_epi32(chain[2 + t % 2], high[t],
                                                            _mm512_set1_epi32(q4[4 + t]));
                 }
-                const __m512i dot_low = _mm512_add_epi32(chain[0], chain[1]);
-                const __m512i dot_high = _mm512_add_epi32(chain[2], chain[3]);
-                const __m512 dx = _mm512_set1_ps(xb->dx);
+                dot_low[i] = _mm512_add_epi32(chain[0], chain[1]);
+                dot_high[i] = _mm512_add_epi32(chain[2], chain[3]);
+                if (qtype != Q6_K) dot_low[i] = _mm512_add_epi32(dot_low[i], dot_high[i]);
+            }
+            UNROLL
+            for (int i = 0; i < n_rows; i++) {
+                const struct xblock *first = c->x + (m0 + terms * i) * c->blocks + b;
+                const struct xblock *last = first + (terms - 1) * c->blocks;
+                const int t = terms * i;
+                const __m512 dx = _mm512_set1_ps(last->dx);
+                const __m512i dot = vnni_join(dot_low[t], dot_low[t + terms - 1], terms);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d_low, dx), acc[i]);
                 if (qtype == Q6_K) {
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low), _mm512_mul_ps(d_low, dx),
+                    const __m512i second = vnni_join(dot_high[t], dot_high[t + terms - 1], terms);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(d_high, dx),
                                              acc[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high),
-                                             _mm512_mul_ps(d_high, dx), acc[i]);
-                } else {
-                    acc[i] =
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot_low, dot_high)),
-                                        _mm512_mul_ps(d_low, dx), acc[i]);
                 }
                 if (qtype == Q4_1 || qtype == Q4_K)
-                    offsets[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xb->sx), offsets[i]);
+                    offsets[i] = _mm512_fmadd_ps(
+                        m, _mm512_set1_ps(terms == 2 ? first->sx + last->sx : first->sx),
+                        offsets[i]);
             }
         }
     }
     UNROLL
-    for (int i = 0; i < n_x; i++) {
+    for (int i = 0; i < n_rows; i++) {
         float sums[GROUP];
         _mm512_storeu_ps(sums, _mm512_add_ps(acc[i], offsets[i]));
-        store_group(c, m0 + i, g, sums);
+        store_group(c, m0 / terms + i, g, sums);
+    }
+}
+
+/* The rows of x against group g, VNNI_X at a time, each output row's terms in one tile. */
+TARGET_VNNI INLINE void vnni_rows(const struct call *c, const uint8_t *recs, int64_t g,
+                                  const int terms, const int qtype) {
+    int64_t m = 0;
+    for (; m + VNNI_X <= c->rows; m += VNNI_X) vnni_tile(c, recs, g, m, VNNI_X, terms, qtype);
+    switch (c->rows - m) { /* the rest in one pass over W */
+    case 1: vnni_tile(c, recs, g, m, 1, terms, qtype); break;
+    case 2: vnni_tile(c, recs, g, m, 2, terms, qtype); break;
+    case 3: vnni_tile(c, recs, g, m, 3, terms, qtype); break;
+    case 4: vnni_tile(c, recs, g, m, 4, terms, qtype); break;
+    case 5: vnni_tile(c, recs, g, m, 5, terms, qtype); break;
+    default: break;
     }
 }
 
 TARGET_VNNI INLINE void vnni_group(const struct call *c, int64_t g, const int qtype) {
     const uint8_t *recs = c->w + g * (c->blocks / block_types[qtype].unit_blocks) * c->rec_bytes;
-    int64_t m = 0;
-    for (; m + VNNI_X <= c->rows; m += VNNI_X) vnni_tile(c, recs, g, m, VNNI_X, qtype);
-    switch (c->rows - m) { /* the rest in one pass over W */
-    case 1: vnni_tile(c, recs, g, m, 1, qtype); break;
-    case 2: vnni_tile(c, recs, g, m, 2, qtype); break;
-    case 3: vnni_tile(c, recs, g, m, 3, qtype); break;
-    case 4: vnni_tile(c, recs, g, m, 4, qtype); break;
-    case 5: vnni_tile(c, recs, g, m, 5, qtype); break;
-
-    default: break;
-    }
+    if (c->terms == 2)
+        vnni_rows(c, recs, g, 2, qtype);
+    else
+        vnni_rows(c, recs, g, 1, qtype);
 }
 
 /* quantize() in AVX-512: the same arithmetic (vcvtps2dq rounds to nearest even, as the
@@ -712,8 +730,9 @@ TARGET_AVX2 INLINE void avx2_codes(const uint8_t *rec, const int j, const int t,
     }
 }
 
+/* n_x rows of x (x rows m0.., each output row's terms next to each other) against group g. */
 TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int64_t g, int64_t m0,
-                                  const int n_x, const int qtype) {
+                                  const int n_x, const int terms, const int qtype) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int per_unit = block_types[qtype].unit_blocks, k_type = per_unit > 1;
     const int is_signed = qtype == Q8_0;
@@ -796,30 +815,41 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                     scale[0] = halves8(rec + at.d + 16 * h);
                     if (qtype == Q4_1) min = halves8(rec + at.m + 16 * h);
                 }
+                /* each x row's int32 dot per half (Q6_K) or over the block (index 0), seeded */
+                __m256i dot[AVX2_X][2];
                 UNROLL
                 for (int i = 0; i < n_x; i++) {
-                    const __m256 dx = _mm256_set1_ps(xb[i]->dx), sx = _mm256_set1_ps(xb[i]->sx);
-                    __m256 *const sum = k_type ? &unit_sum[i][h] : &acc[i][h];
                     if (qtype == Q6_K) {
                         UNROLL
-                        for (int half = 0; half < 2; half++) {
-                            const __m256i dot = _mm256_add_epi32(
+                        for (int half = 0; half < 2; half++)
+                            dot[i][half] = _mm256_add_epi32(
                                 dots[i][h][half], _mm256_set1_epi32(xb[i]->seed[half]));
-                            *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                                   _mm256_mul_ps(scale[half], dx), *sum);
-                        }
                         continue;
                     }
-                    __m256i dot = dots[i][h][0];
-                    if (qtype != Q8_0) dot = _mm256_madd_epi16(sums16[i][h][0], ones);
+                    dot[i][0] = dots[i][h][0];
+                    if (qtype != Q8_0) dot[i][0] = _mm256_madd_epi16(sums16[i][h][0], ones);
                     if (qtype == Q5_0)
-                        dot = _mm256_add_epi32(
-                            dot, _mm256_add_epi32(_mm256_madd_epi16(sums16[i][h][1], ones),
-                                                  _mm256_set1_epi32(xb[i]->seed[1])));
+                        dot[i][0] = _mm256_add_epi32(
+                            dot[i][0], _mm256_add_epi32(_mm256_madd_epi16(sums16[i][h][1], ones),
+                                                        _mm256_set1_epi32(xb[i]->seed[1])));
                     if (qtype == Q4_0 || qtype == Q5_0) /* c = 0 for Q4_1, signed Q8_0 */
-                        dot = _mm256_add_epi32(dot, _mm256_set1_epi32(xb[i]->seed[0]));
-                    *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale[0], dx),
-                                           *sum);
+                        dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_set1_epi32(xb[i]->seed[0]));
+                }
+                UNROLL
+                for (int i = 0; i < n_x / terms; i++) {
+                    const int first = terms * i, last = first + terms - 1;
+                    const __m256 dx = _mm256_set1_ps(xb[last]->dx);
+                    const __m256 sx = _mm256_set1_ps(terms == 2 ? xb[first]->sx + xb[last]->sx
+                                                                : xb[first]->sx);
+                    __m256 *const sum = k_type ? &unit_sum[i][h] : &acc[i][h];
+                    for (int half = 0; half < (qtype == Q6_K ? 2 : 1); half++) {
+                        const __m256i joined =
+                            terms == 2 ? _mm256_add_epi32(_mm256_slli_epi32(dot[first][half], 8),
+                                                          dot[last][half])
+                                       : dot[first][half];
+                        *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(joined),
+                                               _mm256_mul_ps(scale[half], dx), *sum);
+                    }
                     if (qtype == Q4_1) offsets[i][h] = _mm256_fmadd_ps(min, sx, offsets[i][h]);
                     if (qtype == Q4_K) unit_min[i][h] = _mm256_fmadd_ps(min, sx, unit_min[i][h]);
                 }
@@ -831,7 +861,7 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
                 const __m256 d = halves8(rec + at.d + 16 * h);
                 const __m256 dmin = qtype == Q4_K ? halves8(rec + at.m + 16 * h) : d;
                 UNROLL
-                for (int i = 0; i < n_x; i++) {
+                for (int i = 0; i < n_x / terms; i++) {
                     acc[i][h] = _mm256_fmadd_ps(unit_sum[i][h], d, acc[i][h]);
                     if (qtype == Q4_K)
                         acc[i][h] = _mm256_fnmadd_ps(unit_min[i][h], dmin, acc[i][h]);
@@ -840,21 +870,25 @@ TARGET_AVX2 INLINE void avx2_tile(const struct call *c, const uint8_t *recs, int
         }
     }
     UNROLL
-    for (int i = 0; i < n_x; i++) {
+    for (int i = 0; i < n_x / terms; i++) {
         float sums[GROUP];
         UNROLL
         for (int h = 0; h < 2; h++)
             _mm256_storeu_ps(sums + 8 * h, qtype == Q4_1 ? _mm256_add_ps(acc[i][h], offsets[i][h])
                                                          : acc[i][h]);
-        store_group(c, m0 + i, g, sums);
+        store_group(c, m0 / terms + i, g, sums);
     }
 }
 
 TARGET_AVX2 INLINE void avx2_group(const struct call *c, int64_t g, const int qtype) {
     const uint8_t *recs = c->w + g * (c->blocks / block_types[qtype].unit_blocks) * c->rec_bytes;
     int64_t m = 0;
-    for (; m + AVX2_X <= c->rows; m += AVX2_X) avx2_tile(c, recs, g, m, AVX2_X, qtype);
-    for (; m < c->rows; m++) avx2_tile(c, recs, g, m, 1, qtype);
+    if (c->terms == 2) { /* a tile is one output row's two terms */
+        for (; m < c->rows; m += AVX2_X) avx2_tile(c, recs, g, m, AVX2_X, 2, qtype);
+        return;
+    }
+    for (; m + AVX2_X <= c->rows; m += AVX2_X) avx2_tile(c, recs, g, m, AVX2_X, 1, qtype);
+    for (; m < c->rows; m++) avx2_tile(c, recs, g, m, 1, 1, qtype);
 }
 
 /* quantize() in AVX2, as quantize_vnni() is in AVX-512 */
@@ -1046,21 +1080,49 @@ static int check_weight_bytes(Py_ssize_t w_bytes, int64_t n_out, int64_t in_feat
 
 typedef void (*quantize_fn)(struct xblock *, const void *, int64_t, int, int, int);
 
-/* Row m of x as `terms` rows of xblocks from xq + m * terms * blocks on: its int8 blocks and,
- * for two terms, the blocks of what they leave (x - dx q, rounded to fp32 and quantized alike,
- * into residual's `in` floats): x ~= dx q + dr r with dr <= dx / 254, so a product is about as
- * exact as one with 15-bit activations, for twice the integer work of one row. */
+/* The second term of a row of x (fp32 or bf16) from its first, first[b] the int8 block b with
+ * scale dx: what it leaves, x - dx q (rounded to fp32), times 256 / dx, rounded to the nearest
+ * integer (ties to even, as quantize() rounds) and clamped to +-127, with the fixed scale
+ * dx / 256 (the clamp moves an element only where x - dx q is within dx / 512 of dx / 2).
+ * Every operation is one IEEE rounding, so NumPy reproduces it exactly. */
+static inline __attribute__((always_inline)) void
+second_term(struct xblock *out, const struct xblock *first, const void *x, int64_t in, int c,
+            int halves, const int is_bf16) {
+    const vec8 round = (vec8){0.0f} + 12582912.0f, limit = (vec8){0.0f} + 127.0f;
+    for (int64_t b = 0; b < in / QK; b++) {
+        const float dx = first[b].dx, scale = dx != 0.0f ? 256.0f / dx : 0.0f;
+        int8v sums[2] = {{0}, {0}};
+        for (int k = 0; k < QK / LANES; k++) {
+            int8v q;
+            for (int l = 0; l < LANES; l++) q[l] = first[b].q[k * LANES + l];
+            const vec8 left = load_any(x, b * QK + k * LANES, is_bf16) -
+                              dx * __builtin_convertvector(q, vec8);
+            vec8 r = (left * scale + round) - round;
+            r = select8(r > limit, limit, select8(r < -limit, -limit, r));
+            const int8v rk = __builtin_convertvector(r, int8v);
+            sums[k / 2] += rk;
+            for (int l = 0; l < LANES; l++) out[b].q[k * LANES + l] = (int8_t)rk[l];
+        }
+        int32_t half[2] = {0, 0};
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < LANES; l++) half[h] += sums[h][l];
+        finish_block(out + b, dx / 256.0f, half[0], half[1], c, halves);
+    }
+}
+
+FP32_AND_BF16(second_term,
+              (struct xblock * out, const struct xblock *first, const void *x, int64_t in, int c,
+               int halves),
+              out, first, x, in, c, halves)
+
+/* Row m of x as `terms` rows of xblocks from xq + m * terms * blocks on: its int8 blocks q with
+ * scale dx and, for two terms, the second term (second_term) after them. */
 static void quantize_terms(quantize_fn quantize_row, struct xblock *xq, const void *x, int64_t in,
-                           const struct block_type *type, int is_bf16, int terms,
-                           float *residual) {
+                           const struct block_type *type, int is_bf16, int terms) {
     const int c = type->code_offset, halves = type->seeds_per_half;
     quantize_row(xq, x, in, c, halves, is_bf16);
-    if (terms == 1) return;
-    for (int64_t k = 0; k < in; k++) {
-        const float v = is_bf16 ? bf16_to_float(((const bf16 *)x)[k]) : ((const float *)x)[k];
-        residual[k] = v - xq[k / QK].dx * (float)xq[k / QK].q[k % QK];
-    }
-    quantize_row(xq + in / QK, residual, in, c, halves, 0);
+    if (terms == 2)
+        (is_bf16 ? second_term_bf16 : second_term_fp32)(xq + in / QK, xq, x, in, c, halves);
 }
 
 static PyObject *linear(PyObject *module, PyObject *args) {
@@ -1083,12 +1145,7 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     }
     const int64_t blocks = in_features / QK;
     struct xblock *xq = malloc(sizeof(struct xblock) * (rows * terms * blocks + 1));
-    float *residual = terms == 1 ? NULL : malloc(sizeof(float) * (rows * in_features + 1));
-    if (xq == NULL || (terms > 1 && residual == NULL)) {
-        free(xq);
-        free(residual);
-        return PyErr_NoMemory();
-    }
+    if (xq == NULL) return PyErr_NoMemory();
     const struct call c = {(void *)out,  (const uint8_t *)w, xq,    (const void *)bias,
                            rows * terms, blocks,             n_out, type->at.bytes,
                            is_bf16,      terms,              prefetch_bytes};
@@ -1105,13 +1162,11 @@ static PyObject *linear(PyObject *module, PyObject *args) {
 #pragma omp parallel for schedule(static)
         for (int64_t m = 0; m < rows; m++)
             quantize_terms(quantize_row, xq + m * terms * blocks, (const char *)x + m * x_row_bytes,
-                           in_features, type, is_bf16, terms,
-                           residual == NULL ? NULL : residual + m * in_features);
+                           in_features, type, is_bf16, terms);
     } else {
         for (int64_t m = 0; m < rows; m++)
             quantize_terms(quantize_row, xq + m * terms * blocks, (const char *)x + m * x_row_bytes,
-                           in_features, type, is_bf16, terms,
-                           residual == NULL ? NULL : residual + m * in_features);
+                           in_features, type, is_bf16, terms);
     }
 #pragma omp parallel
     {
@@ -1121,7 +1176,6 @@ static PyObject *linear(PyObject *module, PyObject *args) {
     }
     Py_END_ALLOW_THREADS;
     free(xq);
-    free(residual);
     Py_RETURN_NONE;
 }
 
