@@ -36,6 +36,7 @@ if not torch.cuda.is_available():
     interpret_triton_kernels()
 
 from tiny_models import (  # noqa: E402
+    write_gemma3_vlm_model,
     write_hf_model,
     write_idefics3_model,
     write_llava_model,
@@ -87,3 +88,8 @@ def qwen2_vl_dir(tmp_path_factory) -> Path:
 def qwen2_5_vl_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2.5-VL whose window blocks attend within 2x2-token windows."""
     return write_qwen2_vl_model(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def gemma3_vlm_dir(tmp_path_factory) -> Path:
+    return write_gemma3_vlm_model(tmp_path_factory.mktemp("gemma3_vlm"))

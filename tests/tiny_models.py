@@ -691,6 +691,76 @@ def write_qwen2_vl_model(directory: Path, model_type: str = "qwen2_vl", seed: in
     return directory
 
 
+GEMMA3_IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+# A SigLIP tower of 32x32 images in 4x4 patches: an 8x8 grid, pooled 2x2 into 16 tokens an
+# image (mm_tokens_per_image).
+TINY_GEMMA3_SIGLIP = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=4,
+    vision_use_head=False,
+)
+# Gemma 3's language model: sliding layers of an 8-token window (shorter than an image's 20
+# tokens with its layout) beside full ones, its own rope base on each.
+TINY_GEMMA3_TEXT = dict(
+    TINY,
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    num_hidden_layers=3,
+)
+
+
+def write_gemma3_vlm_model(directory: Path, seed: int = 0) -> Path:
+    """Write a random-weight Gemma 3 image-and-text checkpoint (Gemma3ForConditionalGeneration:
+    a SigLIP tower, the pooling projector, Gemma 3's language model), its image processor (the
+    Pillow one) and the test tokenizer with Gemma 3's image tokens added, named as Gemma3Processor
+    reads them (boi_token, eoi_token, image_token)."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    write_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(GEMMA3_IMAGE_TOKENS)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    settings["extra_special_tokens"] = dict(
+        zip(("boi_token", "eoi_token", "image_token"), GEMMA3_IMAGE_TOKENS, strict=True)
+    )
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    boi, eoi, soft = (tokenizer.token_to_id(t) for t in GEMMA3_IMAGE_TOKENS)
+    config = transformers.Gemma3Config(
+        vision_config=TINY_GEMMA3_SIGLIP,
+        text_config=TINY_GEMMA3_TEXT,
+        mm_tokens_per_image=16,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=soft,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        # transformers starts the projection at zero and the norms at 1 + 0: random ones make
+        # what the image shows, and which norm is which, matter to the next token. (The head
+        # is the embeddings, tied: Gemma's sqrt(dim) scaling makes its choices clear-cut.)
+        projector = model.model.multi_modal_projector
+        projector.mm_input_projection_weight.normal_(0.0, 0.1)
+        projector.mm_soft_emb_norm.weight.normal_(0.0, 0.3)
+        for name, weight in model.model.language_model.named_parameters():
+            if "norm" in name:
+                weight.normal_(0.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
+    side = TINY_GEMMA3_SIGLIP["image_size"]
+    transformers.Gemma3ImageProcessorPil(size={"height": side, "width": side}).save_pretrained(
+        directory
+    )
+    return directory
+
+
 def noise_image(seed: int, size: tuple[int, int] = (40, 32), mode: str = "RGB"):
     """A random-noise Pillow image, the same for the same seed."""
     import numpy as np

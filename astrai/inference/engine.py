@@ -748,6 +748,7 @@ class InferenceEngine:
                     start,
                     image.tokens_per_tile,
                     image.grid,
+                    image.bidirectional,
                 )
                 for image, i, start in tiles
             ),

@@ -418,6 +418,8 @@ class PromptImage:
     length: int
     # The (t, h, w) grid its tokens lie on, row-major, for a model with M-RoPE; else None.
     grid: tuple[int, int, int] | None = None
+    # Its tokens attend to each other (Gemma 3), so one prefill chunk computes them all.
+    bidirectional: bool = False
     embeddings: torch.Tensor | None = None
 
     @property

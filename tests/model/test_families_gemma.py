@@ -188,12 +188,6 @@ def test_greedy_batch_with_prefix_hits_equals_transformers(
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
 
 
-def test_gemma3_multimodal_config_is_refused_with_its_text_model_named():
-    hf = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", **TINY}}
-    with pytest.raises(ConfigError, match="image-and-text checkpoint.*gemma3_text"):
-        config_from_hf(hf)
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -14,7 +14,7 @@ from gguf import GGUFReader
 from astrai.config import NATIVE_MODEL_TYPE, ConfigError, ModelConfig
 from astrai.model.checkpoint import CheckpointError
 from astrai.model.families.family import Family, VisionFamily
-from astrai.model.families.gemma import GEMMA2, GEMMA3
+from astrai.model.families.gemma import GEMMA2, GEMMA3, GEMMA3_VISION
 from astrai.model.families.gguf_config import read_gguf_config
 from astrai.model.families.gguf_metadata import metadata_value
 from astrai.model.families.granite import GRANITE
@@ -32,7 +32,7 @@ FAMILIES = (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, PHI3, OLMO2,
     GRANITE, QWEN2_VL_TEXT,
 )  # fmt: skip
-VISION_FAMILIES = (LLAVA, IDEFICS3, QWEN2_VL)
+VISION_FAMILIES = (LLAVA, IDEFICS3, QWEN2_VL, GEMMA3_VISION)
 HF_MODEL_TYPES = tuple(
     model_type for family in (*FAMILIES, *VISION_FAMILIES) for model_type in family.model_types
 )
@@ -44,8 +44,6 @@ def hf_family(model_type: Any) -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-        if model_type in family.refused_model_types:
-            raise ConfigError(family.refused_model_types[model_type])
     raise ConfigError(
         f"unsupported model_type {model_type!r}; astrai loads "
         f"{', '.join((NATIVE_MODEL_TYPE, *HF_MODEL_TYPES))}"

@@ -57,7 +57,6 @@ class Family:
     Load fix-ups: unit_offset_norms, the RMSNorm weights w of config.json checkpoints scale by
     1 + w (llama.cpp's converter adds the 1 in GGUF files); permuted_rotary_rows, a GGUF file's
     q and k rows are permuted for llama.cpp's rope (undone at load).
-    refused_model_types: model types of the family astrai does not load, with why.
     """
 
     name: str
@@ -73,7 +72,6 @@ class Family:
     rope_type_aliases: Mapping[str, str] = field(default_factory=dict)
     unit_offset_norms: bool = False
     permuted_rotary_rows: bool = False
-    refused_model_types: Mapping[str, str] = field(default_factory=dict)
 
     def hf_tensors(
         self, config: ModelConfig, name: str, shape: tuple[int, ...]

@@ -1,5 +1,7 @@
-"""Gemma 2 and Gemma 3 (text): GeGLU, embeddings scaled by sqrt(dim), a norm after each
-sublayer as well as before it, (1 + w) norms, and sliding-window layers among full ones.
+"""Gemma 2 and Gemma 3: GeGLU, embeddings scaled by sqrt(dim), a norm after each sublayer as
+well as before it, (1 + w) norms, and sliding-window layers among full ones; and Gemma 3 with
+images (Gemma3ForConditionalGeneration): a SigLIP tower and its pooling projector
+(astrai.model.vision.gemma3) beside the Gemma 3 language model.
 
 What llama.cpp's GGUF files do not hold is stated here once for both formats: the share of
 sliding layers, Gemma 2's soft-cap defaults, Gemma 3's rope base on its sliding layers.
@@ -8,13 +10,16 @@ sliding layers, Gemma 2's soft-cap defaults, Gemma 3's rope base on its sliding 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from astrai.config import LAYER_TYPES, ConfigError
-from astrai.model.families.family import Family
+from astrai.model.families.family import Family, VisionFamily, preprocessor_config
 from astrai.model.families.gguf_metadata import GGUFMetadata
 from astrai.model.families.hf_config import sliding_layers
 from astrai.model.families.tensor_names import GGUF_POST_NORM_LAYER_NAMES, HF_POST_NORM_LAYER_NAMES
+from astrai.model.vision.gemma3 import Gemma3Vision
+from astrai.model.vision.gemma3_processor import Gemma3ImageProcessor
 
 GEMMA_SETTINGS = {"hidden_act": "gelu_tanh", "scale_embeddings": True, "post_norms": True}
 # Gemma 2 slides in every other layer, Gemma 3 in 5 of every 6.
@@ -143,9 +148,28 @@ GEMMA3 = Family(
     hf_layer_names=HF_POST_NORM_LAYER_NAMES,
     gguf_layer_names=GGUF_POST_NORM_LAYER_NAMES,
     unit_offset_norms=True,
-    refused_model_types={
-        "gemma3": "model_type gemma3 is Gemma 3's image-and-text checkpoint, which astrai does "
-        "not load; it runs Gemma 3's text models (model_type gemma3_text, as Gemma 3 1B ships) "
-        "and GGUF files of architecture gemma3"
-    },
+)
+
+
+def _build_vision(hf: dict[str, Any], directory: Path) -> Gemma3Vision:
+    processor = Gemma3ImageProcessor.from_hf(preprocessor_config(directory, "Gemma 3"))
+    return Gemma3Vision(hf, processor)
+
+
+GEMMA3_VISION = VisionFamily(
+    "gemma3",
+    model_types=("gemma3",),
+    renames=(
+        # the hub's layout (transformers 4) and transformers 5's save_pretrained
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.vision_model.", "vision_tower."),
+        # transformers 5's own layout
+        ("model.language_model.", "model."),
+        ("model.vision_tower.vision_model.", "vision_tower."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    ),
+    vision_prefixes=("vision_tower.", "multi_modal_projector."),
+    build=_build_vision,
 )

@@ -15,12 +15,18 @@ class TiledImage:
     Idefics3: its crops, then the whole image scaled down; Qwen2-VL: the image's patches).
     Each tile stands for tokens_per_tile image tokens. texts has n_tiles + 1 entries: texts[i]
     comes before tile i's image tokens, texts[-1] after the last tile's. grid: the (t, h, w)
-    grid a tile's tokens lie on in row-major order, for M-RoPE (None for a model without)."""
+    grid a tile's tokens lie on in row-major order, for M-RoPE (None for a model without).
+    image_token: the token a tile's image tokens are, where it is not the placeholder that
+    stands for the whole image in a prompt (Gemma 3: `<image_soft_token>`, placed by
+    `<start_of_image>`). bidirectional: a tile's image tokens attend to each other, not only
+    to those before them (Gemma 3), so a prefill chunk that computes one computes them all."""
 
     pixel_values: Tensor
     texts: tuple[str, ...]
     tokens_per_tile: int
     grid: tuple[int, int, int] | None = None
+    image_token: int | None = None
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         assert len(self.texts) == len(self.pixel_values) + 1
@@ -28,16 +34,17 @@ class TiledImage:
     def token_ids(
         self, image_token: int, encode: Callable[[str], list[int]]
     ) -> tuple[list[int], list[int]]:
-        """The token ids the image's one placeholder expands to, and where each tile's run of
-        tokens_per_tile image tokens starts in them. encode tokenizes a text without special
-        tokens added; the layout's texts end at special tokens or the image tokens, so each
-        encodes as it would within the whole prompt."""
+        """The token ids the image's one placeholder (image_token) expands to, and where each
+        tile's run of tokens_per_tile image tokens starts in them. encode tokenizes a text
+        without special tokens added; the layout's texts end at special tokens or the image
+        tokens, so each encodes as it would within the whole prompt."""
+        token = image_token if self.image_token is None else self.image_token
         ids: list[int] = []
         starts: list[int] = []
         for text in self.texts[:-1]:
             ids += encode(text) if text else []
             starts.append(len(ids))
-            ids += [image_token] * self.tokens_per_tile
+            ids += [token] * self.tokens_per_tile
         ids += encode(self.texts[-1]) if self.texts[-1] else []
         return ids, starts
 
