@@ -58,6 +58,9 @@ class CacheView:
                 rows=torch.arange(len(batch.row_seqs), device=device),
                 block_tables=torch.from_numpy(block_table[batch.row_seqs]).to(device),
                 context_lens=torch.from_numpy(batch.positions + 1).to(device),
+                key_ends=None
+                if batch.key_ends is None
+                else torch.from_numpy(batch.key_ends).to(device),
             )
             return
         if len(decodes):
@@ -83,6 +86,9 @@ class CacheView:
                 pages=None
                 if start == 0
                 else torch.from_numpy(block_table[i, : table_lengths[i]]).to(device),
+                key_ends=None
+                if batch.key_ends is None
+                else torch.from_numpy(batch.key_ends[offsets[i] : offsets[i] + n]).to(device),
             )
             for i, (start, n) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True))
             if n > 1
@@ -158,11 +164,14 @@ class CacheView:
 
 
 def visible_keys(
-    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    window: int | None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """True where a query at query_pos [..., 1] sees the key at key_pos [n_keys]: at or before
-    it, and within its window if it has one."""
-    visible = key_pos <= query_pos
+    it (before its key end [..., 1], where it has one), and within its window if it has one."""
+    visible = key_pos <= query_pos if key_ends is None else key_pos < key_ends
     if window is not None:
         visible &= key_pos > query_pos - window
     return visible
@@ -170,13 +179,15 @@ def visible_keys(
 
 @dataclass
 class PromptChunk:
-    """A prompt chunk of a step: its rows in the batch, its first position, and the pages of
-    its keys (None when it starts at 0: its keys are its own new K/V)."""
+    """A prompt chunk of a step: its rows in the batch, its first position, the pages of its
+    keys (None when it starts at 0: its keys are its own new K/V), and where each row's keys
+    end (None: at its own; StepBatch.key_ends)."""
 
     rows: slice
     start: int
     device: torch.device
     pages: torch.Tensor | None
+    key_ends: torch.Tensor | None = None
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -186,8 +197,11 @@ class PromptChunk:
             n = self.rows.stop - self.rows.start
             key_pos = torch.arange(self.start + n, device=self.device)
             query_pos = torch.arange(self.start, self.start + n, device=self.device)[:, None]
-            causal_alone = self.start == 0 and window is None
-            self.masks[window] = None if causal_alone else visible_keys(query_pos, key_pos, window)
+            causal_alone = self.start == 0 and window is None and self.key_ends is None
+            key_ends = None if self.key_ends is None else self.key_ends[:, None]
+            self.masks[window] = (
+                None if causal_alone else visible_keys(query_pos, key_pos, window, key_ends)
+            )
         return self.masks[window]
 
 
@@ -306,6 +320,7 @@ def ragged_layout(
     return {
         "token_ids": np.concatenate((batch.token_ids, padding)),
         "positions": np.concatenate((batch.positions, padding)),
+        "key_ends": np.concatenate((batch.visible_ends, padding)),
         "rope_lengths": np.concatenate((batch.rope_lengths, padding + 1)),
         "slot_mapping": np.concatenate((batch.slots, padding - 1)),
         "seq_starts": starts,
@@ -360,6 +375,6 @@ class DeviceCacheView:
         paged_attention(
             q, k_layer, v_layer, out, fields["block_tables"], fields["seq_starts"],
             fields["seq_rows"], fields["seq_lens"], fields["block_seq"], fields["block_first"],
-            self.block_q, layer.scale, layer.window, layer.softcap,
+            fields["key_ends"], self.block_q, layer.scale, layer.window, layer.softcap,
         )  # fmt: skip
         return out

@@ -475,7 +475,7 @@ class ModelExecutor:
             )
         batch = StepBatch.build(
             seqs, token_ids, self.pages, self.kv.page_size, spans, rows, hidden_rows, images,
-            mrope_positions,
+            mrope_positions, _key_ends(chunks, starts),
         )  # fmt: skip
         logits, hidden = self.forward(batch)
         if images is not None:
@@ -610,6 +610,25 @@ class ModelExecutor:
         if self.masker is None:
             self.masker = BatchMasker(self.max_batch_size, self.model.config.vocab_size)
         return self.masker.fill(states)
+
+
+def _key_ends(chunks: Sequence[ScheduledChunk], first_rows: np.ndarray) -> np.ndarray | None:
+    """StepBatch.key_ends of the chunks, whose rows start at first_rows: the end of each image
+    whose tokens see each other for the rows of its tokens, position + 1 for the others; None
+    when no chunk computes such a token. schedule() keeps each such image whole in one chunk
+    (or the rest of it after a prefix-cache hit), so every key a row sees is in the cache."""
+    ends = None
+    for chunk, first_row in zip(chunks, first_rows, strict=True):
+        chunk_end = chunk.start + chunk.length
+        for image in chunk.task.images:
+            lo, hi = max(image.start, chunk.start), min(image.end, chunk_end)
+            if not image.bidirectional or lo >= hi:
+                continue
+            assert image.end <= chunk_end, "a chunk computes an image that sees itself to its end"
+            if ends is None:
+                ends = np.concatenate([c.start + 1 + np.arange(c.length) for c in chunks])
+            ends[first_row + lo - chunk.start : first_row + hi - chunk.start] = image.end
+    return ends
 
 
 def _concatenated(arrays: list[np.ndarray]) -> np.ndarray:

@@ -7,7 +7,9 @@ One step of the policy:
    whole prompt: cached pages hold K/V only.
 2. Every decoding task gets its one token first, oldest first.
 3. What is left of the token budget goes to prompt chunks, oldest first, each shrunk to the
-   pages to be had without preempting anyone.
+   pages to be had without preempting anyone. A chunk never ends inside an image whose tokens
+   see each other (Gemma 3's): it stops before the image, or, starting at it, takes the whole
+   image even past the budget.
 4. When a decode finds no page, or no chunk can run at all, the most recently admitted task is
    preempted: its pages are freed and it goes back to the head of the queue to recompute.
 5. With a speculator, decode chunks take guesses from what is left of the budget and the free
@@ -120,10 +122,15 @@ def schedule(
 
 def _prompt_chunk(task: Task, budget: int, cache: PagedCache) -> ScheduledChunk | None:
     """The task's next prompt chunk: at most budget tokens, shrunk to the pages to be had
-    without preempting anyone; None when not one page is free."""
+    without preempting anyone, its end moved off any image whose tokens see each other; None
+    when not one page is free, or the image it must start with does not fit."""
     free_slots = cache.capacity(task.id) - task.num_computed
-    length = min(task.num_tokens - task.num_computed, budget, free_slots)
-    if length <= 0:
+    end = task.num_computed + min(task.num_tokens - task.num_computed, budget, free_slots)
+    for image in task.images:
+        if image.bidirectional and image.start < end < image.end:
+            end = image.start if image.start > task.num_computed else image.end
+    length = end - task.num_computed
+    if length <= 0 or length > free_slots:
         return None
     allocated = cache.allocate(task.id, task.num_computed + length)
     assert allocated, "a chunk sized to the free pages must fit"

@@ -57,6 +57,10 @@ class StepBatch:
     # [3, num_tokens] each row's M-RoPE positions, where a sequence of the step has a prompt
     # with images on a model with M-RoPE (Task.mrope); None: rope turns by positions.
     mrope_positions: np.ndarray | None = None
+    # [num_tokens] the position each row sees keys before, where a sequence of the step
+    # computes the tokens of an image that attend to each other (PromptImage.bidirectional):
+    # the image's end for its rows, position + 1 for the others; None: every row is causal.
+    key_ends: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -70,6 +74,7 @@ class StepBatch:
         hidden_rows: np.ndarray | None = None,
         images: ImageRows | None = None,
         mrope_positions: np.ndarray | None = None,
+        key_ends: np.ndarray | None = None,
     ) -> StepBatch:
         """The batch of seqs, each (task_id, start, n), whose tasks' page tables pages gives;
         spans default to 0 (no rope dependence). Refused if a task holds too few pages."""
@@ -98,6 +103,7 @@ class StepBatch:
             hidden_rows=hidden_rows,
             images=images,
             mrope_positions=mrope_positions,
+            key_ends=key_ends,
         )
 
     @classmethod
@@ -140,6 +146,11 @@ class StepBatch:
         return pages * self.page_size + self.positions % self.page_size
 
     @property
+    def visible_ends(self) -> np.ndarray:
+        """[num_tokens] the position each row sees keys before: key_ends, else position + 1."""
+        return self.positions + 1 if self.key_ends is None else self.key_ends
+
+    @property
     def rope_positions(self) -> np.ndarray:
         """What rope turns each row by: mrope_positions [3, num_tokens], else positions."""
         return self.positions if self.mrope_positions is None else self.mrope_positions
@@ -155,6 +166,7 @@ class StepBatch:
         hidden states are the whole model's), so hidden rows and images are not sent."""
         assert self.images is None, "tensor-parallel steps carry no image embeddings"
         assert self.mrope_positions is None, "tensor-parallel steps carry no M-RoPE positions"
+        assert self.key_ends is None, "tensor-parallel steps carry no image key ends"
         header = [
             len(self.token_ids),
             self.n_seqs,

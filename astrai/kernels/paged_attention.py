@@ -32,17 +32,23 @@ class PagedDecode:
         rows: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        key_ends: torch.Tensor | None = None,
     ):
         """rows [n]: each decode's row in the batch; block_tables [n, max_pages] (padded with
-        page 0, contiguous) and context_lens [n]: the keys each sees, its own included."""
+        page 0, contiguous) and context_lens [n]: each one's position + 1, the keys it sees,
+        its own included; key_ends [n] (None: context_lens): where the keys it sees end, past
+        its own for a row that sees later ones (the tokens of a Gemma 3 image), its window
+        still counted from its own position."""
         # The kernel reads these through raw pointers: keep the tensors alive with the view.
         self.rows, self.block_tables, self.context_lens = rows, block_tables, context_lens
+        self.key_ends = key_ends
         # k_cache, v_cache: [n_layers, n_pages, page_size, kvh, hd]
         self.kv_heads, self.head_dim = k_cache.shape[-2:]
         self.step = torch.tensor(
             [rows.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), len(rows),
              block_tables.shape[1], k_cache.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
-             k_cache.stride(0), DTYPE_CODES[k_cache.dtype]],
+             k_cache.stride(0), DTYPE_CODES[k_cache.dtype],
+             0 if key_ends is None else key_ends.data_ptr()],
             dtype=torch.int64,
         )  # fmt: skip
 

@@ -83,6 +83,7 @@ if available:
         seq_lens_ptr,
         block_seq_ptr,
         block_first_ptr,
+        key_ends_ptr,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -125,8 +126,10 @@ if available:
         acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
         row_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([ROWS], dtype=tl.float32)
-        # Keys up to the block's last query; with a window, from its first query's window on.
-        end = tl.minimum(start + n_new, start + first + BLOCK_Q)
+        # Keys up to the block's last key end (its last query's own key, or the end of the image
+        # a query's tokens see); with a window, from its first query's window on.
+        key_end = tl.load(key_ends_ptr + row0 + query, mask=live, other=0)
+        end = tl.max(key_end, 0)
         begin = 0
         if HAS_WINDOW:
             begin = tl.maximum(start + first - window + 1, 0) // KEYS * KEYS
@@ -146,7 +149,7 @@ if available:
                 scores = tl.dot(q, tl.trans(k)) * scale
             if HAS_SOFTCAP:  # c * tanh(x / c), tanh written with exp (no tl.tanh)
                 scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-            visible = (key[None, :] <= query_pos[:, None]) & key_in[None, :]
+            visible = (key[None, :] < key_end[:, None]) & key_in[None, :]
             if HAS_WINDOW:
                 visible = visible & (key[None, :] > query_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
@@ -195,6 +198,7 @@ def paged_attention(
     seq_lens: Tensor,
     block_seq: Tensor,
     block_first: Tensor,
+    key_ends: Tensor,
     block_q: int,
     scale: float,
     window: int | None = None,
@@ -205,8 +209,9 @@ def paged_attention(
     Sequence s has seq_lens[s] new tokens at rows seq_rows[s].. of q, at positions
     seq_starts[s].., its keys at positions 0 .. seq_starts[s] + seq_lens[s] - 1 in the pages
     block_tables[s]. Program b attends queries block_first[b] .. + block_q - 1 of sequence
-    block_seq[b]. A query at position p sees keys p - window + 1 .. p (all up to p without a
-    window); soft-capped scores are c * tanh(x / c).
+    block_seq[b]. The query of row r, at position p, sees keys p - window + 1 .. e - 1 (from 0
+    without a window), e its key end key_ends[r]: p + 1, or past p for the tokens of an image
+    that see each other (StepBatch.key_ends); soft-capped scores are c * tanh(x / c).
     """
     heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
@@ -217,7 +222,7 @@ def paged_attention(
     grid = (block_seq.shape[0], kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_starts, seq_rows, seq_lens, block_seq,
-        block_first, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_first, key_ends, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, softcap or 1.0, window or 0,
         PAGE_SIZE=k_cache.shape[1], KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim,
         HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,

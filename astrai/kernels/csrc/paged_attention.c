@@ -10,6 +10,8 @@
  * decodes alone the kernel also stores each decode's new K/V in its page first, which saves
  * the caller two scatter ops a layer. A layer with a sliding window reads only the keys within
  * it, and a soft-capped one (Gemma 2) caps each scaled logit x at softcap * tanh(x / softcap).
+ * A row may see keys past its own position (key_ends: the tokens of a Gemma 3 image see each
+ * other); its window still starts from its own position.
  * q, out and the new K/V are fp32, bf16 or fp16, and the cache any of the three (a bf16 or fp16
  * cache halves the bytes a long context reads): keys and values are widened to fp32 as they are
  * read and rounded to the cache's type as they are stored, as PyTorch's conversions round.
@@ -40,6 +42,7 @@ typedef struct {
     const int64_t *rows;         /* [n] the batch row of each decode */
     const int64_t *block_tables; /* [n, max_pages] */
     const int64_t *context_lens; /* [n] each decode's position + 1: its own key is the last */
+    const int64_t *key_ends;     /* [n] the keys each sees end before; NULL: context_lens */
     int64_t n, max_pages, page_size, n_heads, kv_heads, head_dim;
     int64_t q_row_stride, new_k_row_stride, new_v_row_stride;
     int64_t window; /* a decode sees its last window keys only; 0: all */
@@ -75,6 +78,14 @@ static inline int64_t page_token(const DecodeBatch *b, const int64_t *pages, int
         return (pages[t >> shift] << shift | (t & (b->page_size - 1))) * token_stride;
     }
     return (pages[t / b->page_size] * b->page_size + t % b->page_size) * token_stride;
+}
+
+/* The keys decode i sees: first .. end - 1, where end is its key end (its own position + 1
+ * unless key_ends says more) and first the start of its window, counted from its position. */
+static inline int64_t key_range(const DecodeBatch *b, int64_t i, int64_t *first) {
+    const int64_t own_end = b->context_lens[i];
+    *first = b->window > 0 && own_end > b->window ? own_end - b->window : 0;
+    return b->key_ends != NULL ? b->key_ends[i] : own_end;
 }
 
 /* Keys scored together: their dot products are independent chains of FMAs, where one dot
@@ -137,10 +148,8 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
                                                          const int cache) {
     const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
     const int64_t n_heads = (kv_end - kv_begin) * group;
-    /* the keys seen are first .. first + ctx - 1; the new one, at context_lens[i] - 1, last */
-    const int64_t end = b->context_lens[i];
-    const int64_t first = b->window > 0 && end > b->window ? end - b->window : 0;
-    const int64_t ctx = end - first;
+    int64_t first;
+    const int64_t ctx = key_range(b, i, &first) - first; /* the keys seen: first .. + ctx - 1 */
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES; /* a head's row of scores */
     const int64_t *pages = b->block_tables + i * b->max_pages;
     const int64_t first_head = kv_begin * group;
@@ -286,9 +295,11 @@ static int attend_all(const DecodeBatch *b) {
     const int64_t kv_per_item = b->n >= 4 * omp_get_max_threads() ? b->kv_heads : 1;
     const int64_t items_per_decode = b->kv_heads / kv_per_item;
     int64_t max_ctx = 0;
-    for (int64_t i = 0; i < b->n; i++)
-        if (b->context_lens[i] > max_ctx) max_ctx = b->context_lens[i];
-    if (b->window > 0 && max_ctx > b->window) max_ctx = b->window;
+    for (int64_t i = 0; i < b->n; i++) {
+        int64_t first;
+        const int64_t ctx = key_range(b, i, &first) - first;
+        if (ctx > max_ctx) max_ctx = ctx;
+    }
     const AttendFn attend_item = attend_fns[b->io_dtype][b->cache_dtype];
     int failed = 0;
 #pragma omp parallel
@@ -329,6 +340,7 @@ enum {
     STEP_V_CACHE,
     STEP_LAYER_STRIDE, /* values from one layer's cache to the next's, */
     STEP_CACHE_DTYPE,
+    STEP_KEY_ENDS, /* the address of key_ends, 0 when every decode sees up to its own key */
 };
 
 static PyObject *decode(PyObject *module, PyObject *args) {
@@ -360,6 +372,7 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         .rows = (const int64_t *)step[STEP_ROWS],
         .block_tables = (const int64_t *)step[STEP_BLOCK_TABLES],
         .context_lens = (const int64_t *)step[STEP_CONTEXT_LENS],
+        .key_ends = (const int64_t *)step[STEP_KEY_ENDS],
         .n = step[STEP_N],
         .max_pages = step[STEP_MAX_PAGES],
         .page_size = step[STEP_PAGE_SIZE],
@@ -387,11 +400,11 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(out, q, q_row_stride, new_k, new_k_row_stride, new_v, new_v_row_stride, layer, "
      "step, n_heads, kv_heads, head_dim, scale, window, softcap, io_dtype): data pointers and "
-     "sizes; step the address of ten int64s, read at the call: the addresses of rows, "
+     "sizes; step the address of eleven int64s, read at the call: the addresses of rows, "
      "block_tables and context_lens, n, max_pages, page_size, the addresses of the K and V "
-     "caches, the values between layers in them, and their dtype; new_k and new_v 0 when "
-     "already stored; window and softcap 0 when none; io_dtype (of q, out, new_k, new_v) and "
-     "the cache's 0 for fp32, 1 for bf16, 2 for fp16."},
+     "caches, the values between layers in them, their dtype, and the address of key_ends (0: "
+     "none); new_k and new_v 0 when already stored; window and softcap 0 when none; io_dtype "
+     "(of q, out, new_k, new_v) and the cache's 0 for fp32, 1 for bf16, 2 for fp16."},
     {NULL, NULL, 0, NULL},
 };
 
