@@ -6,6 +6,7 @@ import math
 import os
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from kernel_switch import kernel_or_fallback, requires_compiler
@@ -37,9 +38,11 @@ def dense_attention(
     v: torch.Tensor,
     start: int,
     layer: LayerAttention | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at positions start.. over the full k/v [ctx, kvh, hd], with
-    the layer's scale, window and soft-cap (default: plain, 1/sqrt(head_dim))."""
+    the layer's scale, window and soft-cap (default: plain, 1/sqrt(head_dim)); key_ends [n]:
+    each query sees the keys before its key end instead of those up to its own position."""
     n, n_heads, head_dim = q.shape
     layer = layer or LayerAttention(index=0, scale=1 / math.sqrt(head_dim))
     group = n_heads // k.shape[1]
@@ -50,7 +53,7 @@ def dense_attention(
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
     query_pos = torch.arange(start, start + n)[:, None]
     key_pos = torch.arange(k.shape[1])[None, :]
-    hidden = key_pos > query_pos
+    hidden = key_pos > query_pos if key_ends is None else key_pos >= key_ends[:, None]
     if layer.window is not None:
         hidden |= key_pos <= query_pos - layer.window
     scores = scores.masked_fill(hidden, float("-inf"))
@@ -84,40 +87,43 @@ def path_device(path: str) -> str:
     return "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
 
 
-def batch_of(cache: PagedCache, seqs) -> StepBatch:
+def batch_of(cache: PagedCache, seqs, key_ends=None) -> StepBatch:
     """The StepBatch of seqs, each (task_id, start, n), over cache's page tables."""
-    return StepBatch.build(seqs, [], cache.tasks.pages, cache.page_size)
+    return StepBatch.build(seqs, [], cache.tasks.pages, cache.page_size, key_ends=key_ends)
 
 
-def cpu_view(cache: PagedCache, seqs) -> CacheView:
-    return CacheView(cache.kv, batch_of(cache, seqs))
+def cpu_view(cache: PagedCache, seqs, key_ends=None) -> CacheView:
+    return CacheView(cache.kv, batch_of(cache, seqs, key_ends))
 
 
-def make_view(path, cache, seqs, n_heads):
+def make_view(path, cache, seqs, n_heads, key_ends=None):
     """The view a step of seqs attends through on the path: the CPU's, or the CUDA path's
     (whose cache the first view moves to the GPU where there is one)."""
     if path != "triton":
-        return cpu_view(cache, seqs)
+        return cpu_view(cache, seqs, key_ends)
     device = torch.device(path_device(path))
     kv = cache.kv
     if kv.k_cache.device != device:
         kv.k_cache, kv.v_cache = kv.k_cache.to(device), kv.v_cache.to(device)
-    return DeviceCacheView.build(kv, batch_of(cache, seqs), n_heads, HostToDevice(device))
+    batch = batch_of(cache, seqs, key_ends)
+    return DeviceCacheView.build(kv, batch, n_heads, HostToDevice(device))
 
 
 def run_pass(
-    cache, full_k, full_v, seqs, n_heads, generator, kind="full", dtype=None, path="c-kernel"
-):
+    cache, full_k, full_v, seqs, n_heads, generator, kind="full", dtype=None, path="c-kernel",
+    key_ends=None,
+):  # fmt: skip
     """Run one pass of seqs through a view on every layer; check each against dense attention.
 
     q, k and v go in dtype (default: the cache's); the reference is fp32 attention over those
     values, k and v rounded to the cache's dtype as it stores them. Every layer attends as
-    LAYER_KINDS[kind] says. Returns the view, so a test can see which decode backend it used."""
+    LAYER_KINDS[kind] says, each row up to its key end where key_ends [num_tokens] gives them.
+    Returns the view, so a test can see which decode backend it used."""
     dtype = dtype or cache.kv.k_cache.dtype
     interpreted = path == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if interpreted and torch.bfloat16 in (dtype, cache.kv.k_cache.dtype):
         pytest.skip("Triton's interpreter (NumPy) computes bf16 wrongly; the GPU check runs it")
-    view = make_view(path, cache, seqs, n_heads)
+    view = make_view(path, cache, seqs, n_heads, key_ends)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
     for layer in range(cache.kv.k_cache.shape[0]):
         k = torch.cat([full_k[layer][t][s : s + n] for t, s, n in seqs])
@@ -129,12 +135,15 @@ def run_pass(
         assert out.dtype == dtype
         row = 0
         for task_id, start, n in seqs:
-            ctx = start + n
+            ctx = start + n if key_ends is None else int(key_ends[row : row + n].max())
             k_seq, v_seq = (
                 full[layer][task_id][:ctx].to(dtype).to(cache.kv.k_cache.dtype).float()
                 for full in (full_k, full_v)
             )
-            expected = dense_attention(q[row : row + n].float(), k_seq, v_seq, start, attention)
+            ends = None if key_ends is None else torch.from_numpy(key_ends[row : row + n])
+            expected = dense_attention(
+                q[row : row + n].float(), k_seq, v_seq, start, attention, ends
+            )
             torch.testing.assert_close(
                 out[row : row + n].float(), expected, atol=tolerance, rtol=tolerance
             )
@@ -179,6 +188,33 @@ def test_mixed_batch_matches_dense_causal_attention(
         assert bool(view.decode_groups) == (decode_attention == "sdpa")
     shuffled = [mixed[i] for i in (3, 6, 1, 0, 5, 2, 4)]
     check(shuffled, kind=kind, path=decode_attention)
+
+
+@pytest.mark.parametrize("kind", list(LAYER_KINDS))
+def test_rows_of_an_image_see_its_later_keys(kind, decode_attention):
+    """StepBatch.key_ends (a Gemma 3 image's tokens see each other): a row sees the keys up to
+    its key end, its window still counted from its own position; in a chunk from 0, one after
+    cached keys, beside a decode."""
+    generator = torch.Generator().manual_seed(4)
+    n_layers, n_heads, n_kv_heads, head_dim, page_size = 2, 4, 2, 8, 4
+    full_len = {0: 14, 1: 13, 2: 6}
+    full_k, full_v = (
+        random_kv(n_layers, full_len, n_kv_heads, head_dim, generator) for _ in range(2)
+    )
+    cache = PagedCache(n_layers, n_kv_heads, head_dim, n_pages=20, page_size=page_size)
+    for task_id, length in full_len.items():
+        assert cache.allocate(task_id, length)
+    check = partial(
+        run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator, kind=kind,
+        path=decode_attention,
+    )  # fmt: skip
+    check([(1, 0, 6), (2, 0, 5)])
+    # task 0: positions 0..13, an image at 3..9; task 1: positions 6..12, an image at 7..10
+    seqs = [(0, 0, 14), (1, 6, 7), (2, 5, 1)]
+    key_ends = np.concatenate([np.arange(1, 15), np.arange(7, 14), [6]])
+    key_ends[3:10] = 10
+    key_ends[14 + 1 : 14 + 5] = 11
+    check(seqs, key_ends=key_ends)
 
 
 @pytest.mark.parametrize(("n_heads", "n_kv_heads", "page_size"), [(4, 2, 4), (6, 1, 3)])
