@@ -6,13 +6,20 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from astrai.config import EngineConfig
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
 from astrai.inference.scheduler import InferenceScheduler, StepPlan, schedule
 from astrai.inference.speculative import NgramProposer, Speculator
-from astrai.inference.task import GenerationParams, Task, TaskManager, TaskStatus
+from astrai.inference.task import (
+    GenerationParams,
+    PromptImage,
+    Task,
+    TaskManager,
+    TaskStatus,
+)
 
 PAGE = 4
 
@@ -140,6 +147,26 @@ def test_a_long_prompt_runs_in_budget_sized_chunks(make_task):
         [(task, 8, 8)],
         [(task, 16, 4)],
     ]
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["sees itself", "causal"])
+def test_a_chunk_never_ends_inside_an_image_that_sees_itself(make_task, bidirectional):
+    """A Gemma 3 image's tokens see each other: a chunk stops before such an image, then takes
+    it whole, past the budget, or the rest of it after a prefix hit; a causal image is cut
+    anywhere."""
+    task, warmed = make_task(30), make_task(8)
+    image = PromptImage(torch.zeros(3, 2, 2), b"image", 6, 12, bidirectional=bidirectional)
+    task.images = [image]
+    loop = Loop(make_cache(16), engine_config(budget=8), [task])
+    expected = [(0, 6), (6, 12), (18, 8), (26, 4)] if bidirectional else [(0, 8), (8, 8)]
+    assert [chunks_of(loop.step()) for _ in expected] == [[(task, *c)] for c in expected]
+
+    again = make_task(30)
+    again.images = [image]
+    cache = make_cache(16)
+    warm(cache, warmed)  # the first 8 tokens: a hit that ends inside the image
+    plan = schedule([], [again], cache, engine_config(budget=8))
+    assert chunks_of(plan) == [(again, 8, 10 if bidirectional else 8)]
 
 
 def test_a_chunk_shrinks_to_the_free_pages(make_task):
