@@ -715,11 +715,12 @@ TINY_GEMMA3_TEXT = dict(
 )
 
 
-def write_gemma3_vlm_model(directory: Path, seed: int = 0) -> Path:
+def write_gemma3_vlm_model(directory: Path, seed: int = 0, **text_overrides) -> Path:
     """Write a random-weight Gemma 3 image-and-text checkpoint (Gemma3ForConditionalGeneration:
-    a SigLIP tower, the pooling projector, Gemma 3's language model), its image processor (the
-    Pillow one) and the test tokenizer with Gemma 3's image tokens added, named as Gemma3Processor
-    reads them (boi_token, eoi_token, image_token)."""
+    a SigLIP tower, the pooling projector, Gemma 3's language model, TINY_GEMMA3_TEXT with
+    text_overrides), its image processor (the Pillow one) and the test tokenizer with Gemma 3's
+    image tokens added, named as Gemma3Processor reads them (boi_token, eoi_token,
+    image_token)."""
     import transformers
     from tokenizers import Tokenizer
 
@@ -735,7 +736,7 @@ def write_gemma3_vlm_model(directory: Path, seed: int = 0) -> Path:
     boi, eoi, soft = (tokenizer.token_to_id(t) for t in GEMMA3_IMAGE_TOKENS)
     config = transformers.Gemma3Config(
         vision_config=TINY_GEMMA3_SIGLIP,
-        text_config=TINY_GEMMA3_TEXT,
+        text_config={**TINY_GEMMA3_TEXT, **text_overrides},
         mm_tokens_per_image=16,
         boi_token_index=boi,
         eoi_token_index=eoi,
@@ -759,6 +760,83 @@ def write_gemma3_vlm_model(directory: Path, seed: int = 0) -> Path:
         directory
     )
     return directory
+
+
+def write_gemma3_gguf(directory: Path, checkpoint: Path) -> tuple[Path, Path]:
+    """(language model .gguf, mmproj .gguf) of a Gemma 3 checkpoint (write_gemma3_vlm_model's,
+    its layers sliding as llama.cpp's Gemma 3 files say: 5 in 6) as llama.cpp ships such
+    models: the Gemma 3 language model with the tokenizer, and the SigLIP tower and projector
+    in an mmproj file with the metadata, tensor names and (1 + w) norm llama.cpp's
+    convert_hf_to_gguf.py --mmproj writes for Gemma 3."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    hf = json.loads((checkpoint / "config.json").read_text())
+    tensors = load_file(checkpoint / "model.safetensors")
+    text_dir = directory / "text"
+    text_dir.mkdir(parents=True)
+    text = hf["text_config"]
+    (text_dir / "config.json").write_text(
+        json.dumps({**text, "architectures": ["Gemma3ForCausalLM"]})
+    )
+    prefix = "language_model.model."
+    save_file(
+        {"model." + n.removeprefix(prefix): t for n, t in tensors.items() if n.startswith(prefix)},
+        text_dir / "model.safetensors",
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(checkpoint / name, text_dir / name)
+    rope = text["rope_parameters"]["full_attention"]["rope_theta"]
+    language_model = write_gguf(
+        directory / "model.gguf", text_dir, "gemma3", tokenizer=True,
+        **{"rope.freq_base": rope, "attention.sliding_window": text["sliding_window"]},
+    )  # fmt: skip
+
+    vision = hf["vision_config"]
+    processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    mmproj = directory / "mmproj-model.gguf"
+    writer = gguf.GGUFWriter(mmproj, "clip")
+    writer.add_type("mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    tokens_per_side = int(hf["mm_tokens_per_image"] ** 0.5)
+    for key, value in {
+        "projection_dim": text["hidden_size"],
+        "image_size": vision["image_size"],
+        "patch_size": vision["patch_size"],
+        "embedding_length": vision["hidden_size"],
+        "feed_forward_length": vision["intermediate_size"],
+        "block_count": vision["num_hidden_layers"],
+        "attention.head_count": vision["num_attention_heads"],
+        # written where it is not llama.cpp's default of 4, as for its tiny test models
+        "projector.scale_factor": vision["image_size"] // vision["patch_size"] // tokens_per_side,
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_array("clip.vision.image_mean", processor["image_mean"])
+    writer.add_array("clip.vision.image_std", processor["image_std"])
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    writer.add_bool("clip.use_gelu", True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, tensor in tensors.items():
+        if name.startswith("vision_tower."):
+            hf_name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        elif name.startswith("multi_modal_projector."):
+            hf_name = name.replace("_weight", ".weight")
+        else:
+            continue
+        array = tensor.float().numpy()
+        if "soft_emb_norm" in name:
+            array = array + 1.0  # the converter adds Gemma's 1 to the projector's norm
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return language_model, mmproj
 
 
 def noise_image(seed: int, size: tuple[int, int] = (40, 32), mode: str = "RGB"):

@@ -1,14 +1,20 @@
 """Images in the prompt of a tiny Gemma 3 (Gemma3ForConditionalGeneration), whose image tokens
 attend to each other: greedy tokens and their logprobs equal transformers' generate with one
 and two images and with none, alone and in a ragged batch of small chunks, on the C kernel and
-on SDPA, and after preemption (the prefix cache's test, for every family, is in
-test_images.py)."""
+on SDPA, after preemption, and from a GGUF language model with its mmproj file (the prefix
+cache's test, for every family, is in test_images.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import greedy_with_logprobs, make_engine, noise_image
+from tiny_models import (
+    greedy_with_logprobs,
+    make_engine,
+    noise_image,
+    write_gemma3_gguf,
+    write_gemma3_vlm_model,
+)
 
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
@@ -31,16 +37,20 @@ def vlm(gemma3_vlm_dir):
 
 
 @pytest.fixture(scope="module")
-def expected(gemma3_vlm_dir, vlm):
+def expected(gemma3_vlm_dir):
+    return transformers_greedy(gemma3_vlm_dir)
+
+
+def transformers_greedy(checkpoint) -> tuple[list[list[int]], torch.Tensor]:
     """transformers' greedy tokens and their logprobs for each of TEXTS, its prompt made by
     Gemma3Processor (whose token_type_ids make each image's tokens see each other)."""
     import transformers
 
-    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(gemma3_vlm_dir).eval()
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(checkpoint).eval()
     processor = transformers.Gemma3Processor(
-        transformers.Gemma3ImageProcessorPil.from_pretrained(gemma3_vlm_dir),
-        transformers.AutoTokenizer.from_pretrained(gemma3_vlm_dir),
-        image_seq_length=vlm[0].vision.tokens_per_image,
+        transformers.Gemma3ImageProcessorPil.from_pretrained(checkpoint),
+        transformers.AutoTokenizer.from_pretrained(checkpoint),
+        image_seq_length=hf.config.mm_tokens_per_image,
     )
     tokens, logprobs = [], []
     for text, images in TEXTS:
@@ -102,3 +112,18 @@ def test_preempted_requests_recompute_with_their_images(vlm, expected):
         preemptions = engine.get_stats().preemptions
     assert preemptions > 0
     assert_equal(got, expected)
+
+
+def test_a_gguf_language_model_with_its_mmproj_file_equals_transformers(tmp_path):
+    """Gemma 3 as llama.cpp ships it: the language model's GGUF file (whose layers slide 5 in
+    6, so the twin's 3 all slide, over a window the images stay in) and the tower and
+    projector's mmproj file (write_gemma3_gguf), loaded with mmproj=."""
+    checkpoint = write_gemma3_vlm_model(
+        tmp_path / "hf", layer_types=["sliding_attention"] * 3, sliding_window=32
+    )
+    language_model, mmproj = write_gemma3_gguf(tmp_path, checkpoint)
+    model = AutoModel.from_pretrained(language_model, mmproj=mmproj)
+    tokenizer = AutoTokenizer.from_pretrained(language_model)
+    with make_engine(model, tokenizer) as engine:
+        got = greedy_with_logprobs(engine, prompts(engine, tokenizer), MAX_TOKENS)
+    assert_equal(got, transformers_greedy(checkpoint))

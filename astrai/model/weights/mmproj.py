@@ -4,15 +4,16 @@ llama-server's --mmproj takes them.
 
 A projector type maps onto the vision module astrai builds from the Hugging Face checkpoint
 it was converted from: the settings come from the file's clip.* metadata (and the image
-token from the language model's vocabulary), and each tensor is found under the name the gguf
+tokens from the language model's vocabulary), and each tensor is found under the name the gguf
 package's own table gives its Hugging Face name, the table llama.cpp's converter writes with.
 Types without a module here are refused by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -22,6 +23,8 @@ from gguf.quants import dequantize as decode_blocks
 
 from astrai.model.checkpoint import CheckpointError
 from astrai.model.families.gguf_metadata import metadata_value
+from astrai.model.vision.gemma3 import Gemma3Vision
+from astrai.model.vision.gemma3_processor import Gemma3ImageProcessor
 from astrai.model.vision.idefics3 import Idefics3Vision
 from astrai.model.vision.idefics3_processor import Idefics3ImageProcessor
 from astrai.model.weights.gguf import open_gguf
@@ -41,11 +44,11 @@ def load_mmproj(
             f"{path} is not a vision projector (its general.type is {kind!r}, not "
             f"{MMPROJ_TYPE!r}); pass --mmproj the mmproj GGUF file that comes with the model"
         )
-    projector = metadata_value(reader, "clip.projector_type", None)
-    build = PROJECTORS.get(projector)
-    if build is None:
+    projector_type = metadata_value(reader, "clip.projector_type", None)
+    projector = PROJECTORS.get(projector_type)
+    if projector is None:
         raise CheckpointError(
-            f"{path} holds a {projector!r} vision projector; astrai runs mmproj files of "
+            f"{path} holds a {projector_type!r} vision projector; astrai runs mmproj files of "
             f"{sorted(PROJECTORS)} (other vision-language models load from their Hugging Face "
             "checkpoint directory)"
         )
@@ -56,14 +59,14 @@ def load_mmproj(
             f"model {language_model} embeds tokens in {text_dim}: the two files are not one model"
         )
     with torch.device("meta"):
-        module = build(reader, language_model)
+        module = projector.build(reader, language_model)
     tensors = {t.name: t for t in reader.tensors}
     names = gguf.get_tensor_name_map(
         gguf.MODEL_ARCH.MMPROJ, metadata_value(reader, "clip.vision.block_count")
     )
     state, missing, misshaped = {}, [], []
     for name, wanted in module.state_dict().items():
-        source = names.get_name("model." + name, try_suffixes=(".weight", ".bias"))
+        source = names.get_name(projector.hf_name(name), try_suffixes=(".weight", ".bias"))
         tensor = tensors.pop(source, None)
         if tensor is None:
             missing.append(source or name)
@@ -76,7 +79,10 @@ def load_mmproj(
                 f"{source} has shape {list(values.shape)}, expected {list(wanted.shape)}"
             )
             continue
-        state[name] = torch.from_numpy(np.array(values)).to(dtype).to(device)
+        values = np.array(values, dtype=np.float32)
+        if name in projector.unit_offset_norms:
+            values -= 1.0  # the module adds Gemma's 1 itself
+        state[name] = torch.from_numpy(values).to(dtype).to(device)
     if missing or misshaped or tensors:
         problems = [f"missing tensors: {missing}"] * bool(missing)
         problems += ["mis-shaped tensors: " + "; ".join(misshaped)] * bool(misshaped)
@@ -134,6 +140,49 @@ def _idefics3(reader: GGUFReader, language_model: Path) -> Idefics3Vision:
     return Idefics3Vision(hf, processor)
 
 
+def _gemma3(reader: GGUFReader, language_model: Path) -> Gemma3Vision:
+    """Gemma 3's SigLIP tower and pooling projector; its patch grid is pooled by
+    projector.scale_factor a side (llama.cpp's default for Gemma 3: 4, 256 tokens an image)."""
+
+    def clip(name: str, default: Any = ...) -> Any:
+        return metadata_value(reader, f"clip.vision.{name}", default)
+
+    image_size, patch_size = clip("image_size"), clip("patch_size")
+    tokens_per_side = image_size // patch_size // clip("projector.scale_factor", 4)
+    hf = {
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": clip("embedding_length"),
+            "intermediate_size": clip("feed_forward_length"),
+            "num_hidden_layers": clip("block_count"),
+            "num_attention_heads": clip("attention.head_count"),
+            "image_size": image_size,
+            "patch_size": patch_size,
+            "layer_norm_eps": clip("attention.layer_norm_epsilon"),
+        },
+        "mm_tokens_per_image": tokens_per_side**2,
+        "text_config": {"hidden_size": clip("projection_dim")},
+        "boi_token_index": _token_id(language_model, "<start_of_image>"),
+        "eoi_token_index": _token_id(language_model, "<end_of_image>"),
+        "image_token_index": _token_id(language_model, "<image_soft_token>"),
+    }
+    processor = Gemma3ImageProcessor.from_hf(
+        {
+            "size": {"height": image_size, "width": image_size},
+            "image_mean": _floats(reader, "clip.vision.image_mean"),
+            "image_std": _floats(reader, "clip.vision.image_std"),
+        }
+    )
+    return Gemma3Vision(hf, processor)
+
+
+def _gemma3_hf_name(name: str) -> str:
+    """A Gemma3Vision tensor's name as the hub's checkpoint (transformers 4) has it."""
+    if name.startswith("vision_tower."):
+        return "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+    return name.replace("_projection_weight", "_projection.weight")
+
+
 def _floats(reader: GGUFReader, name: str) -> list[float]:
     field = reader.fields.get(name)
     if field is None:
@@ -141,4 +190,20 @@ def _floats(reader: GGUFReader, name: str) -> list[float]:
     return [float(str(field.parts[part][0])) for part in field.data]
 
 
-PROJECTORS = {"idefics3": _idefics3}
+class Projector(NamedTuple):
+    """How mmproj files of one projector type load: build makes the vision module from the
+    file's metadata and the language model's file; hf_name spells a module tensor's name as the
+    Hugging Face checkpoint the converter read names it; unit_offset_norms are the module's
+    (1 + w) norm weights, which the converter stores with the 1 added."""
+
+    build: Callable[[GGUFReader, Path], torch.nn.Module]
+    hf_name: Callable[[str], str]
+    unit_offset_norms: tuple[str, ...] = ()
+
+
+PROJECTORS = {
+    "idefics3": Projector(_idefics3, lambda name: "model." + name),
+    "gemma3": Projector(
+        _gemma3, _gemma3_hf_name, ("multi_modal_projector.mm_soft_emb_norm.weight",)
+    ),
+}
