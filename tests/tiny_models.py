@@ -703,8 +703,8 @@ TINY_GEMMA3_SIGLIP = dict(
     patch_size=4,
     vision_use_head=False,
 )
-# Gemma 3's language model: sliding layers of an 8-token window (shorter than an image's 20
-# tokens with its layout) beside full ones, its own rope base on each.
+# Gemma 3's language model: sliding layers of an 8-token window (shorter than an image's 16
+# tokens, which see each other) beside a full one, each kind on its own rope base.
 TINY_GEMMA3_TEXT = dict(
     TINY,
     head_dim=16,

@@ -54,11 +54,8 @@ class Gemma3ImageProcessor:
                 "whole, at the tower's size"
             )
         size = config.get("size", {"height": 224, "width": 224})
-        if (
-            not isinstance(size, dict)
-            or size.get("height") != size.get("width")
-            or not (isinstance(size.get("height"), int))
-        ):
+        square = isinstance(size, dict) and size.get("height") == size.get("width")
+        if not square or not isinstance(size.get("height"), int):
             raise ConfigError(
                 f"preprocessor_config.json's size {size!r} is not supported; astrai's Gemma 3 "
                 "preprocessing resizes to a square {'height': N, 'width': N}"
