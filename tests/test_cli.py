@@ -533,6 +533,14 @@ def test_cuda_graphs_asked_for_under_tensor_parallelism_are_refused_before_loadi
     assert EngineConfig(tensor_parallel_size=2).cuda_graphs is None
 
 
+def test_an_image_under_tensor_parallelism_is_refused_before_loading(capsys):
+    """Images run on one process only (as --mmproj's refusal says), said before any rank loads."""
+    words = ["generate", "--image", "x.png", "--tensor-parallel-size", "2", "--model", "x", "Hi"]
+    assert main(words) == 1
+    err = capsys.readouterr().err
+    assert "--image with --tensor-parallel-size: images run on one process only" in err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
