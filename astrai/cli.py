@@ -8,7 +8,6 @@ import dataclasses
 import difflib
 import errno
 import logging
-import os
 import random
 import socket
 import sys
@@ -22,12 +21,14 @@ from astrai.flags import build_parser, from_flags, given_flags, take_positional_
 from astrai.inference.task import GenerationParams, InvalidParamsError, RequestError
 from astrai.launch import (
     generation_config_sampling,
+    is_worker_rank,
     load_engine,
     load_model,
     model_name,
     model_path,
     open_router,
     open_server,
+    serve_worker_rank,
     serves_several,
 )
 
@@ -53,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
                 "returns; generate and chat print one text (use `astrai serve`)"
             )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = next(s for s in settings if isinstance(s, EngineConfig))
     try:
+        if is_worker_rank(config):  # under torchrun: rank 0 runs the command, this its steps
+            serve_worker_rank(args, config)
+            return 0
         return COMMANDS[args.command](args, *settings)
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -112,9 +117,8 @@ def _adapter_params(params: GenerationParams, config: EngineConfig) -> Generatio
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    # Bound before the model loads (seconds to minutes), so a busy port fails at once;
-    # torchrun's other ranks serve steps, not HTTP.
-    sock = _bound_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
+    # Bound before the model loads (seconds to minutes), so a busy port fails at once.
+    sock = _bound_socket(args.host, args.port)
     from astrai.server import run_server
 
     try:
@@ -125,12 +129,11 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
             engine, app = open_server(args, config)
             close = engine.close
     except BaseException:
-        if sock is not None:
-            sock.close()
+        sock.close()
         raise
-    if sock is not None:  # uvicorn says where it listens only for a socket it binds itself
-        host, port = sock.getsockname()[:2]
-        log.info("listening on http://%s:%d (Ctrl-C to stop)", host, port)
+    # uvicorn says where it listens only for a socket it binds itself
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d (Ctrl-C to stop)", host, port)
     try:
         # SIGINT and SIGTERM drain the server, which then returns here.
         run_server(
@@ -170,6 +173,10 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: Generation
     from astrai.inference.engine import image_placeholder
     from astrai.model.vision.tiled_image import expand_image_tokens
 
+    if args.image and config.tensor_parallel_size > 1:
+        raise ConfigError(
+            "--image with --tensor-parallel-size: images run on one process only; leave one out"
+        )
     model_dir = model_path(args)
     params = _adapter_params(
         _model_sampling(params, given_flags(GenerationParams, args), model_dir), config

@@ -417,10 +417,11 @@ class EngineConfig:
         "arithmetic, and its roundings tip a small model's near-ties",
         choices=ACTIVATION_PRECISIONS,
     )
-    cuda_graphs: bool = setting(
-        True,
+    cuda_graphs: bool | None = setting(
+        None,
         "on CUDA, replay each decode step from a CUDA graph captured per batch size (one "
-        "launch a step); --no-cuda-graphs launches its kernels one by one",
+        "launch a step); --no-cuda-graphs launches its kernels one by one (default: graphs "
+        "on CUDA, but for tensor parallelism, whose ranks run their steps eagerly)",
     )
     tensor_parallel_size: int = setting(
         1,
@@ -520,6 +521,14 @@ class EngineConfig:
             raise ConfigError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens!r}"
+            )
+        if self.cuda_graphs and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"cuda_graphs=True (--cuda-graphs) with tensor_parallel_size "
+                f"{self.tensor_parallel_size}: the ranks would have to capture and replay each "
+                "step's graph together, its all-reduces inside, which astrai does not do; leave "
+                "the option out (the ranks then run their decode steps eagerly), or serve the "
+                "model on one GPU to replay them"
             )
         if self.lora_slots and self.tensor_parallel_size > 1:
             raise ConfigError("LoRA adapters under tensor parallelism are not supported yet")

@@ -106,17 +106,12 @@ def load_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path)
 
 
 def load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
-    """(model, tokenizer) as the flags ask for them."""
-    import torch
-
+    """(model, tokenizer) as the flags ask for them; the model is a ShardedModel (rank 0's, its
+    workers started) under --tensor-parallel-size."""
     from astrai.model import AutoModel
     from astrai.tokenize import AutoTokenizer
 
     load = from_flags(LoadConfig, args)
-    device = _device(load)
-    dtype = load.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
     if config.tensor_parallel_size > 1 and load.mmproj:
         raise ConfigError(
             "--mmproj with --tensor-parallel-size: images run on one process only; leave one out"
@@ -125,12 +120,14 @@ def load_model(args: argparse.Namespace, config: EngineConfig, model_dir: Path):
     # its metadata (a vocabulary of tens of thousands of tokens, 0.5 s) once, not twice.
     held_reader = _gguf_reader(model_dir)
     if config.tensor_parallel_size > 1:
-        model = _load_sharded(load, config, model_dir, dtype, device)
+        from astrai.distributed import load_sharded
+
+        model = load_sharded(**_shard_arguments(load, config, model_dir))
     else:
         model = AutoModel.from_pretrained(
             model_dir,
-            dtype=dtype,
-            device=device,
+            dtype=_dtype(load),
+            device=_device(load),
             dequantize=load.dequantize,
             quantization=load.quantization,
             mmproj=load.mmproj,
@@ -158,19 +155,48 @@ def _device(load: LoadConfig) -> str:
     return load.device
 
 
-def _load_sharded(load: LoadConfig, config: EngineConfig, model_dir: Path, dtype, device):
-    """Rank 0's shard of a tensor-parallel model (under torchrun, the other ranks serve steps
-    inside this call and exit)."""
-    from astrai.distributed import load_sharded
+def _dtype(load: LoadConfig) -> str:
+    """The dtype --dtype names; auto is bfloat16 on CUDA, else float32."""
+    import torch
 
-    return load_sharded(
-        model_dir,
-        config.tensor_parallel_size,
-        dtype=dtype,
-        device=device,
+    if load.dtype != "auto":
+        return load.dtype
+    return "bfloat16" if torch.device(_device(load)).type == "cuda" else "float32"
+
+
+def _shard_arguments(load: LoadConfig, config: EngineConfig, model_dir: Path) -> dict:
+    """What every rank of a tensor-parallel model loads (astrai.distributed's load_sharded on
+    rank 0, run_worker on a torchrun worker)."""
+    return dict(
+        path=model_dir,
+        size=config.tensor_parallel_size,
+        dtype=_dtype(load),
+        device=_device(load),
         dequantize=load.dequantize,
         quantization=load.quantization,
     )
+
+
+def is_worker_rank(config: EngineConfig) -> bool:
+    """Whether this process is a tensor-parallel rank other than 0 that torchrun started (with
+    the same command as rank 0): it serves rank 0's steps (serve_worker_rank), not the command."""
+    if config.tensor_parallel_size == 1:
+        return False
+    from astrai.distributed import is_torchrun_worker
+
+    return is_torchrun_worker()
+
+
+def serve_worker_rank(args: argparse.Namespace, config: EngineConfig) -> None:
+    """A torchrun worker rank's part in any command: load its shard of the model the flags name
+    and serve rank 0's steps on it; returns once rank 0's engine has closed."""
+    from astrai.distributed import run_worker
+
+    model_dir = model_path(args)
+    # Held as load_model holds it on rank 0: the file's metadata is parsed once, not twice.
+    held_reader = _gguf_reader(model_dir)
+    run_worker(**_shard_arguments(from_flags(LoadConfig, args), config, model_dir))
+    del held_reader
 
 
 def open_server(args: argparse.Namespace, config: EngineConfig):

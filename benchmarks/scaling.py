@@ -319,7 +319,7 @@ def tensor_parallel(args) -> None:
     )
     for size, label in ((1, "1"), (1, "1 eager"), (2, "2")):
         model = AutoModel.from_pretrained(path) if size == 1 else load_sharded(path, size)
-        group = getattr(model, "tensor_parallel", None)
+        group = model.group if size > 1 else None
         with InferenceEngine(model, tokenizer, tensor_parallel_size=size, **settings) as engine:
             if label == "1 eager":  # as tensor parallelism runs the layers: no step graph
                 engine.scheduler.executor.recorded = None

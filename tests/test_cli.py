@@ -521,6 +521,26 @@ def test_a_model_given_twice_differently_is_refused(capsys):
     assert "the model is given twice: a.gguf and --model b.gguf; give one of them" in err
 
 
+def test_cuda_graphs_asked_for_under_tensor_parallelism_are_refused_before_loading(capsys):
+    """--cuda-graphs with --tensor-parallel-size: the ranks run their steps eagerly, so the
+    flag is refused at once (no model loaded, no worker started); left out, graphs are off."""
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--cuda-graphs", "--tensor-parallel-size", "2", "--model", "x", "Hi"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "cuda_graphs=True (--cuda-graphs) with tensor_parallel_size 2" in err
+    assert "leave the option out" in err
+    assert EngineConfig(tensor_parallel_size=2).cuda_graphs is None
+
+
+def test_an_image_under_tensor_parallelism_is_refused_before_loading(capsys):
+    """Images run on one process only (as --mmproj's refusal says), said before any rank loads."""
+    words = ["generate", "--image", "x.png", "--tensor-parallel-size", "2", "--model", "x", "Hi"]
+    assert main(words) == 1
+    err = capsys.readouterr().err
+    assert "--image with --tensor-parallel-size: images run on one process only" in err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
@@ -574,6 +594,8 @@ def other_value(cls: type, spec: dataclasses.Field) -> tuple[list[str], object]:
     default = spec.default
     if kind is bool:
         return [f"--no-{flag[2:]}" if default else flag], not default
+    if kind == bool | None:  # None: the setting's default depends on the machine
+        return [f"--no-{flag[2:]}"], False
     if kind == tuple[str, ...]:
         return [flag, "a", flag, "b"], ("a", "b")
     if kind == tuple[int, ...]:

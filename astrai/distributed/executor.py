@@ -24,8 +24,8 @@ KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # as KV_POOL names t
 
 class StepChannel(Protocol):
     """What both ends of a step use of the tensor-parallel group (astrai.distributed.group's
-    TensorParallelGroup, which builds rank 0's executor): rank 0's messages to the workers, the
-    gather of the logits' columns, and the group's failure."""
+    TensorParallelGroup): rank 0's messages to the workers, the gather of the logits' columns,
+    and the group's failure."""
 
     failure: str | None
 
@@ -41,8 +41,11 @@ class StepChannel(Protocol):
 class TensorParallelExecutor(ModelExecutor):
     """Rank 0's ModelExecutor: each forward first sends the step to the workers.
 
-    Few-row steps are recorded and replayed on every rank as without tensor parallelism: the
-    all-reduce is an astrai op, so a step graph keeps it as one of its calls.
+    On the CPU few-row steps are recorded and replayed on every rank as without tensor
+    parallelism: the all-reduce is an astrai op, so a step graph keeps it as one of its calls.
+    On CUDA every rank runs its steps eagerly: no rank captures CUDA graphs, whose NCCL
+    all-reduces the ranks would have to capture and replay together (EngineConfig refuses
+    cuda_graphs=True with tensor parallelism).
     """
 
     def __init__(

@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from astrai.distributed.executor import STOP_MESSAGE, TensorParallelExecutor
+from astrai.distributed.executor import STOP_MESSAGE
 from astrai.kernels.graph import launch
-from astrai.kernels.kernel_plan import DEFAULT_ACTIVATION_PRECISION
 from astrai.kernels.native import kernel_op
 
 log = logging.getLogger(__name__)
@@ -69,19 +68,6 @@ class TensorParallelGroup:
         self.closed = False
         if workers:
             threading.Thread(target=self._watch, name="astrai-tp-watch", daemon=True).start()
-
-    def executor(
-        self,
-        model,
-        cache,
-        max_batch_size: int = 256,
-        batch_invariant: bool = True,
-        activation_precision: str = DEFAULT_ACTIVATION_PRECISION,
-    ):
-        """Rank 0's TensorParallelExecutor of the sharded model over the engine's cache."""
-        return TensorParallelExecutor(
-            self, model, cache, max_batch_size, batch_invariant, activation_precision
-        )
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum x across the ranks, in place; a recorded step graph replays it."""

@@ -1,9 +1,11 @@
-"""load_sharded: a tensor-parallel model, each rank loading only its share of the weights."""
+"""The ranks' entry points: load_sharded, rank 0's tensor-parallel model and the group its ranks
+form, and run_worker, a torchrun rank's life as a worker; each rank loads only its share of the
+weights."""
 
 from __future__ import annotations
 
 import os
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +29,15 @@ from astrai.model.transformer import Transformer
 DEFAULT_TIMEOUT = 120.0
 
 
+@dataclass(frozen=True)
+class ShardedModel:
+    """Rank 0's shard of a tensor-parallel model and the process group of its ranks: what an
+    InferenceEngine of tensor_parallel_size = group.size runs, which closes the group."""
+
+    model: Transformer
+    group: TensorParallelGroup
+
+
 def load_sharded(
     path: str | Path,
     size: int,
@@ -35,10 +46,9 @@ def load_sharded(
     timeout: float = DEFAULT_TIMEOUT,
     dequantize: bool = False,
     quantization: str | None = None,
-) -> Transformer:
+) -> ShardedModel:
     """Rank 0's shard of the model at path, its group started: size - 1 spawned workers, or
-    the torchrun processes (where a rank other than 0 serves steps until rank 0 stops it, then
-    exits). The model's tensor_parallel is the group; the engine built on it closes it.
+    the other torchrun processes, each of which calls run_worker with the same arguments.
 
     Every rank reads only its share of each sharded tensor, from the safetensors files or the
     GGUF file (whose quantized linears each rank keeps in blocks: rows of them, or columns cut
@@ -46,6 +56,70 @@ def load_sharded(
     to each rank's share.
     """
     path = Path(path)
+    options = _checked_options(path, size, dtype, dequantize, quantization)
+    device = torch.device(device)
+    if under_torchrun():
+        rank = _torchrun_rank(size)
+        if rank != 0:
+            raise ConfigError(
+                f"load_sharded is rank 0's; this process is torchrun's rank {rank}, a worker: "
+                "call astrai.distributed.run_worker with the same arguments there (it serves "
+                "rank 0's steps and returns when rank 0's engine closes)"
+            )
+        group = join(0, size, "env://", rank_device(device, 0), timeout)
+    else:
+        workers, init_method = spawn(worker_main, size, timeout, size, path, options, device)
+        group = join(0, size, init_method, rank_device(device, 0), timeout, workers)
+    try:
+        return ShardedModel(load_shard(group, path, options), group)
+    except BaseException:
+        group.close()
+        raise
+
+
+def run_worker(
+    path: str | Path,
+    size: int,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    timeout: float = DEFAULT_TIMEOUT,
+    dequantize: bool = False,
+    quantization: str | None = None,
+) -> None:
+    """A torchrun rank other than 0, given load_sharded's arguments: join the group, load this
+    rank's shard, serve rank 0's steps on it; returns once rank 0's engine has closed."""
+    path = Path(path)
+    options = _checked_options(path, size, dtype, dequantize, quantization)
+    if not is_torchrun_worker():
+        raise ConfigError(
+            "run_worker is a torchrun worker rank's (a RANK other than 0); rank 0, or a process "
+            "started without torchrun, calls load_sharded, which spawns its own workers"
+        )
+    rank = _torchrun_rank(size)
+    group = join(rank, size, "env://", rank_device(torch.device(device), rank), timeout)
+    run_rank(group, path, options)
+
+
+def is_torchrun_worker() -> bool:
+    """Whether torchrun started this process as a rank other than 0 (one for run_worker)."""
+    return under_torchrun() and int(os.environ["RANK"]) != 0
+
+
+def _torchrun_rank(size: int) -> int:
+    """This process's rank in torchrun's group, which must have size processes."""
+    if int(os.environ["WORLD_SIZE"]) != size:
+        raise ConfigError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes for "
+            f"tensor_parallel_size {size}; give --nproc-per-node times --nnodes = {size}"
+        )
+    return int(os.environ["RANK"])
+
+
+def _checked_options(
+    path: Path, size: int, dtype, dequantize: bool, quantization: str | None
+) -> dict:
+    """AutoModel.from_pretrained's options for each rank's share, once the model at path is
+    known to split into size ranks (a ConfigError before any rank joins, if not)."""
     if path.suffix == ".gguf":
         from astrai.model.weights.gguf import open_gguf, shard_problems
 
@@ -60,40 +134,15 @@ def load_sharded(
     else:
         config = read_config(path)
     check_shardable(config, size)
-    options = {"dtype": dtype, "dequantize": dequantize, "quantization": quantization}
-    device = torch.device(device)
-    if under_torchrun():
-        rank = int(os.environ["RANK"])
-        if int(os.environ["WORLD_SIZE"]) != size:
-            raise ConfigError(
-                f"torchrun started {os.environ['WORLD_SIZE']} processes for "
-                f"tensor_parallel_size {size}; give --nproc-per-node times --nnodes = {size}"
-            )
-        group = join(rank, size, "env://", rank_device(device, rank), timeout)
-        if rank != 0:
-            run_rank(group, path, options)
-            sys.exit(0)
-    else:
-        workers, init_method = spawn(worker_main, size, timeout, size, path, options, device)
-        group = join(0, size, init_method, rank_device(device, 0), timeout, workers)
-    try:
-        model = load_shard(group, path, options)
-    except BaseException:
-        group.close()
-        raise
-    model.tensor_parallel = group
-    return model
+    return {"dtype": dtype, "dequantize": dequantize, "quantization": quantization}
 
 
 def load_shard(group: TensorParallelGroup, path: Path, options: dict) -> Transformer:
-    """This rank's shard (options: AutoModel.from_pretrained's), its embedding's and
-    row-parallel layers' partial outputs summed across the group; returns once every rank has
-    loaded its own."""
-    shard = TensorShard(group.rank, group.size)
+    """This rank's shard (options: AutoModel.from_pretrained's), built with the group's
+    all-reduce in the layers that make partial sums; returns once every rank has loaded its
+    own."""
+    shard = TensorShard(group.rank, group.size, group.all_reduce)
     model = AutoModel.from_pretrained(path, device=group.device, shard=shard, **options)
-    for module in model.modules():  # the embedding, each layer, OLMo 2's q/k norms
-        if hasattr(module, "sum_partials"):
-            module.sum_partials = group.all_reduce
     group.barrier()
     return model
 

@@ -11,13 +11,14 @@ widths / N), so the forward pass runs unchanged. The embedding and the LM head a
 vocabulary-parallel: each rank holds 1/N of the vocabulary's rows, embeds its own tokens (the
 ranks' sum is every token's row) and computes its own columns of the logits, which rank 0
 gathers. Norms are replicated, but for OLMo 2's q and k norms across all heads, which add each
-rank's sum of squares up before they scale (ShardedRMSNorm).
+rank's sum of squares up before they scale (ShardedRMSNorm). Every layer that makes partial
+sums is built with the function that adds them up across the ranks (the group's all-reduce).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +60,15 @@ def check_shardable(config: ModelConfig, size: int) -> None:
 
 @dataclass(frozen=True)
 class TensorShard:
-    """Rank `rank` of `size`'s share of every weight (the WeightShard that AutoModel loads)."""
+    """Rank `rank` of `size`'s share of every weight (the WeightShard that AutoModel loads).
+
+    sum_partials adds a tensor up across the ranks in place (the group's all-reduce); the layers
+    that make partial sums are built with it. Without it the model loads but cannot run.
+    """
 
     rank: int
     size: int
+    sum_partials: Callable[[Tensor], object] | None = field(default=None, compare=False)
 
     def model(self, config: ModelConfig) -> Transformer:
         """The rank's narrower model: its query heads, KV heads, FFN columns and vocabulary
@@ -83,19 +89,25 @@ class TensorShard:
                 n_kv_heads=max(1, config.n_kv_heads // self.size),
                 dim_ffn=config.dim_ffn // self.size,
                 moe=moe,
-            )
+            ),
+            sum_partials=self.sum_partials,
         )
         if config.qk_norm_across_heads:  # OLMo 2: each norm spans every rank's heads
             q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
             kv_replicas = max(1, self.size // config.n_kv_heads)
             for layer in model.layers:
                 attention = layer.attention
-                attention.q_norm = ShardedRMSNorm(q_size // self.size, q_size, config.norm_eps)
+                attention.q_norm = ShardedRMSNorm(
+                    q_size // self.size, q_size, config.norm_eps, self.sum_partials
+                )
                 attention.k_norm = ShardedRMSNorm(
-                    attention.k_norm.weight.shape[0], kv_size * kv_replicas, config.norm_eps
+                    attention.k_norm.weight.shape[0],
+                    kv_size * kv_replicas,
+                    config.norm_eps,
+                    self.sum_partials,
                 )
         rows = self._share(0, config.vocab_size)
-        model.tok_embeddings = VocabParallelEmbedding(rows, config.dim)
+        model.tok_embeddings = VocabParallelEmbedding(rows, config.dim, self.sum_partials)
         if model.output is not None:
             model.output = Linear(config.dim, rows[1] - rows[0], bias=False)
         return model
@@ -147,15 +159,17 @@ def ffn_width(name: str, config: ModelConfig) -> int:
 
 class ShardedRMSNorm(nn.Module):
     """RMSNorm over a vector whose parts lie on the ranks (OLMo 2's q and k norms across all
-    heads): each rank's sum of squares, added up across the ranks by sum_partials (set by the
-    group), over the whole width; the rank's part of the weight. A KV head replicated on r
-    ranks counts r times, so its width is counted r times too."""
+    heads): each rank's sum of squares, added up across the ranks by sum_partials, over the
+    whole width; the rank's part of the weight. A KV head replicated on r ranks counts r times,
+    so its width is counted r times too."""
 
-    def __init__(self, dim: int, width: int, eps: float):
+    def __init__(
+        self, dim: int, width: int, eps: float, sum_partials: Callable[[Tensor], object] | None
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.width, self.eps = width, eps
-        self.sum_partials: Callable[[Tensor], object] | None = None
+        self.sum_partials = sum_partials
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
@@ -166,13 +180,15 @@ class ShardedRMSNorm(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows [first, stop) of the token embedding: the rank embeds its own tokens
-    and zeros for the rest, and sum_partials (set by the group) adds the ranks' rows up."""
+    and zeros for the rest, and sum_partials adds the ranks' rows up."""
 
-    def __init__(self, rows: tuple[int, int], dim: int):
+    def __init__(
+        self, rows: tuple[int, int], dim: int, sum_partials: Callable[[Tensor], object] | None
+    ):
         super().__init__()
         self.first, self.stop = rows
         self.weight = nn.Parameter(torch.empty(self.stop - self.first, dim))
-        self.sum_partials: Callable[[Tensor], object] | None = None
+        self.sum_partials = sum_partials
 
     def forward(self, input_ids: Tensor) -> Tensor:
         outside = (input_ids < self.first) | (input_ids >= self.stop)

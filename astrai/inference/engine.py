@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from astrai.config import POOLINGS, ConfigError, EngineConfig
+from astrai.distributed.executor import TensorParallelExecutor
+from astrai.distributed.launch import ShardedModel
 from astrai.inference.constraints import CompiledConstraint, Constraint, ConstraintCompiler
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.kv_cache import PagedCache
@@ -298,14 +300,27 @@ class InferenceEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | ShardedModel,
         tokenizer: Any,
         config: EngineConfig | None = None,
         **overrides,
     ) -> None:
+        """model: the model to run, or rank 0's shard of a tensor-parallel one with its group
+        (astrai.distributed.load_sharded's ShardedModel), which the engine closes with itself;
+        config (or its fields as keywords): how to run it."""
+        self.config = replace(config or EngineConfig(), **overrides)
+        self._group = None
+        if isinstance(model, ShardedModel):
+            model, self._group = model.model, model.group
+        group_size = 1 if self._group is None else self._group.size
+        if group_size != self.config.tensor_parallel_size:
+            raise ConfigError(
+                f"tensor_parallel_size is {self.config.tensor_parallel_size} but the model is "
+                f"loaded for {group_size} ranks; load it with "
+                "astrai.distributed.load_sharded(path, tensor_parallel_size)"
+            )
         self.model = model
         self.tokenizer = tokenizer
-        self.config = replace(config or EngineConfig(), **overrides)
         model_config = model.config
         self.max_seq_len = self.config.max_seq_len or model_config.max_len
         if self.max_seq_len > model_config.max_len:
@@ -314,12 +329,7 @@ class InferenceEngine:
                 f"{model_config.max_len} tokens"
             )
         weight = next(model.parameters())
-        if not self.config.cuda_graphs and weight.device.type != "cuda":
-            raise ConfigError(
-                f"cuda_graphs=False (--no-cuda-graphs) applies to CUDA; this model is on "
-                f"{weight.device}, whose decode steps replay recorded kernel calls instead; "
-                "drop the option"
-            )
+        self._cuda_graphs = self._takes_cuda_graphs(weight.device)
         page_size = self.config.page_size
         kv_shape = (model_config.n_layers, model_config.n_kv_heads, model_config.head_dim)
         kv_dtype = self.config.kv_cache_dtype
@@ -371,15 +381,6 @@ class InferenceEngine:
         rows = self.config.max_batch_size * (
             1 + (self.config.num_speculative_tokens if speculator else 0)
         )
-        # A model from astrai.distributed.load_sharded brings its tensor-parallel group.
-        self._group = getattr(model, "tensor_parallel", None)
-        group_size = 1 if self._group is None else self._group.size
-        if group_size != self.config.tensor_parallel_size:
-            raise ConfigError(
-                f"tensor_parallel_size is {self.config.tensor_parallel_size} but the model is "
-                f"loaded for {group_size} ranks; load it with "
-                "astrai.distributed.load_sharded(path, tensor_parallel_size)"
-            )
         self.adapters = self._adapters()
         if self._group is None:
             executor = ModelExecutor(
@@ -388,14 +389,21 @@ class InferenceEngine:
                 self.cache.tasks.pages,
                 max_batch_size=rows,
                 # an embedding engine never decodes: no decode step to record
-                cuda_graphs=self.config.cuda_graphs and self.config.task != "embed",
+                cuda_graphs=self._cuda_graphs and self.config.task != "embed",
                 adapters=self.adapters,
                 max_seq_len=self.max_seq_len,
                 batch_invariant=self.config.batch_invariant,
                 activation_precision=self.config.activation_precision,
             )
         else:
-            executor = self._group.executor(
+            if self._cuda_graphs:  # asked for by default: EngineConfig refuses them if given
+                log.info(
+                    "decode steps run eagerly: CUDA graphs are not replayed under tensor "
+                    "parallelism (tensor_parallel_size %d)",
+                    self._group.size,
+                )
+            executor = TensorParallelExecutor(
+                self._group,
                 model,
                 self.cache,
                 max_batch_size=rows,
@@ -410,6 +418,20 @@ class InferenceEngine:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astrai-scheduler", daemon=True)
         self._thread.start()
+
+    def _takes_cuda_graphs(self, device: torch.device) -> bool:
+        """Whether decode steps on device may replay from CUDA graphs: on CUDA, unless
+        config.cuda_graphs turns them off; a cuda_graphs setting given off CUDA is refused."""
+        asked = self.config.cuda_graphs
+        if device.type == "cuda":
+            return asked is not False
+        if asked is not None:
+            flag = "--cuda-graphs" if asked else "--no-cuda-graphs"
+            raise ConfigError(
+                f"cuda_graphs={asked} ({flag}) applies to CUDA; this model is on {device}, "
+                "whose decode steps replay recorded kernel calls instead; drop the option"
+            )
+        return False
 
     def _adapters(self) -> AdapterTable | None:
         """The config's LoRA adapters, read and checked against the model, in a table with
@@ -491,7 +513,7 @@ class InferenceEngine:
             draft,
             cache.kv,
             cache.tasks.pages,
-            cuda_graphs=config.cuda_graphs,
+            cuda_graphs=self._cuda_graphs,
             batch_invariant=config.batch_invariant,
             activation_precision=config.activation_precision,
         )

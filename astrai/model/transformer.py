@@ -207,7 +207,12 @@ class TransformerBlock(nn.Module):
     each residual add runs fused with the norm that follows it.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        sum_partials: Callable[[Tensor], object] | None = None,
+    ):
         super().__init__()
         pre_norms = config.pre_norms
         self.attention_norm = RMSNorm(config.dim, config.norm_eps) if pre_norms else None
@@ -221,8 +226,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
         # Under tensor parallelism (astrai.distributed) wo and w2 each give this rank's partial
-        # sums, which this adds up across the ranks in place.
-        self.sum_partials: Callable[[Tensor], object] | None = None
+        # sums, which sum_partials adds up across the ranks in place.
+        self.sum_partials = sum_partials
 
     def forward(
         self,
@@ -266,9 +271,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder: embedding, n_layers blocks, final norm and lm_head (tied or not)."""
+    """The decoder: embedding, n_layers blocks, final norm and lm_head (tied or not).
 
-    def __init__(self, config: ModelConfig):
+    A tensor-parallel rank's model (astrai.distributed.TensorShard) is built with sum_partials,
+    which adds each layer's partial outputs up across the ranks.
+    """
+
+    def __init__(self, config: ModelConfig, sum_partials: Callable[[Tensor], object] | None = None):
         super().__init__()
         self.config = config
         # Embedding's own init, N(0, 1), drawn only off the meta device: the loaders build the
@@ -279,7 +288,9 @@ class Transformer(nn.Module):
             weight.normal_()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
         self.rope = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, i, sum_partials) for i in range(config.n_layers)
+        )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # A tied model has no output weight of its own, so none is saved or loaded.
         self.output = (

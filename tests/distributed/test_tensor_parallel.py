@@ -20,7 +20,7 @@ from serve_process import REPO_ROOT, astrai_serve
 from tiny_models import real_gguf, write_gguf, write_hf_model
 
 from astrai.config import ACTIVATION_PRECISIONS, ConfigError
-from astrai.distributed import load_sharded
+from astrai.distributed import load_sharded, run_worker
 from astrai.distributed.executor import KV_POOL, STOP_MESSAGE, serve_steps
 from astrai.distributed.group import free_port
 from astrai.inference import InferenceEngine
@@ -84,9 +84,9 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):
     tokenizer = AutoTokenizer.from_pretrained(directory)
     with InferenceEngine(AutoModel.from_pretrained(directory), tokenizer, **SMALL) as engine:
         expected = greedy(engine)
-    model = load_sharded(directory, 2)
+    sharded = load_sharded(directory, 2)
     assert len(spawned_workers()) == 1
-    with InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
+    with InferenceEngine(sharded, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
         assert greedy(engine) == expected
     assert not spawned_workers()
 
@@ -102,8 +102,8 @@ def test_two_ranks_give_the_embeddings_and_prompt_logprobs_of_one(llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     with InferenceEngine(AutoModel.from_pretrained(llama_dir), tokenizer, **SMALL) as engine:
         vectors, logprobs = prompt_outputs(engine)
-    model = load_sharded(llama_dir, 2)
-    with InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
+    sharded = load_sharded(llama_dir, 2)
+    with InferenceEngine(sharded, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
         sharded_vectors, sharded_logprobs = prompt_outputs(engine)
     torch.testing.assert_close(sharded_vectors, vectors, atol=1e-5, rtol=1e-5)
     assert sharded_logprobs == pytest.approx(logprobs, abs=1e-4)
@@ -134,6 +134,55 @@ def test_torchrun_ranks_generate_the_greedy_text_of_one(llama_dir):
     )
     assert run.returncode == 0, run.stderr
     assert expected.strip() and run.stdout.strip() == expected.strip()
+
+
+WORKER_SCRIPT = """
+import sys
+
+from astrai.distributed import is_torchrun_worker, load_sharded, run_worker
+from astrai.inference import InferenceEngine
+from astrai.tokenize import AutoTokenizer
+
+path = sys.argv[1]
+if is_torchrun_worker():
+    run_worker(path, 2)
+    print("run_worker returned", flush=True)
+else:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    settings = dict(kv_cache_memory=8 << 20, max_seq_len=256)
+    with InferenceEngine(load_sharded(path, 2), tokenizer, tensor_parallel_size=2, **settings) as e:
+        print("rank 0:", e.generate("Hello", max_tokens=4, temperature=0.0), flush=True)
+"""
+
+
+def test_a_torchrun_worker_returns_from_run_worker(tmp_path, llama_dir):
+    """A script under torchrun: rank 1's run_worker serves rank 0's steps and returns once rank
+    0's engine has closed, so the script goes on (no exit from inside the library)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(WORKER_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        + ["--master-port", str(free_port()), str(script), str(llama_dir)],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "rank 0: " in run.stdout
+    assert "run_worker returned" in run.stdout
+
+
+def test_each_entry_point_refuses_the_other_ranks(llama_dir, monkeypatch):
+    """load_sharded is rank 0's, run_worker a torchrun worker's: each called on the wrong rank
+    says which to call, before joining any group."""
+    with pytest.raises(ConfigError, match="torchrun worker rank"):
+        run_worker(llama_dir, 2)  # no torchrun here: load_sharded spawns the workers
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="call astrai.distributed.run_worker"):
+        load_sharded(llama_dir, 2)
+    assert not spawned_workers()
 
 
 def test_a_rank_that_dies_while_idle_stops_the_engine(llama_dir):
@@ -180,9 +229,10 @@ def test_closing_lets_go_of_the_step_channel_at_once(llama_dir):
     and `astrai generate --tensor-parallel-size 2` aborted after printing its answer ("terminate
     called without an active exception") about one exit in three."""
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-    engine = InferenceEngine(load_sharded(llama_dir, 2), tokenizer, tensor_parallel_size=2)
+    sharded = load_sharded(llama_dir, 2)
+    engine = InferenceEngine(sharded, tokenizer, tensor_parallel_size=2)
     assert list(engine.generate("Hello", max_tokens=4, temperature=0.0, stream=True))
-    plans = weakref.ref(engine.model.tensor_parallel.plans)
+    plans = weakref.ref(sharded.group.plans)
     engine.close()
     gc.collect()
     assert plans() is None
@@ -200,11 +250,12 @@ def test_three_ranks_give_the_real_ggufs_greedy_tokens(monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(path)
     with InferenceEngine(AutoModel.from_pretrained(path), tokenizer, **SMALL) as engine:
         expected = greedy(engine)
-    model = load_sharded(path, 3)
-    wqkv, wo = model.layers[0].attention.wqkv, model.layers[0].attention.wo
+    sharded = load_sharded(path, 3)
+    attention = sharded.model.layers[0].attention
+    wqkv, wo = attention.wqkv, attention.wo
     assert isinstance(wqkv, QuantizedLinear) and wqkv.weight.shape == (320, 576)  # 3 + 1 + 1 heads
     assert isinstance(wo, QuantizedLinear) and wo.weight.shape == (576, 192)
-    with InferenceEngine(model, tokenizer, tensor_parallel_size=3, **SMALL) as engine:
+    with InferenceEngine(sharded, tokenizer, tensor_parallel_size=3, **SMALL) as engine:
         assert greedy(engine) == expected
     assert not spawned_workers()
 
@@ -228,10 +279,10 @@ def test_each_rank_quantizes_its_share_on_load(llama_dir, monkeypatch):
     whole = AutoModel.from_pretrained(llama_dir, quantization="q8_0")
     with InferenceEngine(whole, tokenizer, **SMALL) as engine:
         expected = greedy(engine)
-    model = load_sharded(llama_dir, 2, quantization="q8_0")
-    w2 = model.layers[0].feed_forward.w2
+    sharded = load_sharded(llama_dir, 2, quantization="q8_0")
+    w2 = sharded.model.layers[0].feed_forward.w2
     assert isinstance(w2, QuantizedLinear) and w2.weight.shape == (64, 64)
-    with InferenceEngine(model, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
+    with InferenceEngine(sharded, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
         assert greedy(engine) == expected
 
 

@@ -207,3 +207,9 @@ def test_turning_cuda_graphs_off_is_refused_off_cuda(model, tokenizer):
     """--no-cuda-graphs on a CPU model would be accepted and do nothing: refused instead."""
     with pytest.raises(ConfigError, match="applies to CUDA"):
         make_engine(model, tokenizer, cuda_graphs=False)
+
+
+def test_asking_for_cuda_graphs_is_refused_off_cuda(model, tokenizer):
+    """--cuda-graphs likewise: the default (None) takes graphs where there is CUDA."""
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True \(--cuda-graphs\) applies to CUDA"):
+        make_engine(model, tokenizer, cuda_graphs=True)
