@@ -507,6 +507,46 @@ def write_llava_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+# Anyres resolutions of 1 to 3 CLIP tiles (28 pixels a side), the shapes llava-hf's LLaVA-NeXT
+# checkpoints allow at 336 pixels a tile.
+TINY_GRID_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+
+
+def write_llava_next_model(directory: Path, text: str = "mistral", seed: int = 0) -> Path:
+    """Write a random-weight LLaVA-NeXT checkpoint (CLIP tower, MLP projector, image newline,
+    a language model of the text family), its LLaVA-NeXT image processor (the Pillow one, tiles
+    of the tower's 28 pixels) and the test tokenizer with an `<image>` token added."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    write_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens([IMAGE_TOKEN])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    text_configs = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    config = transformers.LlavaNextConfig(
+        vision_config=transformers.CLIPVisionConfig(**TINY_CLIP),
+        text_config=text_configs[text](**TINY),
+        image_token_index=tokenizer.token_to_id(IMAGE_TOKEN),
+        image_grid_pinpoints=TINY_GRID_PINPOINTS,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear-cut greedy choices, as write_hf_model
+        # Larger image embeddings make what the image shows matter to the next token.
+        model.model.multi_modal_projector.linear_2.weight.mul_(20.0)
+        model.model.image_newline.mul_(20.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    size = TINY_CLIP["image_size"]
+    transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": size},
+        crop_size={"height": size, "width": size},
+        image_grid_pinpoints=TINY_GRID_PINPOINTS,
+    ).save_pretrained(directory)
+    return directory
+
+
 IDEFICS3_TOKENS = [
     "<fake_token_around_image>",
     IMAGE_TOKEN,

@@ -744,10 +744,11 @@ class InferenceEngine:
             tuple(
                 PromptImage(
                     image.pixel_values[i],
-                    _pixels_digest(image.pixel_values[i]),
+                    _pixels_digest(image.pixel_values[i], image.feature_rows),
                     start,
                     image.tokens_per_tile,
                     image.grid,
+                    image.feature_rows,
                 )
                 for image, i, start in tiles
             ),
@@ -966,9 +967,12 @@ def _map_results(results, fn):
     return [_map_results(r, fn) for r in results]
 
 
-def _pixels_digest(pixel_values: torch.Tensor) -> bytes:
+def _pixels_digest(pixel_values: torch.Tensor, feature_rows: torch.Tensor | None) -> bytes:
     """A tile's key in the prefix cache: a hash of its pixel values and their shape (two images
-    of one size and different pixels, or of the same bytes laid out otherwise, differ)."""
+    of one size and different pixels, or of the same bytes laid out otherwise, differ), and of
+    the features its tokens take (LLaVA-NeXT's depend on the image's size too)."""
     digest = hashlib.blake2b(repr(tuple(pixel_values.shape)).encode(), digest_size=16)
     digest.update(pixel_values.numpy().tobytes())
+    if feature_rows is not None:
+        digest.update(feature_rows.numpy().tobytes())
     return digest.digest()

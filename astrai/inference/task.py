@@ -418,6 +418,9 @@ class PromptImage:
     length: int
     # The (t, h, w) grid its tokens lie on, row-major, for a model with M-RoPE; else None.
     grid: tuple[int, int, int] | None = None
+    # [length] int64: the row of the encoder's output each placeholder takes (LLaVA-NeXT);
+    # None where placeholder i takes row i.
+    feature_rows: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
 
     @property
