@@ -147,13 +147,21 @@ def test_embeddings_are_freed_once_their_placeholders_are_computed(llava, llava_
 
 
 @pytest.mark.parametrize(
-    "checkpoint", ["llava_dir", "smolvlm_dir", "idefics3_dir", "qwen2_vl_dir", "qwen2_5_vl_dir"]
+    "checkpoint",
+    [
+        "llava_dir",
+        "llava_next_dir",
+        "smolvlm_dir",
+        "idefics3_dir",
+        "qwen2_vl_dir",
+        "qwen2_5_vl_dir",
+    ],
 )
 def test_prefix_hits_keep_outputs_and_images_never_share_kv(request, checkpoint):
     """For every vision-language family: the same text with another image must not reuse the
     first image's KV (the poisoning case); the same text and image must, and answer as
     without the cache (each family's output without it equals transformers', above and in
-    test_images_idefics3.py and test_images_qwen2_vl.py)."""
+    test_images_llava_next.py, test_images_idefics3.py and test_images_qwen2_vl.py)."""
     directory = request.getfixturevalue(checkpoint)
     model, tokenizer = (
         AutoModel.from_pretrained(directory),

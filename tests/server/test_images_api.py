@@ -83,12 +83,13 @@ def test_openai_image_url_parts(llava_server, clients, seeds):
     assert openai_answer(openai_client, content) == expected
 
 
-@pytest.mark.parametrize("checkpoint", ["smolvlm_dir", "qwen2_vl_dir"])
+@pytest.mark.parametrize("checkpoint", ["smolvlm_dir", "qwen2_vl_dir", "llava_next_dir"])
 def test_openai_image_url_parts_to_models_that_lay_images_out_otherwise(request, checkpoint):
     """SmolVLM's images expand to tiles within their layout text, Qwen2-VL's to as many tokens
-    as their size gives, placed by M-RoPE (each equal to transformers in tests/inference/
-    test_images_idefics3.py and test_images_qwen2_vl.py); over the API they answer as in the
-    engine."""
+    as their size gives, placed by M-RoPE, LLaVA-NeXT's to a grid of tiles their size chooses
+    (each equal to transformers in tests/inference/test_images_idefics3.py,
+    test_images_qwen2_vl.py and test_images_llava_next.py); over the API they answer as in
+    the engine."""
     import openai
 
     directory = request.getfixturevalue(checkpoint)
