@@ -693,16 +693,38 @@ TINY_QWEN2_VL_VISION = {
     ),
 }  # fmt: skip
 QWEN2_VL_PIXELS = {"min_pixels": 256, "max_pixels": 1024}
+# Qwen2-VL-Instruct's chat template (its chat_template.json), which writes an image part of a
+# content list as the placeholder with no newline after it.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_qwen2_vl_model(directory: Path, model_type: str = "qwen2_vl", seed: int = 0) -> Path:
     """Write a random-weight Qwen2-VL (or Qwen2.5-VL) checkpoint: its vision tower and patch
     merger beside a Qwen2 language model with M-RoPE, its image processor (the Pillow one), and
-    the test tokenizer with the vision tokens added."""
+    the test tokenizer with the vision tokens added and Qwen2-VL's chat template."""
     import transformers
     from tokenizers import Tokenizer
 
     write_tokenizer(directory)
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer.add_special_tokens(QWEN2_VL_TOKENS)
     tokenizer.save(str(directory / "tokenizer.json"))

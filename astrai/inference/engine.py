@@ -143,15 +143,17 @@ class ImagePrompt(Sequence[int]):
 
 def image_placeholder(vision: torch.nn.Module, tokenizer: Any) -> str:
     """The text a chat message's image part renders as for a model's vision module: its image
-    token, within the tokens the model's chat template writes around it (placeholder_ids)."""
-    return "".join(tokenizer.id_to_token(token) for token in vision.placeholder_ids)
+    token, within the tokens the model's chat template writes around it (placeholder_ids), on
+    a line of its own where the family's template puts it so (image_part_ends_line: LLaVA's
+    `<image>\n`; Qwen2-VL's runs on into the next part)."""
+    text = "".join(tokenizer.id_to_token(token) for token in vision.placeholder_ids)
+    return f"{text}\n" if vision.image_part_ends_line else text
 
 
 def render_parts(parts: Sequence[str | Any], placeholder: str) -> str:
     """A message's content parts as one string: text parts as they are, each image part (any
-    part that is not a str) as the model's image placeholder on a line of its own, as
-    LLaVA-style chat templates write it."""
-    return "".join(part if isinstance(part, str) else f"{placeholder}\n" for part in parts)
+    part that is not a str) as the model's image placeholder (image_placeholder)."""
+    return "".join(part if isinstance(part, str) else placeholder for part in parts)
 
 
 @dataclass
@@ -556,8 +558,8 @@ class InferenceEngine:
     @property
     def image_placeholder(self) -> str:
         """The text a chat message's image part renders as (the model's image token, within
-        the tokens its chat template writes around it); a RequestError for a model without a
-        vision encoder."""
+        the tokens its chat template writes around it, then a newline where it writes one); a
+        RequestError for a model without a vision encoder."""
         return image_placeholder(self.check_images(0), self.tokenizer)
 
     def check_images(self, n_images: int) -> torch.nn.Module:
