@@ -507,6 +507,90 @@ def write_llava_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def write_llava_gguf(
+    directory: Path, checkpoint: Path, arrays: dict[str, list[int]] | None = None
+) -> tuple[Path, Path]:
+    """(language model .gguf, mmproj .gguf) of a LLaVA-1.5 checkpoint (write_llava_model's) as
+    llama.cpp ships such models: the Llama language model with the tokenizer, and the CLIP
+    tower and projector in an mmproj file as llama.cpp's converter for them
+    (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py with --llava-projector) writes
+    it: no general.type, CLIP's own projection_dim, the layers up to the one LLaVA reads and no
+    post-norm, fc1 named ffn_down and fc2 ffn_up, the projector's linears mm.0 and mm.2 (checked
+    against its output once); arrays: more clip.vision.* metadata, such as other models' files
+    carry."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    hf = json.loads((checkpoint / "config.json").read_text())
+    tensors = load_file(checkpoint / "model.safetensors")
+    text_dir = directory / "text"
+    text_dir.mkdir(parents=True)
+    (text_dir / "config.json").write_text(
+        json.dumps({**hf["text_config"], "architectures": ["LlamaForCausalLM"]})
+    )
+    text = {
+        name.removeprefix("language_model."): tensor
+        for name, tensor in tensors.items()
+        if name.startswith("language_model.")
+    }
+    save_file(text, text_dir / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(checkpoint / name, text_dir / name)
+    language_model = write_gguf(directory / "model.gguf", text_dir, "llama", tokenizer=True)
+
+    vision = hf["vision_config"]
+    processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    layers = vision["num_hidden_layers"] + hf["vision_feature_layer"] + 1
+    mmproj = directory / "mmproj-model-f32.gguf"
+    writer = gguf.GGUFWriter(mmproj, "clip")
+    for key, value in {"has_text_encoder": False, "has_vision_encoder": True}.items():
+        writer.add_bool(f"clip.{key}", value)
+    writer.add_bool("clip.has_llava_projector", True)
+    writer.add_string("clip.projector_type", "mlp")
+    for key, value in {
+        "image_size": vision["image_size"],
+        "patch_size": vision["patch_size"],
+        "embedding_length": vision["hidden_size"],
+        "feed_forward_length": vision["intermediate_size"],
+        "projection_dim": vision.get("projection_dim", 512),
+        "attention.head_count": vision["num_attention_heads"],
+        "block_count": layers,
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    writer.add_array("clip.vision.image_mean", processor["image_mean"])
+    writer.add_array("clip.vision.image_std", processor["image_std"])
+    writer.add_bool("clip.use_gelu", vision["hidden_act"] == "gelu")
+    for key, values in (arrays or {}).items():
+        writer.add_array(f"clip.vision.{key}", values)
+    renames = (
+        ("multi_modal_projector.linear_1", "mm.0"), ("multi_modal_projector.linear_2", "mm.2"),
+        ("vision_tower.", "v."), ("encoder.layers", "blk"), ("embeddings.", ""),
+        ("_proj", ""), ("self_attn.", "attn_"), ("layer_norm", "ln"), ("mlp.fc1", "ffn_down"),
+        ("mlp.fc2", "ffn_up"), ("embedding", "embd"), ("layrnorm", "ln"),
+    )  # fmt: skip
+    for name, tensor in tensors.items():
+        name = name.replace("vision_tower.vision_model.", "vision_tower.")
+        block = re.match(r"vision_tower\.encoder\.layers\.(\d+)\.", name)
+        if (
+            name.startswith("language_model.")
+            or "post_layernorm" in name
+            or (block is not None and int(block[1]) >= layers)
+        ):
+            continue
+        for old, new in renames:
+            name = name.replace(old, new)
+        writer.add_tensor(name, np.ascontiguousarray(tensor.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return language_model, mmproj
+
+
 # Anyres resolutions of 1 to 3 CLIP tiles (28 pixels a side), the shapes llava-hf's LLaVA-NeXT
 # checkpoints allow at 336 pixels a tile.
 TINY_GRID_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]

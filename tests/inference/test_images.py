@@ -9,7 +9,7 @@ import queue
 
 import pytest
 import torch
-from tiny_models import make_engine, noise_image, run_ids
+from tiny_models import make_engine, noise_image, run_ids, write_llava_gguf
 
 from astrai.inference import STOP, GenerationParams, GenerationRequest
 from astrai.inference.task import RequestError
@@ -183,6 +183,18 @@ def test_prefix_hits_keep_outputs_and_images_never_share_kv(request, checkpoint)
     assert again.cached_tokens > 0
     assert other.cached_tokens == 0
     assert [first.token_ids, again.token_ids, other.token_ids] == [*expected[:1], *expected]
+
+
+def test_a_gguf_language_model_with_its_mmproj_file_equals_transformers(llava_dir, cases, tmp_path):
+    """LLaVA-1.5 as llama.cpp ships it: the language model's GGUF file and the vision tower's
+    mmproj file ("mlp" projector, written as llama.cpp's converter writes it:
+    write_llava_gguf), loaded with mmproj=."""
+    language_model, mmproj = write_llava_gguf(tmp_path, llava_dir)
+    model = AutoModel.from_pretrained(language_model, mmproj=mmproj)
+    tokenizer = AutoTokenizer.from_pretrained(language_model)
+    prompts, expected = cases
+    with make_engine(model, tokenizer) as engine:
+        assert outputs(engine, prompts) == expected
 
 
 def test_preempted_requests_recompute_with_their_images(llava, llava_tokenizer, cases):
