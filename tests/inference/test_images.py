@@ -185,12 +185,20 @@ def test_prefix_hits_keep_outputs_and_images_never_share_kv(request, checkpoint)
     assert [first.token_ids, again.token_ids, other.token_ids] == [*expected[:1], *expected]
 
 
-def test_a_gguf_language_model_with_its_mmproj_file_equals_transformers(llava_dir, cases, tmp_path):
+def test_a_gguf_language_model_with_its_mmproj_file_equals_transformers(
+    llava, llava_dir, cases, tmp_path
+):
     """LLaVA-1.5 as llama.cpp ships it: the language model's GGUF file and the vision tower's
     mmproj file ("mlp" projector, written as llama.cpp's converter writes it:
-    write_llava_gguf), loaded with mmproj=."""
+    write_llava_gguf), loaded with mmproj=: its images' pixels and embeddings are those of the
+    checkpoint directory's vision module (equal to transformers', tests/model/vision/
+    test_llava.py), its greedy output transformers'."""
     language_model, mmproj = write_llava_gguf(tmp_path, llava_dir)
     model = AutoModel.from_pretrained(language_model, mmproj=mmproj)
+    images = [noise_image(1), noise_image(2, (30, 50))]
+    pixels = torch.stack([model.vision.processor(image) for image in images])
+    assert torch.equal(pixels, torch.stack([llava.vision.processor(image) for image in images]))
+    torch.testing.assert_close(model.vision.encode(pixels), llava.vision.encode(pixels))
     tokenizer = AutoTokenizer.from_pretrained(language_model)
     prompts, expected = cases
     with make_engine(model, tokenizer) as engine:
