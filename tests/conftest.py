@@ -40,6 +40,7 @@ from tiny_models import (  # noqa: E402
     write_hf_model,
     write_idefics3_model,
     write_llava_model,
+    write_llava_next_model,
     write_qwen2_vl_model,
     write_tokenizer,
 )
@@ -65,6 +66,18 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory) -> Path:
     return write_llava_model(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="session")
+def llava_next_dir(tmp_path_factory) -> Path:
+    """A tiny LLaVA-NeXT whose language model is Mistral."""
+    return write_llava_next_model(tmp_path_factory.mktemp("llava_next"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def llava_next_qwen2_dir(tmp_path_factory) -> Path:
+    """A tiny LLaVA-NeXT whose language model is Qwen2."""
+    return write_llava_next_model(tmp_path_factory.mktemp("llava_next_qwen2"), "qwen2", seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -507,6 +507,130 @@ def write_llava_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def write_llava_gguf(
+    directory: Path, checkpoint: Path, arrays: dict[str, list[int]] | None = None
+) -> tuple[Path, Path]:
+    """(language model .gguf, mmproj .gguf) of a LLaVA-1.5 checkpoint (write_llava_model's) as
+    llama.cpp ships such models: the Llama language model with the tokenizer, and the CLIP
+    tower and projector in an mmproj file as llama.cpp's converter for them
+    (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py with --llava-projector) writes
+    it: no general.type, CLIP's own projection_dim, the layers up to the one LLaVA reads and no
+    post-norm, fc1 named ffn_down and fc2 ffn_up, the projector's linears mm.0 and mm.2 (checked
+    against its output once); arrays: more clip.vision.* metadata, such as other models' files
+    carry."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    hf = json.loads((checkpoint / "config.json").read_text())
+    tensors = load_file(checkpoint / "model.safetensors")
+    text_dir = directory / "text"
+    text_dir.mkdir(parents=True)
+    (text_dir / "config.json").write_text(
+        json.dumps({**hf["text_config"], "architectures": ["LlamaForCausalLM"]})
+    )
+    text = {
+        name.removeprefix("language_model."): tensor
+        for name, tensor in tensors.items()
+        if name.startswith("language_model.")
+    }
+    save_file(text, text_dir / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(checkpoint / name, text_dir / name)
+    language_model = write_gguf(directory / "model.gguf", text_dir, "llama", tokenizer=True)
+
+    vision = hf["vision_config"]
+    processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    layers = vision["num_hidden_layers"] + hf["vision_feature_layer"] + 1
+    mmproj = directory / "mmproj-model-f32.gguf"
+    writer = gguf.GGUFWriter(mmproj, "clip")
+    for key, value in {"has_text_encoder": False, "has_vision_encoder": True}.items():
+        writer.add_bool(f"clip.{key}", value)
+    writer.add_bool("clip.has_llava_projector", True)
+    writer.add_string("clip.projector_type", "mlp")
+    for key, value in {
+        "image_size": vision["image_size"],
+        "patch_size": vision["patch_size"],
+        "embedding_length": vision["hidden_size"],
+        "feed_forward_length": vision["intermediate_size"],
+        "projection_dim": vision.get("projection_dim", 512),
+        "attention.head_count": vision["num_attention_heads"],
+        "block_count": layers,
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    writer.add_array("clip.vision.image_mean", processor["image_mean"])
+    writer.add_array("clip.vision.image_std", processor["image_std"])
+    writer.add_bool("clip.use_gelu", vision["hidden_act"] == "gelu")
+    for key, values in (arrays or {}).items():
+        writer.add_array(f"clip.vision.{key}", values)
+    renames = (
+        ("multi_modal_projector.linear_1", "mm.0"), ("multi_modal_projector.linear_2", "mm.2"),
+        ("vision_tower.", "v."), ("encoder.layers", "blk"), ("embeddings.", ""),
+        ("_proj", ""), ("self_attn.", "attn_"), ("layer_norm", "ln"), ("mlp.fc1", "ffn_down"),
+        ("mlp.fc2", "ffn_up"), ("embedding", "embd"), ("layrnorm", "ln"),
+    )  # fmt: skip
+    for name, tensor in tensors.items():
+        name = name.replace("vision_tower.vision_model.", "vision_tower.")
+        block = re.match(r"vision_tower\.encoder\.layers\.(\d+)\.", name)
+        if (
+            name.startswith("language_model.")
+            or "post_layernorm" in name
+            or (block is not None and int(block[1]) >= layers)
+        ):
+            continue
+        for old, new in renames:
+            name = name.replace(old, new)
+        writer.add_tensor(name, np.ascontiguousarray(tensor.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return language_model, mmproj
+
+
+# Anyres resolutions of 1 to 3 CLIP tiles (28 pixels a side), the shapes llava-hf's LLaVA-NeXT
+# checkpoints allow at 336 pixels a tile.
+TINY_GRID_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+
+
+def write_llava_next_model(directory: Path, text: str = "mistral", seed: int = 0) -> Path:
+    """Write a random-weight LLaVA-NeXT checkpoint (CLIP tower, MLP projector, image newline,
+    a language model of the text family), its LLaVA-NeXT image processor (the Pillow one, tiles
+    of the tower's 28 pixels) and the test tokenizer with an `<image>` token added."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    write_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens([IMAGE_TOKEN])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    text_configs = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    config = transformers.LlavaNextConfig(
+        vision_config=transformers.CLIPVisionConfig(**TINY_CLIP),
+        text_config=text_configs[text](**TINY),
+        image_token_index=tokenizer.token_to_id(IMAGE_TOKEN),
+        image_grid_pinpoints=TINY_GRID_PINPOINTS,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear-cut greedy choices, as write_hf_model
+        # Larger image embeddings make what the image shows matter to the next token.
+        model.model.multi_modal_projector.linear_2.weight.mul_(20.0)
+        model.model.image_newline.mul_(20.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    size = TINY_CLIP["image_size"]
+    transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": size},
+        crop_size={"height": size, "width": size},
+        image_grid_pinpoints=TINY_GRID_PINPOINTS,
+    ).save_pretrained(directory)
+    return directory
+
+
 IDEFICS3_TOKENS = [
     "<fake_token_around_image>",
     IMAGE_TOKEN,
@@ -653,16 +777,38 @@ TINY_QWEN2_VL_VISION = {
     ),
 }  # fmt: skip
 QWEN2_VL_PIXELS = {"min_pixels": 256, "max_pixels": 1024}
+# Qwen2-VL-Instruct's chat template (its chat_template.json), which writes an image part of a
+# content list as the placeholder with no newline after it.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_qwen2_vl_model(directory: Path, model_type: str = "qwen2_vl", seed: int = 0) -> Path:
     """Write a random-weight Qwen2-VL (or Qwen2.5-VL) checkpoint: its vision tower and patch
     merger beside a Qwen2 language model with M-RoPE, its image processor (the Pillow one), and
-    the test tokenizer with the vision tokens added."""
+    the test tokenizer with the vision tokens added and Qwen2-VL's chat template."""
     import transformers
     from tokenizers import Tokenizer
 
     write_tokenizer(directory)
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer.add_special_tokens(QWEN2_VL_TOKENS)
     tokenizer.save(str(directory / "tokenizer.json"))

@@ -145,15 +145,17 @@ class ImagePrompt(Sequence[int]):
 
 def image_placeholder(vision: torch.nn.Module, tokenizer: Any) -> str:
     """The text a chat message's image part renders as for a model's vision module: its image
-    token, within the tokens the model's chat template writes around it (placeholder_ids)."""
-    return "".join(tokenizer.id_to_token(token) for token in vision.placeholder_ids)
+    token, within the tokens the model's chat template writes around it (placeholder_ids), on
+    a line of its own where the family's template puts it so (image_part_ends_line: LLaVA's
+    `<image>\n`; Qwen2-VL's runs on into the next part)."""
+    text = "".join(tokenizer.id_to_token(token) for token in vision.placeholder_ids)
+    return f"{text}\n" if vision.image_part_ends_line else text
 
 
 def render_parts(parts: Sequence[str | Any], placeholder: str) -> str:
     """A message's content parts as one string: text parts as they are, each image part (any
-    part that is not a str) as the model's image placeholder on a line of its own, as
-    LLaVA-style chat templates write it."""
-    return "".join(part if isinstance(part, str) else f"{placeholder}\n" for part in parts)
+    part that is not a str) as the model's image placeholder (image_placeholder)."""
+    return "".join(part if isinstance(part, str) else placeholder for part in parts)
 
 
 @dataclass
@@ -578,8 +580,8 @@ class InferenceEngine:
     @property
     def image_placeholder(self) -> str:
         """The text a chat message's image part renders as (the model's image token, within
-        the tokens its chat template writes around it); a RequestError for a model without a
-        vision encoder."""
+        the tokens its chat template writes around it, then a newline where it writes one); a
+        RequestError for a model without a vision encoder."""
         return image_placeholder(self.check_images(0), self.tokenizer)
 
     def check_images(self, n_images: int) -> torch.nn.Module:
@@ -766,11 +768,12 @@ class InferenceEngine:
             tuple(
                 PromptImage(
                     image.pixel_values[i],
-                    _pixels_digest(image.pixel_values[i]),
+                    _pixels_digest(image.pixel_values[i], image.feature_rows),
                     start,
                     image.tokens_per_tile,
                     image.grid,
                     image.bidirectional,
+                    image.feature_rows,
                 )
                 for image, i, start in tiles
             ),
@@ -989,9 +992,12 @@ def _map_results(results, fn):
     return [_map_results(r, fn) for r in results]
 
 
-def _pixels_digest(pixel_values: torch.Tensor) -> bytes:
+def _pixels_digest(pixel_values: torch.Tensor, feature_rows: torch.Tensor | None) -> bytes:
     """A tile's key in the prefix cache: a hash of its pixel values and their shape (two images
-    of one size and different pixels, or of the same bytes laid out otherwise, differ)."""
+    of one size and different pixels, or of the same bytes laid out otherwise, differ), and of
+    the features its tokens take (LLaVA-NeXT's depend on the image's size too)."""
     digest = hashlib.blake2b(repr(tuple(pixel_values.shape)).encode(), digest_size=16)
     digest.update(pixel_values.numpy().tobytes())
+    if feature_rows is not None:
+        digest.update(feature_rows.numpy().tobytes())
     return digest.digest()

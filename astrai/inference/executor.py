@@ -590,7 +590,9 @@ class ModelExecutor:
             with self.kernel_plan.active():  # the encoder's linears are the model's too
                 encoded = self.model.vision.encode_images(pixels)
             for image, embeddings in zip(new, encoded, strict=True):
-                image.embeddings = embeddings  # [image.length, dim]
+                rows = image.feature_rows
+                # [image.length, dim]
+                image.embeddings = embeddings if rows is None else embeddings[rows.to(self.device)]
         rows = torch.cat([torch.arange(row, row + hi - lo) for _, lo, hi, row in wanted])
         embeddings = torch.cat([image.embeddings[lo:hi] for image, lo, hi, _ in wanted])
         return ImageRows(rows.to(self.device), embeddings)

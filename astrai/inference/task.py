@@ -420,6 +420,9 @@ class PromptImage:
     grid: tuple[int, int, int] | None = None
     # Its tokens attend to each other (Gemma 3), so one prefill chunk computes them all.
     bidirectional: bool = False
+    # [length] int64: the row of the encoder's output each placeholder takes (LLaVA-NeXT);
+    # None where placeholder i takes row i.
+    feature_rows: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
 
     @property

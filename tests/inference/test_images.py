@@ -9,7 +9,7 @@ import queue
 
 import pytest
 import torch
-from tiny_models import make_engine, noise_image, run_ids
+from tiny_models import make_engine, noise_image, run_ids, write_llava_gguf
 
 from astrai.inference import STOP, GenerationParams, GenerationRequest
 from astrai.inference.task import RequestError
@@ -149,15 +149,16 @@ def test_embeddings_are_freed_once_their_placeholders_are_computed(llava, llava_
 @pytest.mark.parametrize(
     "checkpoint",
     [
-        "llava_dir", "smolvlm_dir", "idefics3_dir", "qwen2_vl_dir", "qwen2_5_vl_dir",
-        "gemma3_vlm_dir",
+        "llava_dir", "llava_next_dir", "smolvlm_dir", "idefics3_dir", "qwen2_vl_dir",
+        "qwen2_5_vl_dir", "gemma3_vlm_dir",
     ],
 )  # fmt: skip
 def test_prefix_hits_keep_outputs_and_images_never_share_kv(request, checkpoint):
     """For every vision-language family: the same text with another image must not reuse the
     first image's KV (the poisoning case); the same text and image must, and answer as
     without the cache (each family's output without it equals transformers', above and in
-    test_images_idefics3.py, test_images_qwen2_vl.py and test_images_gemma3.py)."""
+    test_images_llava_next.py, test_images_idefics3.py, test_images_qwen2_vl.py and
+    test_images_gemma3.py)."""
     directory = request.getfixturevalue(checkpoint)
     model, tokenizer = (
         AutoModel.from_pretrained(directory),
@@ -179,6 +180,26 @@ def test_prefix_hits_keep_outputs_and_images_never_share_kv(request, checkpoint)
     assert again.cached_tokens > 0
     assert other.cached_tokens == 0
     assert [first.token_ids, again.token_ids, other.token_ids] == [*expected[:1], *expected]
+
+
+def test_a_gguf_language_model_with_its_mmproj_file_equals_transformers(
+    llava, llava_dir, cases, tmp_path
+):
+    """LLaVA-1.5 as llama.cpp ships it: the language model's GGUF file and the vision tower's
+    mmproj file ("mlp" projector, written as llama.cpp's converter writes it:
+    write_llava_gguf), loaded with mmproj=: its images' pixels and embeddings are those of the
+    checkpoint directory's vision module (equal to transformers', tests/model/vision/
+    test_llava.py), its greedy output transformers'."""
+    language_model, mmproj = write_llava_gguf(tmp_path, llava_dir)
+    model = AutoModel.from_pretrained(language_model, mmproj=mmproj)
+    images = [noise_image(1), noise_image(2, (30, 50))]
+    pixels = torch.stack([model.vision.processor(image) for image in images])
+    assert torch.equal(pixels, torch.stack([llava.vision.processor(image) for image in images]))
+    torch.testing.assert_close(model.vision.encode(pixels), llava.vision.encode(pixels))
+    tokenizer = AutoTokenizer.from_pretrained(language_model)
+    prompts, expected = cases
+    with make_engine(model, tokenizer) as engine:
+        assert outputs(engine, prompts) == expected
 
 
 def test_preempted_requests_recompute_with_their_images(llava, llava_tokenizer, cases):

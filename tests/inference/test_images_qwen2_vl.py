@@ -193,14 +193,28 @@ def test_preempted_requests_recompute_with_their_images_and_positions(vlm, cases
 
 
 def test_a_chat_request_renders_its_image_parts_as_qwen2_vl_does(vlm, checkpoint, hf_model):
+    """An image part renders as Qwen2-VL's own template writes one of a content list (no
+    newline after it): the prompt is transformers' apply_chat_template's, expanded as its
+    processor expands it, and the answer transformers'."""
+    import transformers
+
     model, tokenizer = vlm
     image = noise_image(7, (50, 30))
     parts = [{"type": "image", "image": image}, {"type": "text", "text": "What is this?"}]
     request = GenerationRequest([{"role": "user", "content": parts}], params=GREEDY)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{IMAGE}\nWhat is this?"}])
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    text = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, parts[1]]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert f"{IMAGE}What is this?<|im_end|>" in text
+    ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
     expected = hf_generate(hf_model, checkpoint[0], ids, [image])
     with make_engine(model, tokenizer) as engine:
         assert engine.image_placeholder == IMAGE
+        prompt = engine.encode(request)
+        assert prompt.token_ids == hf_inputs(checkpoint[0], ids, [image])["input_ids"][0].tolist()
         assert engine.generate_results(request).token_ids == expected
 
 

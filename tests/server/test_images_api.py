@@ -83,11 +83,14 @@ def test_openai_image_url_parts(llava_server, clients, seeds):
     assert openai_answer(openai_client, content) == expected
 
 
-@pytest.mark.parametrize("checkpoint", ["smolvlm_dir", "qwen2_vl_dir", "gemma3_vlm_dir"])
+@pytest.mark.parametrize(
+    "checkpoint", ["smolvlm_dir", "qwen2_vl_dir", "llava_next_dir", "gemma3_vlm_dir"]
+)
 def test_openai_image_url_parts_to_models_that_lay_images_out_otherwise(request, checkpoint):
     """SmolVLM's images expand to tiles within their layout text, Qwen2-VL's to as many tokens
-    as their size gives, placed by M-RoPE, Gemma 3's to soft tokens that see each other (each
-    equal to transformers in tests/inference/test_images_idefics3.py, test_images_qwen2_vl.py
+    as their size gives, placed by M-RoPE, LLaVA-NeXT's to a grid of tiles their size chooses,
+    Gemma 3's to soft tokens that see each other (each equal to transformers in
+    tests/inference/test_images_idefics3.py, test_images_qwen2_vl.py, test_images_llava_next.py
     and test_images_gemma3.py); over the API they answer as in the engine."""
     import openai
 

@@ -21,7 +21,7 @@ from astrai.model.families.granite import GRANITE
 from astrai.model.families.hf_config import partial_rotary_factor, read_hf_config
 from astrai.model.families.idefics3 import IDEFICS3
 from astrai.model.families.llama import LLAMA, MISTRAL, MIXTRAL
-from astrai.model.families.llava import LLAVA
+from astrai.model.families.llava import LLAVA, LLAVA_NEXT
 from astrai.model.families.olmo2 import OLMO2
 from astrai.model.families.phi3 import PHI3
 from astrai.model.families.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
@@ -32,7 +32,7 @@ FAMILIES = (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, PHI3, OLMO2,
     GRANITE, QWEN2_VL_TEXT,
 )  # fmt: skip
-VISION_FAMILIES = (LLAVA, IDEFICS3, QWEN2_VL, GEMMA3_VISION)
+VISION_FAMILIES = (LLAVA, LLAVA_NEXT, IDEFICS3, QWEN2_VL, GEMMA3_VISION)
 HF_MODEL_TYPES = tuple(
     model_type for family in (*FAMILIES, *VISION_FAMILIES) for model_type in family.model_types
 )

@@ -107,6 +107,7 @@ class Gemma3Vision(nn.Module):
             )
         self.image_token_id = settings["boi_token_index"]
         self.placeholder_ids = (self.image_token_id,)  # what a chat's image part renders as
+        self.image_part_ends_line = False  # Gemma 3's template runs on into the next part
         self.soft_token_id = settings["image_token_index"]
         self.tokens_per_image = tokens
         self.processor = processor

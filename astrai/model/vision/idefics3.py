@@ -98,6 +98,7 @@ class Idefics3Vision(nn.Module):
             )
         self.image_token_id = int(hf.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
         self.placeholder_ids = (self.image_token_id,)  # what a chat's image part renders as
+        self.image_part_ends_line = True
         self.tokens_per_image = (side // scale) ** 2
         self.processor = processor
         self.vision_model = SiglipVisionTower(vision, idefics3_position_ids(side))

@@ -32,14 +32,18 @@ class ClipImageProcessor:
     image_std: tuple[float, float, float] = OPENAI_CLIP_STD
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> ClipImageProcessor:
-        """The processor preprocessor_config.json describes; one that would not resize, crop,
-        rescale and normalize as LLaVA-1.5's does is refused rather than half applied."""
-        kind = config.get("image_processor_type", "CLIPImageProcessor")
-        if kind not in SUPPORTED_PROCESSORS:
+    def from_hf(
+        cls, config: dict[str, Any], processor_types: tuple[str, ...] = SUPPORTED_PROCESSORS
+    ) -> ClipImageProcessor:
+        """The processor preprocessor_config.json describes, of one of processor_types (those
+        that preprocess as CLIP's: LLaVA-NeXT's does it to each tile); one that would not
+        resize, crop, rescale and normalize as LLaVA-1.5's does is refused rather than half
+        applied."""
+        kind = config.get("image_processor_type", processor_types[0])
+        if kind not in processor_types:
             raise ConfigError(
                 f"preprocessor_config.json's image_processor_type {kind!r} is not supported; "
-                f"astrai preprocesses as {SUPPORTED_PROCESSORS[0]}"
+                f"astrai preprocesses as {processor_types[0]}"
             )
         steps = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb")
         off = [step for step in steps if config.get(step, True) is False]

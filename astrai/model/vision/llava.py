@@ -72,6 +72,7 @@ class LlavaVision(nn.Module):
             raise ConfigError("config.json names no image_token_index, the `<image>` token id")
         self.image_token_id = int(hf.get("image_token_index", hf.get("image_token_id")))
         self.placeholder_ids = (self.image_token_id,)  # what a chat's image part renders as
+        self.image_part_ends_line = True  # LLaVA's templates write `<image>\n`
         # hidden states [0] are the embeddings, [k] the output of layer k.
         n_layers = layer if layer >= 0 else vision.num_hidden_layers + 1 + layer
         self.drops_cls = strategy == "default"

@@ -322,10 +322,10 @@ class Qwen2VLVision(nn.Module):
     Each image is one tile standing for as many `<|image_pad|>` tokens as it has merged patch
     blocks, which varies with its size; a chat's image part renders as
     `<|vision_start|><|image_pad|><|vision_end|>` (placeholder_ids), as Qwen2-VL's template
-    writes it, and the language model places the tokens by M-RoPE (TiledImage.grid). The
-    tower sees a whole image at once (its patches attend to each other), so it runs once per
-    image and chunked prefill may split the image's tokens anywhere: each chunk takes the
-    embeddings and M-RoPE positions of the rows it holds.
+    writes it (no newline after it), and the language model places the tokens by M-RoPE
+    (TiledImage.grid). The tower sees a whole image at once (its patches attend to each
+    other), so it runs once per image and chunked prefill may split the image's tokens
+    anywhere: each chunk takes the embeddings and M-RoPE positions of the rows it holds.
     """
 
     def __init__(self, hf: dict[str, Any], processor: Qwen2VLImageProcessor):
@@ -343,6 +343,7 @@ class Qwen2VLVision(nn.Module):
             raise ConfigError(f"config.json names no {missing}; Qwen2-VL's prompt needs them")
         self.image_token_id = hf["image_token_id"]
         self.placeholder_ids = tuple(hf[key] for key in TOKEN_KEYS[1:])
+        self.image_part_ends_line = False  # Qwen2-VL's template runs on into the next part
         self.processor = processor
         self.visual = Qwen2VisionTower(config)
 

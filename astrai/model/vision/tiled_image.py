@@ -12,14 +12,19 @@ from torch import Tensor
 @dataclass(frozen=True)
 class TiledImage:
     """pixel_values [n_tiles, ...]: one row per tile the encoder sees (LLaVA: the image;
-    Idefics3: its crops, then the whole image scaled down; Qwen2-VL: the image's patches).
+    Idefics3: its crops, then the whole image scaled down; Qwen2-VL: the image's patches;
+    LLaVA-NeXT: all its crops, whose features the encoder packs together).
     Each tile stands for tokens_per_tile image tokens. texts has n_tiles + 1 entries: texts[i]
     comes before tile i's image tokens, texts[-1] after the last tile's. grid: the (t, h, w)
     grid a tile's tokens lie on in row-major order, for M-RoPE (None for a model without).
     image_token: the token a tile's image tokens are, where it is not the placeholder that
     stands for the whole image in a prompt (Gemma 3: `<image_soft_token>`, placed by
     `<start_of_image>`). bidirectional: a tile's image tokens attend to each other, not only
-    to those before them (Gemma 3), so a prefill chunk that computes one computes them all."""
+    to those before them (Gemma 3), so a prefill chunk that computes one computes them all.
+    feature_rows [tokens_per_tile] int64: the row of the tile's encoding that each of its tokens
+    takes, where the encoder's output is not one row per token in order (LLaVA-NeXT's: its
+    tiles' features, of which the image's aspect keeps some, and a newline embedding); None
+    where token i takes row i."""
 
     pixel_values: Tensor
     texts: tuple[str, ...]
@@ -27,6 +32,7 @@ class TiledImage:
     grid: tuple[int, int, int] | None = None
     image_token: int | None = None
     bidirectional: bool = False
+    feature_rows: Tensor | None = None
 
     def __post_init__(self) -> None:
         assert len(self.texts) == len(self.pixel_values) + 1

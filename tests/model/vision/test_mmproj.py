@@ -1,5 +1,6 @@
 """llama.cpp's vision projector files (mmproj GGUF) that astrai cannot use are refused before
-anything loads, saying what is wrong. (Loading one: tests/inference/test_images_idefics3.py.)"""
+anything loads, saying what is wrong. (Loading one: tests/inference/test_images_idefics3.py and
+test_images.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tiny_models import write_gguf, write_idefics3_gguf
+from tiny_models import write_gguf, write_idefics3_gguf, write_llava_gguf
 
 from astrai.config import ConfigError
 from astrai.model import AutoModel
@@ -63,3 +64,16 @@ def test_an_mmproj_file_goes_with_a_gguf_language_model_only(smolvlm_gguf, smolv
         AutoModel.from_pretrained(smolvlm_dir, mmproj=smolvlm_gguf[1])
     with pytest.raises(ConfigError, match="does not exist"):
         AutoModel.from_pretrained(smolvlm_gguf[0], mmproj=smolvlm_gguf[1].with_name("none.gguf"))
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"image_grid_pinpoints": [28, 56, 56, 28]}, "LLaVA-NeXT's"),
+        ({"feature_layer": [1, 2]}, r"hidden states \[1, 2\].*reads one"),
+    ],
+)
+def test_llava_projectors_astrai_cannot_run_are_refused(llava_dir, tmp_path, arrays, message):
+    language_model, mmproj = write_llava_gguf(tmp_path, llava_dir, arrays)
+    with pytest.raises(CheckpointError, match=message):
+        AutoModel.from_pretrained(language_model, mmproj=mmproj)
