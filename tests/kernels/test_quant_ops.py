@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import re
 
 import numpy as np
@@ -170,6 +171,30 @@ def test_packing_keeps_every_field(qtype, shape):
     assert fields.keys() == unpacked.keys()
     for name, field in fields.items():
         assert np.array_equal(unpacked[name], field), name
+
+
+# sha256 (first 32 hex digits) of each type's records of random_blocks(seed=3) in SHAPES, as
+# the packing of GGUF blocks decoded to codes and packed again gave them before it moved
+# their bytes as they are (the layout csrc/quant_linear.c reads, unchanged).
+PACKED_DIGESTS = {
+    "Q8_0": "3c84a0750c23fff56b37beea4bc01f22",
+    "Q4_0": "e8f92e3ddbb74019faec7575c1d88121",
+    "Q4_1": "4844a905e45a3f0040530fe02f5f1ad6",
+    "Q5_0": "5c4a47ec4412a4d72f434e70510d0413",
+    "Q4_K": "c3598b0b3cd766252d4a61e76ab1ff85",
+    "Q6_K": "3bbc5630f0d2fa8623ada06c42d40cfa",
+}
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_packing_is_the_layout_the_kernel_was_written_for(qtype):
+    """pack_blocks makes, bit for bit, the records it made when it went through decoded codes,
+    for every type and shape (rows not whole groups included)."""
+    digest = hashlib.sha256()
+    for shape in SHAPES:
+        shape = shape_of(qtype, shape)
+        digest.update(pack_blocks(random_blocks(qtype, shape, seed=3), qtype, shape).tobytes())
+    assert digest.hexdigest()[:32] == PACKED_DIGESTS[qtype.name]
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
