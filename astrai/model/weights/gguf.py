@@ -1,9 +1,9 @@
 """Load a Transformer from a GGUF file: the config from its metadata, the weights as blocks.
 
-The file is read memory-mapped with the `gguf` package. On the CPU a linear whose block type
-has a kernel keeps its blocks (a QuantizedLinear), and so does the embedding table (a
-QuantizedEmbedding, whose lookups decode a step's rows; a tied head streams the same blocks);
-every other tensor is dequantized once, to the requested dtype, straight from the mapping. The
+The file is read memory-mapped: its header by gguf_reader, as the `gguf` package reads it, its
+blocks decoded by the `gguf` package. On the CPU a linear whose block type has a kernel keeps
+its blocks (a QuantizedLinear), and so does the embedding table (a QuantizedEmbedding, whose
+lookups decode a step's rows; a tied head streams the same blocks); every other tensor is dequantized once, to the requested dtype, straight from the mapping. The
 blocks are repacked into memory of their own, so nothing refers to the mapping once the model
 is built: the reader is shared only while someone holds it, and then closed with its map.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as decode_blocks
 
 from astrai.config import ConfigError, ModelConfig
@@ -40,6 +40,7 @@ from astrai.model.families import config_from_gguf, gguf_architecture, gguf_fami
 from astrai.model.families.gguf_config import LONGROPE_FACTORS, ROPE_FREQS
 from astrai.model.transformer import Transformer
 from astrai.model.weights.gguf_layout import check_gguf_layout
+from astrai.model.weights.gguf_reader import GGUFFileReader
 from astrai.model.weights.quantize import is_linear_weight, replace_linear
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,7 @@ def load_gguf(
     tensors = {name: part for tensor in reader.tensors for name, part in _per_expert(tensor)}
     config = config_from_gguf(reader, path)
     family = gguf_family(gguf_architecture(reader))
-    # The tensors are views of the mapping; the parsed metadata (a vocabulary's hundreds of
-    # thousands of small arrays) goes now, before the model's objects are made among them.
+    # The tensors are views of the mapping; the reader (and its hold on the mapping) goes now.
     del reader
     with torch.device("meta"):
         model = Transformer(config)
@@ -247,7 +247,7 @@ class ConcatenatedLinear(torch.nn.Module):
         return concat_columns([part(x) for part in self.parts], self.bias)
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFFileReader:
     """A memory-mapped reader of path, or a CheckpointError if it is not a whole GGUF file or
     its layout lies (gguf_layout says how).
 
@@ -265,14 +265,14 @@ def open_gguf(path: Path) -> GGUFReader:
         return reader
 
 
-_readers: weakref.WeakValueDictionary[tuple, GGUFReader] = weakref.WeakValueDictionary()
+_readers: weakref.WeakValueDictionary[tuple, GGUFFileReader] = weakref.WeakValueDictionary()
 _readers_lock = threading.Lock()
 
 
-def _reader(path: str) -> GGUFReader:
+def _reader(path: str) -> GGUFFileReader:
     try:
         check_gguf_layout(path)
-        return _PlainArrayReader(path)
+        return GGUFFileReader(path)
     except CheckpointError:
         raise
     except (ValueError, OSError, KeyError, IndexError) as error:
@@ -280,20 +280,6 @@ def _reader(path: str) -> GGUFReader:
             f"cannot read GGUF file {path} ({str(error).rstrip('.')}): the file is truncated, "
             "corrupt or not GGUF; download it again"
         ) from error
-
-
-class _PlainArrayReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its mapping. Slicing numpy's memmap subclass
-    costs microseconds each, and the reader slices several times per vocabulary token: parsing
-    a 49k-token vocabulary takes 1.5 s on a memmap, 0.5 s on the plain view."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._mapping
-
-    @data.setter
-    def data(self, mapping: np.memmap) -> None:
-        self._mapping = mapping.view(np.ndarray)
 
 
 def _check(path: Path, layout, tensors: dict, config: ModelConfig) -> None:
