@@ -30,7 +30,7 @@ from astrai.server import (
     responses_api,
     tokenizer_api,
 )
-from astrai.server.auth import APIKeyAuth
+from astrai.server.auth import WEBUI_FILES, WEBUI_PAGE, APIKeyAuth
 from astrai.server.errors import APIError, error_response
 from astrai.server.generation import GenerationService
 from astrai.server.hosts import HostCheck
@@ -187,7 +187,8 @@ def _app(
     an IP address or one of allowed_hosts ("*" allows any). A body must be at most
     max_request_bytes and arrive within read_timeout seconds. /docs, /redoc and /openapi.json
     exist only with docs, behind the key when there is one. webui serves the chat page
-    (astrai/server/webui) at /, behind the key when there is one.
+    (astrai/server/webui) at / and its files under /webui/, without the key (the page asks for
+    it and sends it with its API calls).
     """
     doc_urls = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="astrai", version=astrai.__version__, **({} if docs else doc_urls))
@@ -226,11 +227,11 @@ def _app(
 
     if webui:
 
-        @app.get("/", include_in_schema=False)
+        @app.get(WEBUI_PAGE, include_in_schema=False)
         async def chat_page() -> FileResponse:
             return FileResponse(WEBUI_DIR / "index.html")
 
-        app.mount("/webui", StaticFiles(directory=WEBUI_DIR), name="webui")
+        app.mount(WEBUI_FILES.rstrip("/"), StaticFiles(directory=WEBUI_DIR), name="webui")
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -259,7 +260,7 @@ def _app(
     app.add_middleware(ModelLeases, registry=models)
     app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes, timeout=read_timeout)
     if api_key:
-        app.add_middleware(APIKeyAuth, api_key=api_key)
+        app.add_middleware(APIKeyAuth, api_key=api_key, webui=webui)
     app.add_middleware(DrainGate, drain=app.state.drain)
     if "*" not in allowed_hosts:
         app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)

@@ -5,6 +5,7 @@ router of two tiny models."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from live_server import make_engine, start_server, stop_server
+from live_server import API_KEY, make_engine, start_server, stop_server
 from tiny_models import write_hf_model
 
 from astrai.flags import build_parser, serve_settings
@@ -56,6 +57,70 @@ def test_the_page_is_served_at_the_root_unless_turned_off(demo_engine, webui):
         assert "<title>astrai chat</title>" in page.text
         assert "/v1/chat/completions" in script.text
     assert build_parser().parse_args(["serve", *([] if webui else ["--no-webui"])]).webui is webui
+
+
+def test_behind_an_api_key_the_page_is_public_and_every_api_route_is_not(demo_engine):
+    """The page and its static files answer without the key (a browser's navigation cannot send
+    it); every API route (the app's OpenAPI schema lists them) refuses a request without it, and
+    takes one with it. With --no-webui nothing but the probes is public."""
+    app = create_app(demo_engine, "demo", api_key=API_KEY, allowed_hosts=["testserver"], docs=True)
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    with TestClient(app) as client:
+        for path in ("/", "/webui/chat.js", "/webui/chat.css", "/webui/vendor/marked.umd.js"):
+            assert client.get(path).status_code == 200, path
+        schema = client.get("/openapi.json", headers=keyed).json()["paths"]
+        routes = [
+            (method.upper(), re.sub(r"\{[^}]*\}", "x", path))
+            for path, methods in schema.items()
+            if path not in ("/health", "/metrics")
+            for method in methods
+        ]
+        assert ("GET", "/v1/models") in routes and ("POST", "/v1/chat/completions") in routes
+        for method, path in routes:
+            assert client.request(method, path).status_code == 401, (method, path)
+        assert client.get("/v1/models", headers=keyed).status_code == 200
+        assert client.get("/webui/../v1/models").status_code != 200
+    app = create_app(
+        demo_engine, "demo", api_key=API_KEY, allowed_hosts=["testserver"], webui=False
+    )
+    with TestClient(app) as client:
+        assert client.get("/").status_code == 401
+        assert client.get("/webui/chat.js").status_code == 401
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs chromium: apt-get install chromium")
+def test_behind_an_api_key_the_page_asks_for_it_keeps_it_and_chats_with_it(demo_engine, tmp_path):
+    """The page asks for the key when the API answers 401, says so when a wrong one is refused,
+    chats with the right one, and keeps it (localStorage) over a reload."""
+    from playwright.sync_api import expect
+
+    running = start_server(create_app(demo_engine, "demo", api_key=API_KEY))
+    try:
+        with browser_page(f"http://127.0.0.1:{running.port}/") as page:
+            dialog, message = page.locator("#key-dialog"), page.locator("#key-message")
+            expect(dialog).to_be_visible()
+            expect(message).to_contain_text("needs an API key")
+            page.fill("#api-key", "wrong-key")
+            page.press("#api-key", "Enter")
+            expect(message).to_contain_text("refused this key (invalid API key)")
+            expect(dialog).to_be_visible()
+            page.fill("#api-key", API_KEY)
+            page.press("#api-key", "Enter")
+            expect(dialog).to_be_hidden()
+            expect(page.locator("#model")).to_have_value("demo")
+            ask(page, "Hello")
+            expect(page.locator("#status")).to_contain_text("tokens/s")
+            assert page.locator(".message.assistant").inner_text().strip()
+            page.reload()
+            expect(page.locator("#model")).to_have_value("demo")
+            expect(dialog).to_be_hidden()
+            ask(page, "Hello again")
+            expect(page.locator(".message")).to_have_count(4)
+            assert page.locator(".message.assistant").nth(1).inner_text().strip()
+            page.screenshot(path=tmp_path / "keyed.png")
+    finally:
+        stop_server(running)
+    assert (tmp_path / "keyed.png").stat().st_size > 0
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs chromium: apt-get install chromium")

@@ -1,18 +1,25 @@
 // astrai's chat page: streams each answer from /v1/chat/completions to the model picked from
 // /v1/models, shows answers as Markdown with highlighted code, keeps the conversation, the model
-// and the settings in this browser (localStorage), stops a reply on request. Plain JavaScript
-// and two vendored libraries (vendor/: marked, highlight.js): no build, no CDN.
+// and the settings in this browser (localStorage), stops a reply on request. Behind an API key
+// (astrai serve --api-key) the page itself is public, as llama-server's is: when the API answers
+// 401 it asks for the key, keeps it in localStorage and sends it as `Authorization: Bearer` on
+// every API call. Plain JavaScript and two vendored libraries (vendor/: marked, highlight.js):
+// no build, no CDN.
 "use strict";
 
 const STORAGE_KEY = "astrai.chat.messages";
 const MODEL_KEY = "astrai.chat.model";
 const SETTINGS_KEY = "astrai.chat.settings";
+const API_KEY = "astrai.apiKey";
 const messagesEl = document.getElementById("messages");
 const input = document.getElementById("input");
 const modelPicker = document.getElementById("model");
 const sendButton = document.getElementById("send");
 const stopButton = document.getElementById("stop");
 const statusEl = document.getElementById("status");
+const keyDialog = document.getElementById("key-dialog");
+const keyInput = document.getElementById("api-key");
+const keyMessage = document.getElementById("key-message");
 const settingFields = {
   system: document.getElementById("system"),
   temperature: document.getElementById("temperature"),
@@ -82,10 +89,38 @@ function setBusy(busy) {
   input.disabled = busy;
 }
 
+// fetch() of an API route with the kept key; a 401 opens the key dialog with the server's reason.
+async function api(path, options = {}) {
+  const key = localStorage.getItem(API_KEY);
+  const headers = { ...options.headers, ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+  const reply = await fetch(path, { ...options, headers });
+  if (reply.status === 401) {
+    const body = await reply.clone().json().catch(() => ({}));
+    askForKey(key, body.error?.message || reply.statusText);
+  }
+  return reply;
+}
+
+function askForKey(refusedKey, reason) {
+  keyMessage.textContent = refusedKey
+    ? `The server refused this key (${reason}). Enter the key it was started with.`
+    : "This server needs an API key (astrai serve --api-key): enter it to chat.";
+  keyInput.value = "";
+  if (!keyDialog.open) keyDialog.showModal();
+  keyInput.focus();
+}
+
+// A key entered is kept, and checked at once by listing the models with it.
+document.getElementById("key-form").addEventListener("submit", () => {
+  localStorage.setItem(API_KEY, keyInput.value);
+  statusEl.textContent = "";
+  loadModels();
+});
+
 // The picker lists every model the server serves (a router loads one when it is first asked);
 // the choice is remembered, and falls back to the first model when it is served no more.
 async function loadModels() {
-  const reply = await fetch("/v1/models");
+  const reply = await api("/v1/models");
   if (!reply.ok) {
     statusEl.textContent = `cannot list the models: ${reply.status} ${reply.statusText}`;
     return;
@@ -172,7 +207,7 @@ async function send(text) {
   let first = null;
   let usage = null;
   try {
-    const reply = await fetch("/v1/chat/completions", {
+    const reply = await api("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(chatRequest()),
