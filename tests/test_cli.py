@@ -396,16 +396,16 @@ def test_generate_imports_no_heavy_module(source, llama_gguf, llama_dir):
 
 
 def test_generate_parses_a_gguf_files_metadata_once(llama_gguf, monkeypatch, capsys):
-    """The model and the tokenizer both read the file's metadata; a vocabulary of tens of
-    thousands of tokens takes the gguf package half a second to parse."""
+    """The model and the tokenizer both read the file's metadata; the one reader of the file
+    serves both, so its header is parsed once."""
     parses = []
 
-    class CountedReader(gguf_weights._PlainArrayReader):
+    class CountedReader(gguf_weights.GGUFFileReader):
         def __init__(self, path, *args, **kwargs):
             parses.append(path)
             super().__init__(path, *args, **kwargs)
 
-    monkeypatch.setattr(gguf_weights, "_PlainArrayReader", CountedReader)
+    monkeypatch.setattr(gguf_weights, "GGUFFileReader", CountedReader)
     args = ["generate", "--model", str(llama_gguf), *SMALL_ENGINE, *GREEDY, "Hello"]
     assert main(args) == 0
     assert capsys.readouterr().out.strip()
