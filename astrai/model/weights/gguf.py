@@ -3,9 +3,10 @@
 The file is read memory-mapped: its header by gguf_reader, as the `gguf` package reads it, its
 blocks decoded by the `gguf` package. On the CPU a linear whose block type has a kernel keeps
 its blocks (a QuantizedLinear), and so does the embedding table (a QuantizedEmbedding, whose
-lookups decode a step's rows; a tied head streams the same blocks); every other tensor is dequantized once, to the requested dtype, straight from the mapping. The
-blocks are repacked into memory of their own, so nothing refers to the mapping once the model
-is built: the reader is shared only while someone holds it, and then closed with its map.
+lookups decode a step's rows; a tied head streams the same blocks); every other tensor is
+dequantized once, to the requested dtype, straight from the mapping. The blocks are repacked
+into memory of their own, so nothing refers to the mapping once the model is built: the reader
+is shared only while someone holds it, and then closed with its map.
 
 llama.cpp's converter stores the rows of a Llama model's attn_q and attn_k permuted (each
 head's rotary halves interleaved); they are put back in the order astrai's rotate-half RoPE
