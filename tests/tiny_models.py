@@ -430,6 +430,16 @@ def greedy_with_logprobs(engine, prompts, max_tokens=12):
     return [ids[t] for t in tasks], torch.tensor([logprobs[t] for t in tasks])
 
 
+def assert_image_greedy_equal(engine, prompts, expected, expected_logprobs, max_tokens) -> None:
+    """prompts ((token ids, images) each; no images: text only) continue greedily as expected,
+    and with expected_logprobs too (1e-4): those notice an image feature out of place or a
+    token rotated by the wrong position, where a tiny model's greedy choice may not."""
+    prompts = [engine.image_prompt(*p) if p[1] else p[0] for p in prompts]
+    tokens, logprobs = greedy_with_logprobs(engine, prompts, max_tokens)
+    assert tokens == expected
+    torch.testing.assert_close(logprobs, torch.stack(expected_logprobs), rtol=1e-4, atol=1e-4)
+
+
 def run_ids(engine, prompts, params):
     """Submit token-id prompts (a list of lists) at once; return one TaskResult per prompt."""
     import queue

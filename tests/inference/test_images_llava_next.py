@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from PIL import Image
-from tiny_models import greedy_with_logprobs, make_engine, noise_image, run_ids
+from tiny_models import assert_image_greedy_equal, make_engine, noise_image, run_ids
 
 from astrai.inference import GenerationParams
 from astrai.model import AutoModel
@@ -101,22 +101,13 @@ def test_prompt_layout_equals_transformers_processor(vlm, checkpoint):
     assert [image.length for image in prompt.images] == [76, 68]
 
 
-def assert_equal_transformers(engine, prompts, expected, expected_logprobs) -> None:
-    """Greedy tokens equal transformers', and their logprobs too: those notice an image
-    feature out of place, where the tiny model's greedy choice may not."""
-    prompts = [engine.image_prompt(*p) if p[1] else p[0] for p in prompts]
-    tokens, logprobs = greedy_with_logprobs(engine, prompts, MAX_TOKENS)
-    assert tokens == expected
-    torch.testing.assert_close(logprobs, torch.stack(expected_logprobs), rtol=1e-4, atol=1e-4)
-
-
 def test_greedy_equals_transformers_alone(vlm, cases):
     """One image, two of different grids and token counts, and text only."""
     prompts, expected, logprobs = cases
     for i in range(len(prompts)):
         with make_engine(*vlm) as engine:
-            assert_equal_transformers(
-                engine, prompts[i : i + 1], expected[i : i + 1], logprobs[i : i + 1]
+            assert_image_greedy_equal(
+                engine, prompts[i : i + 1], expected[i : i + 1], logprobs[i : i + 1], MAX_TOKENS
             )
 
 
@@ -126,11 +117,12 @@ def test_batched_in_small_chunks(vlm, cases):
     prompts, expected, logprobs = cases
     order = [3, 0, 1, 2, 3]
     with make_engine(*vlm, max_num_batched_tokens=7, enable_prefix_cache=False) as engine:
-        assert_equal_transformers(
+        assert_image_greedy_equal(
             engine,
             [prompts[i] for i in order],
             [expected[i] for i in order],
             [logprobs[i] for i in order],
+            MAX_TOKENS,
         )
 
 

@@ -17,6 +17,7 @@ from astrai.config import LAYER_TYPES, ConfigError
 from astrai.model.families.family import Family, VisionFamily, preprocessor_config
 from astrai.model.families.gguf_metadata import GGUFMetadata
 from astrai.model.families.hf_config import sliding_layers
+from astrai.model.families.llava import LLAVA_LAYOUT_RENAMES, LLAVA_LAYOUT_VISION_PREFIXES
 from astrai.model.families.tensor_names import GGUF_POST_NORM_LAYER_NAMES, HF_POST_NORM_LAYER_NAMES
 from astrai.model.vision.gemma3 import Gemma3Vision
 from astrai.model.vision.gemma3_processor import Gemma3ImageProcessor
@@ -159,17 +160,7 @@ def _build_vision(hf: dict[str, Any], directory: Path) -> Gemma3Vision:
 GEMMA3_VISION = VisionFamily(
     "gemma3",
     model_types=("gemma3",),
-    renames=(
-        # the hub's layout (transformers 4) and transformers 5's save_pretrained
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("vision_tower.vision_model.", "vision_tower."),
-        # transformers 5's own layout
-        ("model.language_model.", "model."),
-        ("model.vision_tower.vision_model.", "vision_tower."),
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-    ),
-    vision_prefixes=("vision_tower.", "multi_modal_projector."),
+    renames=LLAVA_LAYOUT_RENAMES,  # the hub's layout (transformers 4) and transformers 5's
+    vision_prefixes=LLAVA_LAYOUT_VISION_PREFIXES,
     build=_build_vision,
 )

@@ -25,7 +25,8 @@ def _build_next(hf: dict[str, Any], directory: Path) -> LlavaNextVision:
     return LlavaNextVision(hf, processor)
 
 
-RENAMES = (
+# The layout of LLaVA's checkpoints, which other vision-language families share (Gemma 3's).
+LLAVA_LAYOUT_RENAMES = (
     # transformers 4's layout (and transformers 5's save_pretrained)
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
@@ -36,20 +37,20 @@ RENAMES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+LLAVA_LAYOUT_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 LLAVA = VisionFamily(
     "llava",
     model_types=("llava",),
-    renames=RENAMES,
-    vision_prefixes=VISION_PREFIXES,
+    renames=LLAVA_LAYOUT_RENAMES,
+    vision_prefixes=LLAVA_LAYOUT_VISION_PREFIXES,
     build=_build,
 )
 
 LLAVA_NEXT = VisionFamily(
     "llava_next",
     model_types=("llava_next",),
-    renames=(*RENAMES, ("model.image_newline", "image_newline")),
-    vision_prefixes=(*VISION_PREFIXES, "image_newline"),
+    renames=(*LLAVA_LAYOUT_RENAMES, ("model.image_newline", "image_newline")),
+    vision_prefixes=(*LLAVA_LAYOUT_VISION_PREFIXES, "image_newline"),
     build=_build_next,
 )
