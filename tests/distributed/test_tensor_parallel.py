@@ -239,6 +239,7 @@ def test_closing_lets_go_of_the_step_channel_at_once(llama_dir):
     assert not spawned_workers()
 
 
+@pytest.mark.slow  # the real SmolLM2 in three ranks: about 2 minutes on 2 cores
 def test_three_ranks_give_the_real_ggufs_greedy_tokens(monkeypatch):
     """SmolLM2-135M-Instruct's GGUF (Q4_1 linears, Q8_0 embedding; 9 heads over 3 KV heads)
     over 3 ranks, each holding a third of every layer's blocks. The products take the GEMM
