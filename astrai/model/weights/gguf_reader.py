@@ -15,6 +15,7 @@ reads.
 from __future__ import annotations
 
 import struct
+from abc import abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -156,15 +157,11 @@ class _ArrayField(ReaderField):
         return self.parts.contents(index_or_slice)
 
 
-class _NumberArrayParts(Sequence):
-    """GGUFReader's parts of an array of numbers: the field's head parts, then each item as an
-    array of one, made when asked for from the view of them all (values)."""
+class _ArrayParts(Sequence):
+    """GGUFReader's parts of a metadata array: the field's head parts, then the parts of its
+    items, each made when asked for (item_part)."""
 
-    def __init__(self, head: list[np.ndarray], values: np.ndarray) -> None:
-        self.head, self.values = head, values
-
-    def __len__(self) -> int:
-        return len(self.head) + len(self.values)
+    head: list[np.ndarray]
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -172,8 +169,25 @@ class _NumberArrayParts(Sequence):
         index = range(len(self))[index]
         if index < len(self.head):
             return self.head[index]
-        item = index - len(self.head)
-        return self.values[item : item + 1]
+        return self.item_part(index - len(self.head))
+
+    @abstractmethod
+    def item_part(self, index: int):
+        """Part index of those after the head."""
+
+
+class _NumberArrayParts(_ArrayParts):
+    """An array of numbers: each item a part, an array of one from the view of them all
+    (values)."""
+
+    def __init__(self, head: list[np.ndarray], values: np.ndarray) -> None:
+        self.head, self.values = head, values
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.values)
+
+    def item_part(self, index: int):
+        return self.values[index : index + 1]
 
     def data_indices(self) -> range:
         return range(len(self.head), len(self))
@@ -182,9 +196,9 @@ class _NumberArrayParts(Sequence):
         return self.values[index_or_slice].tolist()
 
 
-class _StringArrayParts(Sequence):
-    """GGUFReader's parts of an array of strings: the field's head parts, then each string's
-    length and bytes, made when asked for from where the strings start."""
+class _StringArrayParts(_ArrayParts):
+    """An array of strings: each string's length and bytes two parts, from where the strings
+    start."""
 
     def __init__(self, reader: GGUFFileReader, head: list[np.ndarray], offset: int, count: int):
         self.reader, self.head = reader, head
@@ -201,13 +215,8 @@ class _StringArrayParts(Sequence):
     def __len__(self) -> int:
         return len(self.head) + 2 * (len(self.starts) - 1)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        index = range(len(self))[index]
-        if index < len(self.head):
-            return self.head[index]
-        item, is_text = divmod(index - len(self.head), 2)
+    def item_part(self, index: int):
+        item, is_text = divmod(index, 2)
         start = self.starts[item]
         if is_text:
             return self.reader.data[start : self.starts[item + 1] - 8]
