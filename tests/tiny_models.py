@@ -695,6 +695,41 @@ def write_idefics3_model(
     return directory
 
 
+def mmproj_writer(
+    path: Path,
+    projector_type: str,
+    vision: dict,
+    processor: dict,
+    projection_dim: int,
+    **uint32s: int,
+):
+    """A GGUFWriter of an mmproj file with the clip.* metadata llama.cpp's convert_hf_to_gguf.py
+    --mmproj writes for every projector type, from the Hugging Face vision_config and
+    preprocessor_config, then the type's own uint32s (uint32s, as clip.vision.KEY)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_type("mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    for key, value in {
+        "projection_dim": projection_dim,
+        "image_size": vision["image_size"],
+        "patch_size": vision["patch_size"],
+        "embedding_length": vision["hidden_size"],
+        "feed_forward_length": vision["intermediate_size"],
+        "block_count": vision["num_hidden_layers"],
+        "attention.head_count": vision["num_attention_heads"],
+        **uint32s,
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_array("clip.vision.image_mean", processor["image_mean"])
+    writer.add_array("clip.vision.image_std", processor["image_std"])
+    writer.add_string("clip.projector_type", projector_type)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    writer.add_bool("clip.use_gelu", True)
+    return writer
+
+
 def write_idefics3_gguf(directory: Path, checkpoint: Path) -> tuple[Path, Path]:
     """(language model .gguf, mmproj .gguf) of a SmolVLM checkpoint (write_idefics3_model's)
     as llama.cpp ships such models: the Llama language model with the tokenizer, and the
@@ -702,7 +737,6 @@ def write_idefics3_gguf(directory: Path, checkpoint: Path) -> tuple[Path, Path]:
     llama.cpp's convert_hf_to_gguf.py --mmproj writes (checked against its output once)."""
     import shutil
 
-    import gguf
     import numpy as np
     from safetensors.torch import load_file, save_file
 
@@ -727,26 +761,13 @@ def write_idefics3_gguf(directory: Path, checkpoint: Path) -> tuple[Path, Path]:
         json.loads((checkpoint / "preprocessor_config.json").read_text()),
     )
     mmproj = directory / "mmproj-model.gguf"
-    writer = gguf.GGUFWriter(mmproj, "clip")
-    writer.add_type("mmproj")
-    writer.add_bool("clip.has_vision_encoder", True)
-    for key, value in {
-        "projection_dim": hf["text_config"]["hidden_size"],
-        "image_size": vision["image_size"],
-        "patch_size": vision["patch_size"],
-        "embedding_length": vision["hidden_size"],
-        "feed_forward_length": vision["intermediate_size"],
-        "block_count": vision["num_hidden_layers"],
-        "attention.head_count": vision["num_attention_heads"],
-        "projector.scale_factor": hf["scale_factor"],
-        "preproc_image_size": processor["size"]["longest_edge"],
-    }.items():
-        writer.add_uint32(f"clip.vision.{key}", value)
-    writer.add_array("clip.vision.image_mean", processor["image_mean"])
-    writer.add_array("clip.vision.image_std", processor["image_std"])
-    writer.add_string("clip.projector_type", "idefics3")
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
-    writer.add_bool("clip.use_gelu", True)
+    writer = mmproj_writer(
+        mmproj, "idefics3", vision, processor, hf["text_config"]["hidden_size"],
+        **{
+            "projector.scale_factor": hf["scale_factor"],
+            "preproc_image_size": processor["size"]["longest_edge"],
+        },
+    )  # fmt: skip
     layer_names = {
         "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -954,27 +975,13 @@ def write_gemma3_gguf(directory: Path, checkpoint: Path) -> tuple[Path, Path]:
     vision = hf["vision_config"]
     processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
     mmproj = directory / "mmproj-model.gguf"
-    writer = gguf.GGUFWriter(mmproj, "clip")
-    writer.add_type("mmproj")
-    writer.add_bool("clip.has_vision_encoder", True)
     tokens_per_side = int(hf["mm_tokens_per_image"] ** 0.5)
-    for key, value in {
-        "projection_dim": text["hidden_size"],
-        "image_size": vision["image_size"],
-        "patch_size": vision["patch_size"],
-        "embedding_length": vision["hidden_size"],
-        "feed_forward_length": vision["intermediate_size"],
-        "block_count": vision["num_hidden_layers"],
-        "attention.head_count": vision["num_attention_heads"],
-        # written where it is not llama.cpp's default of 4, as for its tiny test models
-        "projector.scale_factor": vision["image_size"] // vision["patch_size"] // tokens_per_side,
-    }.items():
-        writer.add_uint32(f"clip.vision.{key}", value)
-    writer.add_array("clip.vision.image_mean", processor["image_mean"])
-    writer.add_array("clip.vision.image_std", processor["image_std"])
-    writer.add_string("clip.projector_type", "gemma3")
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
-    writer.add_bool("clip.use_gelu", True)
+    # the pooling written where it is not llama.cpp's default of 4, as for its tiny test models
+    scale_factor = vision["image_size"] // vision["patch_size"] // tokens_per_side
+    writer = mmproj_writer(
+        mmproj, "gemma3", vision, processor, text["hidden_size"],
+        **{"projector.scale_factor": scale_factor},
+    )  # fmt: skip
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
     for name, tensor in tensors.items():
         if name.startswith("vision_tower."):
