@@ -485,8 +485,9 @@ def test_quantized_greedy_does_not_depend_on_what_the_prefix_cache_holds(constra
                 assert warm == (tokens, logprobs, 16 * pages)
 
 
-def greedy_of_heldout_prompts(model, tokenizer, **engine_config) -> list[list[int]]:
-    """32 greedy tokens after each of 16 48-token prompts from heldout.txt, one at a time."""
+def greedy_of_heldout_prompts(model, tokenizer, **engine_config):
+    """32 greedy tokens after each of 16 48-token prompts from heldout.txt, one at a time, and
+    the paths the engine's plan ran its quantized linears on."""
     from astrai.inference import GenerationParams
 
     heldout = Path(__file__).parents[2] / "astrai/assets/demo/heldout.txt"
@@ -495,7 +496,8 @@ def greedy_of_heldout_prompts(model, tokenizer, **engine_config) -> list[list[in
     prompts = [ids[i * step : i * step + 48] for i in range(16)]
     params = GenerationParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     with make_engine(model, tokenizer, **engine_config) as engine:
-        return [run_ids(engine, [prompt], [params])[0][0].token_ids for prompt in prompts]
+        paths = engine.scheduler.executor.kernel_plan.quantized[torch.float32].paths
+        return [run_ids(engine, [prompt], [params])[0][0].token_ids for prompt in prompts], paths
 
 
 @pytest.mark.slow
@@ -509,8 +511,7 @@ def test_quantized_greedy_agrees_with_the_dequantized_weights(monkeypatch, tmp_p
     quantizer). Measured once on a 2-core AMD EPYC (Zen 5, AVX-512 VNNI): Q4_1 int8x2 16 of
     16, int8 8 of 16; Q8_0 int8x2 16 of 16, int8 4 of 16; llama.cpp on the Q4_1 file 4 of
     16 (benchmarks/README.md, "Activation precision")."""
-    from astrai.kernels import quant_ops
-    from astrai.kernels.kernel_plan import ROW_BUCKETS, widest_quantized_isa
+    from astrai.kernels.kernel_plan import LinearPath
     from astrai.tokenize import AutoTokenizer
 
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
@@ -518,14 +519,13 @@ def test_quantized_greedy_agrees_with_the_dequantized_weights(monkeypatch, tmp_p
         AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE, dequantize=True).save_pretrained(tmp_path)
         model = AutoModel.from_pretrained(tmp_path, quantization=quantization)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
-    default = greedy_of_heldout_prompts(model, tokenizer)
-    one_term = greedy_of_heldout_prompts(model, tokenizer, activation_precision="int8")
-    monkeypatch.setattr(
-        quant_ops,
-        "_fastest_isa_and_paths",
-        lambda weights, dtype, terms: [widest_quantized_isa(), 2048, *["gemm"] * len(ROW_BUCKETS)],
-    )
-    reference = greedy_of_heldout_prompts(model, tokenizer)
+    default, default_paths = greedy_of_heldout_prompts(model, tokenizer)
+    one_term, _ = greedy_of_heldout_prompts(model, tokenizer, activation_precision="int8")
+    monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")  # over the timing and its cache
+    reference, reference_paths = greedy_of_heldout_prompts(model, tokenizer)
+    # the default decodes on the kernel, the reference on the GEMM, every row count
+    assert default_paths[0] == LinearPath.KERNEL
+    assert set(reference_paths) == {LinearPath.GEMM}
     agree = [sum(map(list.__eq__, run, reference)) for run in (default, one_term)]
     print(f"agree with the reference: int8x2 {agree[0]} of 16, int8 {agree[1]} of 16")
     assert agree[0] == 16
