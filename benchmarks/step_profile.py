@@ -5,8 +5,14 @@ sampling, appending tokens, stop checks and callbacks -- and should stay small a
 model. Steps are bucketed by how many decodes they ran; steps that also ran prompt chunks are
 reported apart.
 
+With --decode MODEL, one request's batch-1 decode instead (a 128-token prompt, 256 new tokens,
+as vs_llamacpp.py times it), each decode step split into the products by weight type, the
+attention, the small ops (norms, rope, activations), the embedding lookup, the LM head and
+the host side; every call of the recorded layers is timed on its own.
+
     python benchmarks/step_profile.py                      # 64 requests, fp32
     python benchmarks/step_profile.py --num-requests 16
+    python benchmarks/step_profile.py --decode path/to/model.gguf
 """
 
 from __future__ import annotations
@@ -16,12 +22,17 @@ import time
 from collections import defaultdict
 
 import torch
+from decode_roofline import astrai_decode_rate
+from gguf import GGMLQuantizationType
 from offline_throughput import run_astrai
 from workload import offline_workload, write_random_model
 
 from astrai.inference.executor import ModelExecutor
 from astrai.inference.scheduler import InferenceScheduler
+from astrai.kernels import native
+from astrai.kernels.graph import StepGraph
 from astrai.model import AutoModel
+from astrai.model.transformer import Transformer
 
 
 def main() -> None:
@@ -29,8 +40,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode", metavar="MODEL", help="a batch-1 decode of this model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode:
+        profile_decode(args.decode, getattr(torch, args.dtype))
+        return
 
     model = AutoModel.from_pretrained(write_random_model(), dtype=getattr(torch, args.dtype))
     # One entry per step that ran the model: [decodes, prompt tokens, forward s, step s]
@@ -80,6 +95,90 @@ def main() -> None:
             f"{key:<20}{len(rows):>6}{step_ms:>9.1f}{forward_ms:>9.1f}{host_ms:>8.2f}"
             f"{host_ms / step_ms:>8.1%}"
         )
+
+
+def call_kind(call) -> str:
+    """What a recorded call computes: products by weight type, attention, or small ops."""
+    if call.func is native.quant_linear.linear:
+        return f"products, {GGMLQuantizationType(call.args[8]).name}"
+    if native.skinny_linear is not None and call.func is native.skinny_linear.linear:
+        return "products, dense"
+    if native.paged_attention is not None and call.func is native.paged_attention.decode:
+        return "attention"
+    if call.func in (torch.mm, torch.addmm) or "linear" in getattr(call.func, "__name__", ""):
+        return "products, dense"
+    return "small ops"
+
+
+def profile_decode(path: str, dtype: torch.dtype) -> None:
+    """One request's decode steps split by kind, ms a step (the mean over the decode steps)."""
+    model = AutoModel.from_pretrained(path, dtype=dtype)
+    # per decode step: kind -> seconds
+    steps: list[defaultdict[str, float]] = []
+    replay, embed, logits, step = (
+        StepGraph.replay,
+        Transformer.embed,
+        Transformer.logits,
+        (InferenceScheduler.step),
+    )
+
+    def timed(kind, method):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            if steps:
+                steps[-1][kind] += time.perf_counter() - start
+            return result
+
+        return run
+
+    def timed_call(call):
+        kind = call_kind(call)
+
+        def run() -> None:
+            start = time.perf_counter()
+            call()
+            steps[-1][kind] += time.perf_counter() - start
+
+        return run
+
+    def timed_replay(graph: StepGraph, backend) -> None:
+        # Once a replay has bound the attention calls (its first), each call is timed; the
+        # wrappers' own cost (well under a microsecond a call) falls to the host side.
+        if graph.attention_calls and not getattr(graph, "timed", False):
+            graph.calls = [call and timed_call(call) for call in graph.calls]
+            graph.attention_calls = [timed_call(call) for call in graph.attention_calls]
+            graph.timed = True
+        replay(graph, backend)
+
+    def timed_step(scheduler: InferenceScheduler) -> bool:
+        steps.append(defaultdict(float))
+        start = time.perf_counter()
+        ran = step(scheduler)
+        steps[-1]["step"] = time.perf_counter() - start
+        return ran
+
+    StepGraph.replay = timed_replay
+    Transformer.embed, Transformer.logits = timed("embedding", embed), timed("LM head", logits)
+    InferenceScheduler.step = timed_step
+    try:
+        rate = astrai_decode_rate(model, list(range(1000, 1128)), 256)
+    finally:
+        StepGraph.replay, Transformer.embed, Transformer.logits = replay, embed, logits
+        InferenceScheduler.step = step
+    # decode steps only: those that replayed the recorded layers, past the first two
+    decode_steps = [s for s in steps if "attention" in s][2:]
+    totals: defaultdict[str, float] = defaultdict(float)
+    for timings in decode_steps:
+        for kind, seconds in timings.items():
+            totals[kind] += seconds / len(decode_steps)
+    total = totals.pop("step")
+    totals["host"] = total - sum(totals.values())
+    print(f"{path}: {rate:.1f} tok/s as timed by vs_llamacpp.py; {len(decode_steps)} steps")
+    print(f"{'part':<22}{'ms/step':>9}{'share':>8}")
+    for kind, seconds in sorted(totals.items(), key=lambda item: -item[1]):
+        print(f"{kind:<22}{1e3 * seconds:>9.3f}{seconds / total:>8.1%}")
+    print(f"{'step (replayed calls timed one by one)':<22}{1e3 * total:>9.3f}")
 
 
 if __name__ == "__main__":
