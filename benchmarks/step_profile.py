@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from contextlib import ExitStack
+from unittest.mock import patch
 
 import torch
 from decode_roofline import astrai_decode_rate
@@ -27,8 +29,13 @@ from gguf import GGMLQuantizationType
 from offline_throughput import run_astrai
 from workload import offline_workload, write_random_model
 
+from astrai.inference import executor as executor_module
+from astrai.inference import scheduler as scheduler_module
+from astrai.inference.attention import CacheView
 from astrai.inference.executor import ModelExecutor
-from astrai.inference.scheduler import InferenceScheduler
+from astrai.inference.sample import SamplingBatch, sample
+from astrai.inference.scheduler import InferenceScheduler, schedule
+from astrai.inference.step_batch import StepBatch
 from astrai.kernels import native
 from astrai.kernels.graph import StepGraph
 from astrai.model import AutoModel
@@ -115,14 +122,8 @@ def profile_decode(path: str, dtype: torch.dtype) -> None:
     model = AutoModel.from_pretrained(path, dtype=dtype)
     # per decode step: kind -> seconds
     steps: list[defaultdict[str, float]] = []
-    replay, embed, logits, step = (
-        StepGraph.replay,
-        Transformer.embed,
-        Transformer.logits,
-        (InferenceScheduler.step),
-    )
 
-    def timed(kind, method):
+    def timed(kind: str, method):
         def run(*args, **kwargs):
             start = time.perf_counter()
             result = method(*args, **kwargs)
@@ -142,9 +143,11 @@ def profile_decode(path: str, dtype: torch.dtype) -> None:
 
         return run
 
+    replay, step = StepGraph.replay, InferenceScheduler.step
+
     def timed_replay(graph: StepGraph, backend) -> None:
         # Once a replay has bound the attention calls (its first), each call is timed; the
-        # wrappers' own cost (well under a microsecond a call) falls to the host side.
+        # wrappers' own cost (well under a microsecond a call) falls to "host: the rest".
         if graph.attention_calls and not getattr(graph, "timed", False):
             graph.calls = [call and timed_call(call) for call in graph.calls]
             graph.attention_calls = [timed_call(call) for call in graph.attention_calls]
@@ -158,14 +161,31 @@ def profile_decode(path: str, dtype: torch.dtype) -> None:
         steps[-1]["step"] = time.perf_counter() - start
         return ran
 
-    StepGraph.replay = timed_replay
-    Transformer.embed, Transformer.logits = timed("embedding", embed), timed("LM head", logits)
-    InferenceScheduler.step = timed_step
-    try:
+    layout = "host: the step's layout"
+    patches = [
+        patch.object(StepGraph, "replay", timed_replay),
+        patch.object(InferenceScheduler, "step", timed_step),
+        patch.object(Transformer, "embed", timed("embedding, rope angles", Transformer.embed)),
+        patch.object(Transformer, "logits", timed("LM head", Transformer.logits)),
+        patch.object(scheduler_module, "schedule", timed("host: planning", schedule)),
+        patch.object(
+            InferenceScheduler,
+            "_post_process",
+            timed("host: tokens, stops, callbacks", InferenceScheduler._post_process),
+        ),
+        patch.object(StepBatch, "build", classmethod(timed(layout, StepBatch.build.__func__))),
+        patch.object(CacheView, "__init__", timed(layout, CacheView.__init__)),
+        patch.object(executor_module, "sample", timed("host: sampling", sample)),
+        patch.object(
+            SamplingBatch,
+            "build",
+            classmethod(timed("host: sampling", SamplingBatch.build.__func__)),
+        ),
+    ]
+    with ExitStack() as stack:
+        for patched in patches:
+            stack.enter_context(patched)
         rate = astrai_decode_rate(model, list(range(1000, 1128)), 256)
-    finally:
-        StepGraph.replay, Transformer.embed, Transformer.logits = replay, embed, logits
-        InferenceScheduler.step = step
     # decode steps only: those that replayed the recorded layers, past the first two
     decode_steps = [s for s in steps if "attention" in s][2:]
     totals: defaultdict[str, float] = defaultdict(float)
@@ -173,12 +193,12 @@ def profile_decode(path: str, dtype: torch.dtype) -> None:
         for kind, seconds in timings.items():
             totals[kind] += seconds / len(decode_steps)
     total = totals.pop("step")
-    totals["host"] = total - sum(totals.values())
+    totals["host: the rest"] = total - sum(totals.values())
     print(f"{path}: {rate:.1f} tok/s as timed by vs_llamacpp.py; {len(decode_steps)} steps")
-    print(f"{'part':<22}{'ms/step':>9}{'share':>8}")
+    print(f"{'part':<34}{'ms/step':>9}{'share':>8}")
     for kind, seconds in sorted(totals.items(), key=lambda item: -item[1]):
-        print(f"{kind:<22}{1e3 * seconds:>9.3f}{seconds / total:>8.1%}")
-    print(f"{'step (replayed calls timed one by one)':<22}{1e3 * total:>9.3f}")
+        print(f"{kind:<34}{1e3 * seconds:>9.3f}{seconds / total:>8.1%}")
+    print(f"{'step (each replayed call timed)':<34}{1e3 * total:>9.3f}")
 
 
 if __name__ == "__main__":
