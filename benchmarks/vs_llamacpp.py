@@ -69,7 +69,8 @@ from offline_throughput import _NoTextTokenizer, run_astrai
 from workload import LLAMA_1B, SMOLLM2_135M, Request, offline_workload
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
-from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
+from astrai.kernels import Linear
+from astrai.kernels.quant_ops import ConcatenatedWeight, QuantizedWeight
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
 
@@ -512,7 +513,9 @@ def measure_decode(report, gguf_type, model, gguf, bin_dir, args, bandwidth) -> 
         "tok/s",
         target="≥ 1.0x the faster",
     )
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):  # else int8 changes nothing
+    in_blocks = QuantizedWeight | ConcatenatedWeight
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if any(isinstance(m.weight, in_blocks) for m in linears):  # else int8 changes nothing
         one_term = max(
             astrai_decode_rate(model, prompt, 256, activation_precision="int8")
             for _ in range(args.repeats)

@@ -943,13 +943,13 @@ def test_generate_from_a_gguf_file_in_a_hub_repo_equals_the_file(tmp_path):
 
 
 def test_quantization_flag_reaches_the_loader(llama_dir, built, capsys):
-    from astrai.kernels.quant_ops import QuantizedLinear
+    from astrai.kernels.quant_ops import QuantizedWeight
 
     flags = ["--quantization", "q4_0", "--device", "cpu", *SMALL_ENGINE, *GREEDY, "Hello"]
     assert main(["generate", "--model", str(llama_dir), *flags]) == 0
     (engine,) = built
     w13 = engine.model.layers[0].feed_forward.w13
-    assert isinstance(w13, QuantizedLinear) and w13.weight.qtype.name == "Q4_0"
+    assert isinstance(w13.weight, QuantizedWeight) and w13.weight.qtype.name == "Q4_0"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--quantization", "q4_k", "Hello"])
     assert "no quantizer for it" in capsys.readouterr().err

@@ -7,12 +7,13 @@ mixture-of-experts layer splits every expert (and the shared expert) the same wa
 routes every token as the others do (the router is replicated) and runs its share of each
 chosen expert, and the layer's one all-reduce adds the experts' partial outputs up. Its model
 is then an ordinary Transformer of a narrower config (n_heads / N, n_kv_heads / N, the FFN
-widths / N), so the forward pass runs unchanged. The embedding and the LM head are
-vocabulary-parallel: each rank holds 1/N of the vocabulary's rows, embeds its own tokens (the
-ranks' sum is every token's row) and computes its own columns of the logits, which rank 0
-gathers. Norms are replicated, but for OLMo 2's q and k norms across all heads, which add each
-rank's sum of squares up before they scale (ShardedRMSNorm). Every layer that makes partial
-sums is built with the function that adds them up across the ranks (the group's all-reduce).
+widths / N) and the rank's share (RankShare), so the forward pass runs unchanged. The
+embedding and the LM head are vocabulary-parallel: each rank holds 1/N of the vocabulary's
+rows, embeds its own tokens (the ranks' sum is every token's row) and computes its own columns
+of the logits, which rank 0 gathers. Norms are replicated, but for OLMo 2's q and k norms
+across all heads, which add each rank's sum of squares up before they scale (ShardedRMSNorm).
+Every layer that makes partial sums is built with the function that adds them up across the
+ranks (the group's all-reduce).
 """
 
 from __future__ import annotations
@@ -20,13 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from astrai.config import ConfigError, ModelConfig
-from astrai.kernels import Linear
-from astrai.model.transformer import Transformer
+from astrai.model.transformer import RankShare, Transformer
 
 
 def check_shardable(config: ModelConfig, size: int) -> None:
@@ -72,7 +70,8 @@ class TensorShard:
 
     def model(self, config: ModelConfig) -> Transformer:
         """The rank's narrower model: its query heads, KV heads, FFN columns and vocabulary
-        rows; its config keeps the whole vocabulary's size, which the engine checks ids by."""
+        rows; its config keeps the whole vocabulary's size, which the engine checks ids by.
+        Built where the caller says (the loaders: on the meta device), to be filled."""
         check_shardable(config, self.size)
         moe = config.moe
         if moe is not None:
@@ -82,35 +81,20 @@ class TensorShard:
                 dim_expert=moe.dim_expert // self.size,
                 dim_shared_expert=None if shared is None else shared // self.size,
             )
-        model = Transformer(
-            replace(
-                config,
-                n_heads=config.n_heads // self.size,
-                n_kv_heads=max(1, config.n_kv_heads // self.size),
-                dim_ffn=config.dim_ffn // self.size,
-                moe=moe,
-            ),
-            sum_partials=self.sum_partials,
-        )
+        qk_norm_widths = None
         if config.qk_norm_across_heads:  # OLMo 2: each norm spans every rank's heads
             q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
             kv_replicas = max(1, self.size // config.n_kv_heads)
-            for layer in model.layers:
-                attention = layer.attention
-                attention.q_norm = ShardedRMSNorm(
-                    q_size // self.size, q_size, config.norm_eps, self.sum_partials
-                )
-                attention.k_norm = ShardedRMSNorm(
-                    attention.k_norm.weight.shape[0],
-                    kv_size * kv_replicas,
-                    config.norm_eps,
-                    self.sum_partials,
-                )
-        rows = self._share(0, config.vocab_size)
-        model.tok_embeddings = VocabParallelEmbedding(rows, config.dim, self.sum_partials)
-        if model.output is not None:
-            model.output = Linear(config.dim, rows[1] - rows[0], bias=False)
-        return model
+            qk_norm_widths = (q_size, kv_size * kv_replicas)
+        share = RankShare(self.sum_partials, self._share(0, config.vocab_size), qk_norm_widths)
+        narrower = replace(
+            config,
+            n_heads=config.n_heads // self.size,
+            n_kv_heads=max(1, config.n_kv_heads // self.size),
+            dim_ffn=config.dim_ffn // self.size,
+            moe=moe,
+        )
+        return Transformer(narrower, share)
 
     def spans(self, name: str, config: ModelConfig) -> tuple[int, list[tuple[int, int]]] | None:
         """(dim, ranges) of native tensor `name` this rank holds; None where it holds it whole."""
@@ -155,44 +139,3 @@ def ffn_width(name: str, config: ModelConfig) -> int:
     if ".shared_expert." in name:
         return config.moe.dim_shared_expert
     return config.dim_ffn
-
-
-class ShardedRMSNorm(nn.Module):
-    """RMSNorm over a vector whose parts lie on the ranks (OLMo 2's q and k norms across all
-    heads): each rank's sum of squares, added up across the ranks by sum_partials, over the
-    whole width; the rank's part of the weight. A KV head replicated on r ranks counts r times,
-    so its width is counted r times too."""
-
-    def __init__(
-        self, dim: int, width: int, eps: float, sum_partials: Callable[[Tensor], object] | None
-    ):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.width, self.eps = width, eps
-        self.sum_partials = sum_partials
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        squares = x32.pow(2).sum(-1, keepdim=True)
-        self.sum_partials(squares)
-        return self.weight * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """This rank's rows [first, stop) of the token embedding: the rank embeds its own tokens
-    and zeros for the rest, and sum_partials adds the ranks' rows up."""
-
-    def __init__(
-        self, rows: tuple[int, int], dim: int, sum_partials: Callable[[Tensor], object] | None
-    ):
-        super().__init__()
-        self.first, self.stop = rows
-        self.weight = nn.Parameter(torch.empty(self.stop - self.first, dim))
-        self.sum_partials = sum_partials
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        outside = (input_ids < self.first) | (input_ids >= self.stop)
-        local = (input_ids - self.first).masked_fill(outside, 0)
-        h = F.embedding(local, self.weight).masked_fill(outside[:, None], 0.0)
-        self.sum_partials(h)
-        return h

@@ -15,19 +15,22 @@ from astrai.kernels.fused_ops import (
 )
 from astrai.kernels.graph import Arena, StepGraph, data_addresses, launch_opaque
 from astrai.kernels.kernel_plan import SKINNY_MAX_ROWS, KernelPlan, LinearChoice, LinearPath
-from astrai.kernels.linear_ops import Linear, linear, tune_linears
+from astrai.kernels.layers import Embedding, Linear, TiedTable
+from astrai.kernels.linear_ops import linear, tune_linears
 from astrai.kernels.paged_attention import PagedDecode
 from astrai.kernels.tuning import tune_kernels
 
 __all__ = [
     "SKINNY_MAX_ROWS",
     "Arena",
+    "Embedding",
     "KernelPlan",
     "Linear",
     "LinearChoice",
     "LinearPath",
     "PagedDecode",
     "StepGraph",
+    "TiedTable",
     "add_rms_norm",
     "data_addresses",
     "launch_opaque",

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
@@ -127,13 +127,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         path = choose_path(x, weight, bias, choice)
         return torch.ops.astrai.linear(x, weight, bias, path, choice.isa, choice.prefetch)
     return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose forward is linear()."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 def _time_path(

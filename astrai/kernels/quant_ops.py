@@ -25,10 +25,11 @@ the batch, a GEMM path's roundings differ from it, so an engine takes the GEMM p
 built with batch_invariant=False.
 Without the C extension, W is dequantized once (NumPy, as the gguf package does) for F.linear.
 
-A model holds a QuantizedWeight per quantized linear (QuantizedWeight.from_gguf on the GGUF
-tensor's bytes) and calls quant_linear(x, weight, bias), or builds a QuantizedLinear; either
-takes its activation precision from the active plan too. An embedding table in blocks is a
-QuantizedEmbedding, whose lookups decode only the rows asked for.
+A quantized W is a QuantizedWeight (QuantizedWeight.from_gguf on the GGUF tensor's bytes), or a
+ConcatenatedWeight where a fused projection's parts are in different block types; a Linear
+(layers.py) holding one calls quant_linear(x, weight, bias) or concatenated_linear, which take
+their activation precision from the active plan too. An embedding table in blocks is looked up
+by lookup_rows, which decodes only the rows asked for.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from torch import Tensor, nn
+from torch import Tensor
 
 from astrai.kernels import native, tuning_cache
 from astrai.kernels.graph import launch, new_output
@@ -245,18 +246,6 @@ def quant_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
-class QuantizedLinear(nn.Module):
-    """A linear layer whose W stays quantized: what a model builds for a quantized tensor."""
-
-    def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None):
-        super().__init__()
-        self.weight = weight
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return quant_linear(x, self.weight, self.bias)
-
-
 @kernel_op(
     "quant_embedding",
     fake=lambda ids, packed, qtype, rows, dim, dtype: packed.new_empty(
@@ -275,24 +264,16 @@ def _quant_embedding_op(
     return out.view(*ids.shape, dim)
 
 
-class QuantizedEmbedding(nn.Module):
-    """An embedding table kept in its GGUF blocks: a step's rows are decoded as it looks them
-    up, exactly as QuantizedWeight.dequantize decodes them, so the table never sits in memory
-    as dtype (113 MB of fp32 for SmolLM2's, 2.1 GB for Llama 3 8B's). A tied head streams the
-    same blocks (a QuantizedLinear over this weight)."""
-
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
-        super().__init__()
-        self.weight = weight
-        self.dtype = dtype
-
-    def forward(self, ids: Tensor) -> Tensor:
-        if native.quant_linear is None or self.dtype not in native.KERNEL_DTYPES:
-            return F.embedding(ids, self.weight.dequantize(self.dtype))
-        weight = self.weight
-        return torch.ops.astrai.quant_embedding(
-            ids, weight.packed, int(weight.qtype), *weight.shape, self.dtype
-        )
+def lookup_rows(ids: Tensor, table: QuantizedWeight, dtype: torch.dtype) -> Tensor:
+    """The rows ids [...] of an embedding table kept in its GGUF blocks, [..., dim] in dtype:
+    decoded as they are looked up, exactly as QuantizedWeight.dequantize decodes them, so the
+    table never sits in memory as dtype (113 MB of fp32 for SmolLM2's, 2.1 GB for Llama 3
+    8B's)."""
+    if native.quant_linear is None or dtype not in native.KERNEL_DTYPES:
+        return F.embedding(ids, table.dequantize(dtype))
+    return torch.ops.astrai.quant_embedding(
+        ids, table.packed, int(table.qtype), *table.shape, dtype
+    )
 
 
 def _concat_into(out: Tensor, parts: list[Tensor], bias: Tensor | None) -> None:
@@ -313,6 +294,34 @@ def concat_columns(parts: list[Tensor], bias: Tensor | None = None) -> Tensor:
     projection split by block type (a Q4_K_M file's Q6_K v beside its Q4_K q and k) are joined
     without voiding the recording, which any other op would."""
     return torch.ops.astrai.concat_columns(parts, bias)
+
+
+@dataclass(frozen=True)
+class ConcatenatedWeight:
+    """A fused projection's W whose parts (rows of W, one after another) are in different block
+    types, as a Q4_K_M file's Q6_K v beside its Q4_K q and k: each part is multiplied alone and
+    the outputs' columns joined."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W as a dense [out_features, in_features] tensor, its parts' rows stacked."""
+        return torch.cat([part.dequantize(dtype) for part in self.parts])
+
+
+def concatenated_linear(
+    x: Tensor, weight: ConcatenatedWeight, bias: Tensor | None = None
+) -> Tensor:
+    """F.linear(x, W, bias) for W in parts: quant_linear by each, the columns joined (and
+    biased) by one op a recorded step replays."""
+    return concat_columns([quant_linear(x, part) for part in weight.parts], bias)
 
 
 def _time_path(

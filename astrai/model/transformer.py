@@ -21,19 +21,32 @@ from torch import Tensor, nn
 
 from astrai.config import ModelConfig
 from astrai.kernels import (
+    Embedding,
     Linear,
+    TiedTable,
     add_rms_norm,
     apply_rope,
     gelu_tanh_and_mul,
-    linear,
     rms_norm,
     silu_and_mul,
 )
-from astrai.kernels.quant_ops import QuantizedEmbedding, QuantizedLinear
+from astrai.kernels.layers import held_blocks
 from astrai.model.moe import MoEFeedForward
 from astrai.model.rope import RotaryEmbedding, rotary_dim
 
 WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What a tensor-parallel rank's layers need besides its narrower config (TensorShard
+    works it out from the whole model's): sum_partials, which adds a tensor up across the
+    ranks in place; the vocabulary's rows [first, stop) its embedding and head hold; and, for
+    q and k norms across all heads (OLMo 2), the whole widths they span."""
+
+    sum_partials: Callable[[Tensor], object] | None
+    vocab_rows: tuple[int, int]
+    qk_norm_widths: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,11 +143,33 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a vector whose parts lie on the tensor-parallel ranks (OLMo 2's q and k
+    norms across all heads): each rank's sum of squares, added up across the ranks by
+    sum_partials, over the whole width; the rank's part of the weight. A KV head replicated on
+    r ranks counts r times, so its width is counted r times too."""
+
+    def __init__(
+        self, dim: int, width: int, eps: float, sum_partials: Callable[[Tensor], object] | None
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.width, self.eps = width, eps
+        self.sum_partials = sum_partials
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        self.sum_partials(squares)
+        return self.weight * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3,
-    Gemma 3); its LayerAttention carries Gemma's scale, soft-cap and sliding window."""
+    Gemma 3); its LayerAttention carries Gemma's scale, soft-cap and sliding window. A
+    tensor-parallel rank's q and k norms across all heads (OLMo 2) span every rank's heads."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, share: RankShare | None = None):
         super().__init__()
         self.layer = LayerAttention(
             index=layer_idx,
@@ -155,9 +190,15 @@ class Attention(nn.Module):
         self.wo = Linear(q_size, config.dim, bias=False)
         self.qk_norm_across_heads = config.qk_norm_across_heads
         q_dims, k_dims = (q_size, kv_size) if self.qk_norm_across_heads else (config.head_dim,) * 2
-        qk_norm = config.use_qk_norm or config.qk_norm_across_heads
-        self.q_norm = RMSNorm(q_dims, config.norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(k_dims, config.norm_eps) if qk_norm else None
+        eps = config.norm_eps
+        if share is not None and share.qk_norm_widths is not None:
+            q_width, k_width = share.qk_norm_widths
+            self.q_norm = ShardedRMSNorm(q_dims, q_width, eps, share.sum_partials)
+            self.k_norm = ShardedRMSNorm(k_dims, k_width, eps, share.sum_partials)
+        else:
+            qk_norm = config.use_qk_norm or config.qk_norm_across_heads
+            self.q_norm = RMSNorm(q_dims, eps) if qk_norm else None
+            self.k_norm = RMSNorm(k_dims, eps) if qk_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend
@@ -211,12 +252,12 @@ class TransformerBlock(nn.Module):
         self,
         config: ModelConfig,
         layer_idx: int,
-        sum_partials: Callable[[Tensor], object] | None = None,
+        share: RankShare | None = None,
     ):
         super().__init__()
         pre_norms = config.pre_norms
         self.attention_norm = RMSNorm(config.dim, config.norm_eps) if pre_norms else None
-        self.attention = Attention(config, layer_idx)
+        self.attention = Attention(config, layer_idx, share)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps) if pre_norms else None
         self.residual_multiplier = config.residual_multiplier
         moe = config.moe
@@ -226,8 +267,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps) if post_norms else None
         # Under tensor parallelism (astrai.distributed) wo and w2 each give this rank's partial
-        # sums, which sum_partials adds up across the ranks in place.
-        self.sum_partials = sum_partials
+        # sums, which the share's sum_partials adds up across the ranks in place.
+        self.sum_partials = None if share is None else share.sum_partials
 
     def forward(
         self,
@@ -273,29 +314,28 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """The decoder: embedding, n_layers blocks, final norm and lm_head (tied or not).
 
-    A tensor-parallel rank's model (astrai.distributed.TensorShard) is built with sum_partials,
-    which adds each layer's partial outputs up across the ranks.
+    A tensor-parallel rank's model (astrai.distributed.TensorShard) is built with its share
+    (RankShare): its layers add their partial outputs up across the ranks, its embedding and
+    head hold its rows of the vocabulary, OLMo 2's q and k norms span every rank's heads. The
+    loaders fill the weights of the layers built here and never swap a layer.
     """
 
-    def __init__(self, config: ModelConfig, sum_partials: Callable[[Tensor], object] | None = None):
+    def __init__(self, config: ModelConfig, share: RankShare | None = None):
         super().__init__()
         self.config = config
-        # Embedding's own init, N(0, 1), drawn only off the meta device: the loaders build the
-        # model there, where a random draw imports torch._dynamo, and with it sympy and
-        # triton's library (100 MB resident) and a second of start-up.
-        weight = torch.empty(config.vocab_size, config.dim)
-        if not weight.is_meta:
-            weight.normal_()
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
+        rows, sum_partials = None, None
+        if share is not None:
+            rows, sum_partials = share.vocab_rows, share.sum_partials
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim, rows, sum_partials)
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, i, sum_partials) for i in range(config.n_layers)
+            TransformerBlock(config, i, share) for i in range(config.n_layers)
         )
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        # A tied model has no output weight of its own, so none is saved or loaded.
-        self.output = (
-            None if config.tie_weight else Linear(config.dim, config.vocab_size, bias=False)
-        )
+        head_rows = config.vocab_size if rows is None else rows[1] - rows[0]
+        # A tied head reads the embedding's table: it has no weight of its own to save or load.
+        tied = TiedTable(self.tok_embeddings) if config.tie_weight else None
+        self.output = Linear(config.dim, head_rows, bias=False, weight=tied)
         # A vision-language checkpoint's image encoder (astrai.model.vision), set by its loader:
         # it turns images into the embeddings of their placeholder tokens.
         self.vision: nn.Module | None = None
@@ -354,7 +394,7 @@ class Transformer(nn.Module):
     def logits(self, h: Tensor, residual: Tensor, logits_indices: Tensor | None) -> Tensor:
         """float32 logits of the rows in logits_indices (all rows if None): final norm, head."""
         h = self.final_hidden(h, residual, logits_indices)
-        logits = linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        logits = self.output(h)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
@@ -399,9 +439,7 @@ class Transformer(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of the weights, quantized blocks (which are not parameters) included, once
         each: a tied head and the embedding share theirs."""
-        in_blocks = (QuantizedLinear, QuantizedEmbedding)
-        blocks = {id(m.weight): m.weight for m in self.modules() if isinstance(m, in_blocks)}
-        total = sum(weight.nbytes() for weight in blocks.values())
+        total = sum(weight.nbytes() for weight in held_blocks(self))
         return total + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def save_pretrained(self, directory: str | Path) -> None:
@@ -411,7 +449,7 @@ class Transformer(nn.Module):
                 "the native format holds language models only; serve a vision-language model "
                 "from its Hugging Face directory"
             )
-        if any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in self.modules()):
+        if held_blocks(self):
             raise ValueError(
                 "the native format holds dense weights only; load the GGUF file with "
                 "dequantize=True to save it"

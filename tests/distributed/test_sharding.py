@@ -11,10 +11,10 @@ from tiny_models import write_gguf, write_hf_model
 
 from astrai.config import ConfigError, ModelConfig, MoEConfig
 from astrai.distributed import TensorShard, check_shardable
-from astrai.kernels.quant_ops import QuantizedLinear
+from astrai.kernels.quant_ops import ConcatenatedWeight, QuantizedWeight
 from astrai.launch import DEMO_MODEL_DIR
 from astrai.model import AutoModel
-from astrai.model.weights.gguf import ConcatenatedLinear, shard_problems
+from astrai.model.weights.gguf import shard_problems
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +60,8 @@ def dense_weights(model) -> dict[str, torch.Tensor]:
     """The model's tensors by name, a quantized linear's weight decoded from its blocks."""
     state = dict(model.state_dict())
     for name, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(getattr(module, "weight", None), QuantizedWeight | ConcatenatedWeight):
             state[f"{name}.weight"] = module.weight.dequantize()
-        elif isinstance(module, ConcatenatedLinear):
-            state[f"{name}.weight"] = torch.cat([p.weight.dequantize() for p in module.parts])
     return {name: t for name, t in state.items() if not name.split(".")[-2].isdigit()}
 
 
@@ -87,7 +85,7 @@ def test_the_ranks_shards_put_back_together_are_the_whole_model(
         for shard in (TensorShard(rank, size) for rank in range(size))
     ]
     if checkpoint == "gguf" and not dequantize:
-        assert isinstance(whole.layers[0].attention.wqkv, ConcatenatedLinear)
+        assert isinstance(whole.layers[0].attention.wqkv.weight, ConcatenatedWeight)
     q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     kv_ranks = max(1, size // config.n_kv_heads)  # ranks sharing one KV head
     for name, tensor in dense_weights(whole).items():

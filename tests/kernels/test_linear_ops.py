@@ -9,7 +9,6 @@ from kernel_switch import forced_plan, requires_compiler
 
 from astrai.kernels import (
     SKINNY_MAX_ROWS,
-    Linear,
     LinearPath,
     kernel_plan,
     linear,
@@ -371,10 +370,3 @@ def test_a_pass_slower_than_the_best_so_far_stops_early():
     weights = [torch.randn(64, 64) for _ in range(8)]
     assert linear_module._time_path(GEMM, weights, 4, limit=0.0) == float("inf")
     assert linear_module._time_path(GEMM, weights, 4, limit=10.0) < 10.0
-
-
-def test_linear_module_keeps_nn_linear_parameters_and_trains():
-    layer = Linear(16, 4)
-    assert set(layer.state_dict()) == {"weight", "bias"}
-    layer(torch.randn(2, 16)).sum().backward()
-    assert layer.weight.grad is not None

@@ -17,14 +17,13 @@ from kernel_switch import forced_plan, requires_compiler
 from tiny_models import real_gguf
 from torch import Tensor, nn
 
-from astrai.kernels import Arena, LinearPath, StepGraph, kernel_plan, native, quant_blocks
+from astrai.kernels import Arena, Linear, LinearPath, StepGraph, kernel_plan, native, quant_blocks
 from astrai.kernels import quant_ops as quant_module
 from astrai.kernels.kernel_plan import active_plan
 from astrai.kernels.quant_blocks import BLOCK_TYPES, pack_blocks
 from astrai.kernels.quant_ops import (
-    QuantizedEmbedding,
-    QuantizedLinear,
     QuantizedWeight,
+    lookup_rows,
     quant_linear,
     tune_quant_linears,
 )
@@ -228,7 +227,7 @@ def test_embedding_in_blocks_looks_up_gguf_rows_exactly(monkeypatch, qtype, with
     weight = QuantizedWeight.from_gguf(blocks, qtype, shape)
     ids = torch.tensor([[36, 0, 15, 16], [17, 17, 31, 32]])
     for dtype in DTYPES.values():
-        rows = QuantizedEmbedding(weight, dtype)(ids)
+        rows = lookup_rows(ids, weight, dtype)
         assert rows.shape == (2, 4, shape[1]) and rows.dtype == dtype
         assert torch.equal(rows, F.embedding(ids, table.to(dtype)))
 
@@ -237,12 +236,10 @@ def test_embedding_in_blocks_looks_up_gguf_rows_exactly(monkeypatch, qtype, with
 def test_embedding_in_blocks_refuses_rows_outside_its_table():
     qtype = GGMLQuantizationType.Q4_1
     shape = shape_of(qtype, (20, 1))
-    embedding = QuantizedEmbedding(
-        QuantizedWeight.from_gguf(random_blocks(qtype, shape, 12), qtype, shape), torch.float32
-    )
+    table = QuantizedWeight.from_gguf(random_blocks(qtype, shape, 12), qtype, shape)
     for row in (20, -1):  # 20 lies in the padded second group: still outside the table
         with pytest.raises(IndexError, match=f"row {row} is out of range for a table of 20"):
-            embedding(torch.tensor([3, row]))
+            lookup_rows(torch.tensor([3, row]), table, torch.float32)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
@@ -416,8 +413,9 @@ def test_op_on_every_path(forced_path, isa, qtype, dtype, rows):
     bf16 (downcast), the bias added after the product."""
     shape = shape_of(qtype, (21, 1))
     blocks = random_blocks(qtype, shape, seed=5)
-    layer = QuantizedLinear(QuantizedWeight.from_gguf(blocks, qtype, shape), torch.randn(21))
-    layer.bias.data = layer.bias.data.to(dtype)
+    quantized = QuantizedWeight.from_gguf(blocks, qtype, shape)
+    layer = Linear(shape[1], 21, bias=True, weight=quantized).requires_grad_(False)
+    layer.bias.data = torch.randn(21).to(dtype)
     x = torch.randn(rows, 2, 2 * shape[1]).to(dtype)[:, :, ::2]  # [rows, 2, in], strided
     y = layer(x)
     assert y.shape == (rows, 2, 21) and y.dtype == dtype
@@ -558,9 +556,8 @@ class QuantizedLayer(nn.Module):
     def __init__(self, seed: int):
         super().__init__()
         shape, qtype = (64, 64), GGMLQuantizationType.Q4_1
-        self.proj = QuantizedLinear(
-            QuantizedWeight.from_gguf(random_blocks(qtype, shape, seed), qtype, shape)
-        )
+        weight = QuantizedWeight.from_gguf(random_blocks(qtype, shape, seed), qtype, shape)
+        self.proj = Linear(shape[1], shape[0], bias=False, weight=weight)
 
     def forward(self, x):
         return self.proj(x)

@@ -28,7 +28,7 @@ from tiny_models import (
 
 from astrai.config import ConfigError, ModelConfig
 from astrai.inference import GenerationParams
-from astrai.kernels.quant_ops import QuantizedLinear
+from astrai.kernels.quant_ops import QuantizedWeight
 from astrai.model import AutoModel
 from astrai.model.families import config_from_hf
 from astrai.tokenize import AutoTokenizer
@@ -185,7 +185,7 @@ def test_gguf_file_matches_transformers(variant, tmp_path):
 def test_q8_0_on_load_quantizes_every_linear_and_keeps_the_choices(variant):
     model = AutoModel.from_pretrained(variant.directory, quantization="q8_0")
     layer_linears = [m for n, m in model.named_modules() if n.endswith(("wqkv", "wo", "w13", "w2"))]
-    assert layer_linears and all(isinstance(m, QuantizedLinear) for m in layer_linears)
+    assert layer_linears and all(isinstance(m.weight, QuantizedWeight) for m in layer_linears)
     ids = torch.randint(0, 512, (1, 2 * ORIGINAL), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         quantized, dense = model.forward_dense(ids), variant.model.forward_dense(ids)

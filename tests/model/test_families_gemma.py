@@ -238,14 +238,14 @@ def test_gguf_file_matches_transformers(tmp_path, arch):
 
 
 def test_q8_0_on_load_quantizes_every_linear_and_the_tied_head(tmp_path):
-    from astrai.kernels.quant_ops import QuantizedLinear
+    from astrai.kernels.quant_ops import QuantizedWeight
 
     directory = write_checkpoint(tmp_path, "gemma2")
     dense = AutoModel.from_pretrained(directory)
     model = AutoModel.from_pretrained(directory, quantization="q8_0")
-    assert isinstance(model.output, QuantizedLinear)  # Gemma ties its head to the table
+    assert isinstance(model.output.weight, QuantizedWeight)  # Gemma ties its head to the table
     assert all(
-        isinstance(module, QuantizedLinear)
+        isinstance(module.weight, QuantizedWeight)
         for layer in model.layers
         for module in (layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
     )

@@ -28,7 +28,7 @@ from tiny_models import (
 )
 
 from astrai.config import ConfigError
-from astrai.kernels import Arena, Linear, StepGraph, native
+from astrai.kernels import Arena, StepGraph, native
 from astrai.model import AutoModel, CheckpointError, Transformer
 from astrai.model.families import config_from_gguf
 from astrai.model.weights import gguf as gguf_weights
@@ -296,7 +296,8 @@ MIXED_TYPES = {
 def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
     tmp_path, monkeypatch, caplog, arch
 ):
-    from astrai.kernels.quant_ops import QuantizedEmbedding, QuantizedLinear
+    from astrai.kernels.layers import held_blocks
+    from astrai.kernels.quant_ops import QuantizedWeight
 
     hf_dir = write_hf_model(tmp_path / "hf", arch, seed=6, intermediate_size=256)
     tensors = load_file(hf_dir / "model.safetensors")
@@ -310,19 +311,19 @@ def test_quantized_linears_keep_their_blocks_and_compute_the_dequantized_model(
     assert "no kernel runs them: Q5_1 tensors" in caplog.text
     dense = AutoModel.from_pretrained(path, dequantize=True)
     layer = quantized.layers[0]
-    assert isinstance(layer.feed_forward.w13, QuantizedLinear)
-    assert isinstance(layer.attention.wo, QuantizedLinear)
-    assert isinstance(layer.feed_forward.w2, Linear)
-    assert [type(part) for part in layer.attention.wqkv.parts] == [QuantizedLinear] * 3
+    assert isinstance(layer.feed_forward.w13.weight, QuantizedWeight)
+    assert isinstance(layer.attention.wo.weight, QuantizedWeight)
+    assert isinstance(layer.feed_forward.w2.weight, torch.Tensor)
+    assert [type(part) for part in layer.attention.wqkv.weight.parts] == [QuantizedWeight] * 3
     if arch == "qwen2":  # the q/k/v bias survives the swap
         torch.testing.assert_close(layer.attention.wqkv.bias, dense.layers[0].attention.wqkv.bias)
     # F32 lm_head here, unless tied: qwen2's tiny model ties it to the Q8_0 embedding, whose
     # blocks the lookups and the head share (no dequantized table beside them).
-    assert isinstance(quantized.output, QuantizedLinear) == quantized.config.tie_weight
-    assert isinstance(quantized.tok_embeddings, QuantizedEmbedding)
+    assert isinstance(quantized.output.weight, QuantizedWeight) == quantized.config.tie_weight
+    assert isinstance(quantized.tok_embeddings.weight, QuantizedWeight)
     if quantized.config.tie_weight:
         assert quantized.output.weight is quantized.tok_embeddings.weight
-    assert not any(isinstance(m, QuantizedLinear) for m in dense.modules())
+    assert not held_blocks(dense)
     ids = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64]])
     # Along the GEMM path the blocks are dequantized exactly, so both models compute the same.
     monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")
@@ -363,11 +364,11 @@ LLAMA_CPP_GREEDY = {
 @pytest.mark.parametrize("prompt", sorted(LLAMA_CPP_GREEDY))
 def test_quantized_greedy_equals_llama_cpp(prompt):
     from astrai.kernels import LinearPath
-    from astrai.kernels.quant_ops import QuantizedLinear
+    from astrai.kernels.quant_ops import QuantizedWeight
     from astrai.tokenize import AutoTokenizer
 
     model = AutoModel.from_pretrained(MODEL_DIR / MODEL_FILE)
-    assert isinstance(model.layers[0].feed_forward.w13, QuantizedLinear)
+    assert isinstance(model.layers[0].feed_forward.w13.weight, QuantizedWeight)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR / MODEL_FILE)
     ids = torch.tensor([tokenizer.encode(prompt)])
     # the kernel at every row count, x in one int8 term, as llama.cpp rounds activations

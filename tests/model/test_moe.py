@@ -13,7 +13,7 @@ from tiny_models import hf_greedy, make_engine, run_ids, write_gguf, write_hf_mo
 from astrai.config import ConfigError, ModelConfig, MoEConfig
 from astrai.inference import GenerationParams
 from astrai.kernels import Linear, native
-from astrai.kernels.quant_ops import QuantizedLinear
+from astrai.kernels.quant_ops import QuantizedWeight
 from astrai.model import AutoModel
 from astrai.model.families import config_from_hf
 from astrai.model.moe import GateProjection, MoEFeedForward
@@ -165,7 +165,7 @@ def test_quantization_on_load_covers_the_experts_and_keeps_the_router_dense(
     experts = 0
     for name, module in reference.named_modules():
         if isinstance(module, Linear):
-            assert isinstance(quantized.get_submodule(name), QuantizedLinear), name
+            assert isinstance(quantized.get_submodule(name).weight, QuantizedWeight), name
             weight = gguf.quants.quantize(module.weight.numpy(), Q8_0)
             module.weight.data = torch.from_numpy(gguf.quants.dequantize(weight, Q8_0))
             experts += ".experts." in name
@@ -233,7 +233,7 @@ def test_gguf_files_match_transformers_and_keep_the_experts_blocks(
     path = write_gguf(tmp_path / "q8.gguf", directory, arch, types=QUANTIZED_EXPERTS, **metadata)
     quantized = AutoModel.from_pretrained(path)
     moe = next(m for m in quantized.modules() if isinstance(m, MoEFeedForward))
-    assert all(isinstance(expert.w13, QuantizedLinear) for expert in moe.experts)
+    assert all(isinstance(expert.w13.weight, QuantizedWeight) for expert in moe.experts)
     # Along the GEMM path the blocks are dequantized exactly, so both models compute the same.
     monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")
     with torch.no_grad():

@@ -14,8 +14,8 @@ from tiny_models import write_hf_model
 
 from astrai.config import ConfigError
 from astrai.inference import InferenceEngine
-from astrai.kernels import Linear
-from astrai.kernels.quant_ops import QuantizedLinear
+from astrai.kernels import Linear, TiedTable
+from astrai.kernels.quant_ops import QuantizedWeight
 from astrai.model import AutoModel
 
 QUANTIZATIONS = {
@@ -53,7 +53,7 @@ def linears(model) -> dict[str, torch.nn.Module]:
     found = {
         name: module
         for name, module in model.named_modules()
-        if name.startswith("layers.") and isinstance(module, Linear | QuantizedLinear)
+        if name.startswith("layers.") and isinstance(module, Linear)
     }
     return {**found, "output": model.output}
 
@@ -61,7 +61,8 @@ def linears(model) -> dict[str, torch.nn.Module]:
 def dense_weights(dense) -> dict[str, torch.Tensor]:
     """The dense model's weight of every layer linears() names (the tied head's: the table)."""
     weights = {name: module.weight for name, module in linears(dense).items() if module}
-    return {**weights, "output": dense.tok_embeddings.weight} if dense.output is None else weights
+    tied = dense.config.tie_weight
+    return {**weights, "output": dense.tok_embeddings.weight} if tied else weights
 
 
 @pytest.mark.parametrize("quantization", sorted(QUANTIZATIONS))
@@ -72,7 +73,7 @@ def test_every_linear_holds_the_gguf_quantizers_blocks(checkpoint, quantization)
     layers = linears(model)
     assert len(layers) == 4 * model.config.n_layers + 1
     for name, weight in dense_weights(dense).items():
-        assert isinstance(layers[name], QuantizedLinear), name
+        assert isinstance(layers[name].weight, QuantizedWeight), name
         assert layers[name].weight.qtype == qtype
         assert torch.equal(layers[name].weight.dequantize(), round_trip(weight, qtype)), name
     # The table is looked up, not streamed: it stays dense even where the head is its copy.
@@ -90,7 +91,7 @@ def test_logits_equal_the_dense_model_of_the_round_tripped_weights(
     model = AutoModel.from_pretrained(checkpoint, quantization=quantization)
     reference = AutoModel.from_pretrained(checkpoint)
     for name, weight in dense_weights(reference).items():
-        if name == "output" and reference.output is None:  # the tied head, as its own linear
+        if name == "output" and reference.config.tie_weight:  # the tied head, as its own linear
             reference.output = Linear(*reversed(weight.shape), bias=False).requires_grad_(False)
         linears(reference)[name].weight.data = round_trip(weight, qtype)
     # Along the GEMM path the blocks are dequantized exactly, so both models compute the same.
@@ -110,7 +111,7 @@ def test_engine_generates_greedily_with_quantized_linears(checkpoint, quantizati
 
     monkeypatch.setenv("ASTRAI_LINEAR_PATH", "gemm")  # one path for the engine and the loop
     model = AutoModel.from_pretrained(checkpoint, quantization=quantization)
-    assert isinstance(model.layers[0].feed_forward.w13, QuantizedLinear)
+    assert isinstance(model.layers[0].feed_forward.w13.weight, QuantizedWeight)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     with InferenceEngine(model, tokenizer, max_seq_len=128, kv_cache_memory=8 << 20) as engine:
         prompt = engine.encode("Hello world")
@@ -129,7 +130,7 @@ def test_weight_bytes_are_the_blocks_bytes(checkpoint, quantization):
     model = AutoModel.from_pretrained(checkpoint, quantization=quantization)
     streamed = {n: w.numel() for n, w in dense_weights(dense).items()}
     # fp32 weights give way to blocks; a tied head is a copy of the table, added
-    tied = streamed["output"] if dense.output is None else 0
+    tied = streamed["output"] if dense.config.tie_weight else 0
     fp32 = sum(streamed.values()) - tied
     blocks = sum(streamed.values()) // weights_per_block * block_bytes
     assert model.weight_bytes() == dense.weight_bytes() - 4 * fp32 + blocks
@@ -141,10 +142,10 @@ def test_linears_of_partial_blocks_stay_dense_and_say_so(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="astrai.model.weights.quantize"):
         model = AutoModel.from_pretrained(checkpoint, quantization="q8_0")
     layer = model.layers[0]
-    assert isinstance(layer.feed_forward.w2, QuantizedLinear)
+    assert isinstance(layer.feed_forward.w2.weight, QuantizedWeight)
     for module in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13):
-        assert type(module) is Linear
-    assert model.output is None
+        assert isinstance(module.weight, torch.Tensor)
+    assert isinstance(model.output.weight, TiedTable)
     assert "layers.0.attention.wqkv stays dense: its 48 input features" in caplog.text
     assert "the tied head stays dense" in caplog.text
     assert "layers.0.feed_forward.w2 stays dense" not in caplog.text

@@ -2,8 +2,8 @@
 
 The file is read memory-mapped: its header by gguf_reader, as the `gguf` package reads it, its
 blocks decoded by the `gguf` package. On the CPU a linear whose block type has a kernel keeps
-its blocks (a QuantizedLinear), and so does the embedding table (a QuantizedEmbedding, whose
-lookups decode a step's rows; a tied head streams the same blocks); every other tensor is
+its blocks (the Linear built for it holds them), and so does the embedding table (its lookups
+decode a step's rows; a tied head streams the same blocks); every other tensor is
 dequantized once, to the requested dtype, straight from the mapping. The blocks are repacked
 into memory of their own, so nothing refers to the mapping once the model is built: the reader
 is shared only while someone holds it, and then closed with its map.
@@ -16,7 +16,6 @@ expects, as rows of blocks or of numbers.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import re
 import threading
@@ -30,19 +29,14 @@ from gguf.quants import dequantize as decode_blocks
 
 from astrai.config import ConfigError, ModelConfig
 from astrai.kernels.quant_blocks import BLOCK_TYPES
-from astrai.kernels.quant_ops import (
-    QuantizedEmbedding,
-    QuantizedLinear,
-    QuantizedWeight,
-    concat_columns,
-)
+from astrai.kernels.quant_ops import ConcatenatedWeight, QuantizedWeight
 from astrai.model.checkpoint import CheckpointError, WeightShard, loading, part_rows
 from astrai.model.families import config_from_gguf, gguf_architecture, gguf_family
 from astrai.model.families.gguf_config import LONGROPE_FACTORS, ROPE_FREQS
 from astrai.model.transformer import Transformer
 from astrai.model.weights.gguf_layout import check_gguf_layout
 from astrai.model.weights.gguf_reader import GGUFFileReader
-from astrai.model.weights.quantize import is_linear_weight, replace_linear
+from astrai.model.weights.quantize import is_linear_weight
 
 log = logging.getLogger(__name__)
 # The block types astrai dequantizes at load; the quantization issue keeps some as they are.
@@ -99,15 +93,15 @@ def load_gguf(
         if permuted:  # after sharding, which takes whole heads: only the share is read
             rows = [_unpermuted(t, r, config) for t, r in zip(sources, rows, strict=True)]
         if in_blocks and name != "tok_embeddings.weight":
-            replace_linear(model, name, functools.partial(_quantized_linear, sources, rows))
+            model.get_submodule(name.removesuffix(".weight")).hold(_blocks(sources, rows))
         elif in_blocks:  # the embedding table: its rows decoded as a step looks them up
-            table = _quantized_linear(sources, rows)
+            table = _blocks(sources, rows)
             if shard is None:
-                model.tok_embeddings = QuantizedEmbedding(table.weight, dtype)
-            else:  # a rank's VocabParallelEmbedding looks up its share of the vocabulary
-                state[name] = table.weight.dequantize(dtype)
+                model.tok_embeddings.hold(table, dtype)
+            else:  # a rank looks up its share of the vocabulary's rows dense
+                state[name] = table.dequantize(dtype)
             if config.tie_weight:  # the tied head streams the whole table: the same blocks
-                model.output = table
+                model.output.hold(table)
         else:
             loaded = [_tensor(r, dtype) for r in rows]
             state[name] = (loaded[0] if len(loaded) == 1 else torch.cat(loaded)).to(device)
@@ -166,19 +160,17 @@ def _has_kernel(sources: list) -> bool:
     return all(tensor.tensor_type in BLOCK_TYPES for tensor in sources)
 
 
-def _quantized_linear(
-    sources: list, raws: list[np.ndarray], bias: torch.Tensor | None = None
-) -> torch.nn.Module:
-    """One QuantizedLinear over the sources' rows of blocks (raws), stacked; sources of
-    different block types (a Q4_K_M file's Q4_K q and k beside a Q6_K v) stay apart, their
-    outputs concatenated."""
+def _blocks(sources: list, raws: list[np.ndarray]) -> QuantizedWeight | ConcatenatedWeight:
+    """One QuantizedWeight of the sources' rows of blocks (raws), stacked; sources of
+    different block types (a Q4_K_M file's Q4_K q and k beside a Q6_K v) stay apart, the
+    parts of a ConcatenatedWeight."""
     if len({tensor.tensor_type for tensor in sources}) > 1:
-        parts = [_quantized_linear([t], [raw]) for t, raw in zip(sources, raws, strict=True)]
-        return ConcatenatedLinear(parts, bias)
+        parts = (_blocks([t], [raw]) for t, raw in zip(sources, raws, strict=True))
+        return ConcatenatedWeight(tuple(parts))
     blocks = raws[0] if len(raws) == 1 else np.concatenate(raws)
     block_weights, block_bytes = GGML_QUANT_SIZES[sources[0].tensor_type]
     shape = (blocks.shape[0], blocks.shape[1] // block_bytes * block_weights)
-    return QuantizedLinear(QuantizedWeight.from_gguf(blocks, sources[0].tensor_type, shape), bias)
+    return QuantizedWeight.from_gguf(blocks, sources[0].tensor_type, shape)
 
 
 def _unpermuted(tensor, raw: np.ndarray, config: ModelConfig) -> np.ndarray:
@@ -233,19 +225,6 @@ def shard_problems(path: Path, size: int) -> list[str]:
                 f"weights: a rank's {share} columns cut them"
             )
     return sorted(problems)
-
-
-class ConcatenatedLinear(torch.nn.Module):
-    """Linears over one input whose outputs are concatenated (plus a bias): a fused projection
-    whose parts are quantized in different block types."""
-
-    def __init__(self, parts: list[torch.nn.Module], bias: torch.Tensor | None):
-        super().__init__()
-        self.parts = torch.nn.ModuleList(parts)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return concat_columns([part(x) for part in self.parts], self.bias)
 
 
 def open_gguf(path: Path) -> GGUFFileReader:

@@ -5,21 +5,21 @@ so a linear holds what llama.cpp's converter would write for that type, and runs
 quantized kernels. Of the types astrai has kernels for, that quantizer implements Q8_0, Q4_0,
 Q4_1 and Q5_0; the K types (Q4_K, Q6_K) it does not, so those come only from a GGUF file.
 
-The loaders swap Linear modules for quantized layers with replace_linear, here for both.
+The loaders put a tensor's blocks into the Linear built for it (Linear.hold), here for both.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from torch import Tensor, nn
 
 from astrai.config import ConfigError
+from astrai.kernels import Linear
 from astrai.kernels.quant_blocks import BLOCK_TYPES
-from astrai.kernels.quant_ops import QuantizedLinear, QuantizedWeight
+from astrai.kernels.quant_ops import QuantizedWeight
 from astrai.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,9 @@ def quantize_into(
     model: Transformer, name: str, tensor: Tensor, qtype: GGMLQuantizationType
 ) -> bool:
     """Quantize checkpoint tensor `name` into model while it loads, and say whether that took
-    the tensor: a Linear's weight becomes a QuantizedLinear (True); a tied embedding gives the
-    head a quantized copy and is loaded dense itself (False), as its rows are looked up, not
-    streamed. A linear whose in_features is not a whole number of blocks stays dense."""
+    the tensor: a Linear's weight becomes blocks it holds (True); a tied embedding gives the
+    head a quantized copy to hold and is loaded dense itself (False), as its rows are looked up,
+    not streamed. A linear whose in_features is not a whole number of blocks stays dense."""
     head = name == "tok_embeddings.weight" and model.config.tie_weight
     if not (head or is_linear_weight(model, name)):
         return False
@@ -66,9 +66,9 @@ def quantize_into(
         return False
     weight = quantized_weight(tensor, qtype)
     if head:
-        model.output = QuantizedLinear(weight)
+        model.output.hold(weight)
         return False
-    replace_linear(model, name, lambda bias: QuantizedLinear(weight, bias))
+    model.get_submodule(name.removesuffix(".weight")).hold(weight)
     return True
 
 
@@ -82,15 +82,5 @@ def quantized_weight(weight: Tensor, qtype: GGMLQuantizationType) -> QuantizedWe
 def is_linear_weight(model: nn.Module, name: str) -> bool:
     """Whether parameter `name` is the weight of a Linear module."""
     return name.endswith(".weight") and isinstance(
-        model.get_submodule(name.removesuffix(".weight")), nn.Linear
+        model.get_submodule(name.removesuffix(".weight")), Linear
     )
-
-
-def replace_linear(
-    model: nn.Module, name: str, layer: Callable[[Tensor | None], nn.Module]
-) -> None:
-    """Put layer(bias) in place of the Linear whose weight is parameter `name`, keeping its
-    bias. While loading, the bias is still on the meta device: load_state_dict fills it, as
-    the layer keeps it under the same name."""
-    module = name.removesuffix(".weight")
-    model.set_submodule(module, layer(model.get_submodule(module).bias))
