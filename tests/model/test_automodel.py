@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
-from tiny_models import write_hf_model
+from tiny_models import write_gguf, write_hf_model
 
 from astrai.config import ConfigError
+from astrai.distributed import TensorShard
 from astrai.kernels import TiedTable
 from astrai.model import AutoModel, CheckpointError, Transformer
 
@@ -198,6 +200,54 @@ def test_load_builds_on_meta_without_a_random_init(hf_dir, monkeypatch):
     loaded = AutoModel.from_pretrained(hf_dir)
     assert initialized_on <= {"meta"}
     assert all(p.device.type == "cpu" for p in loaded.parameters())
+
+
+@pytest.fixture(scope="module")
+def tied_gguf(tied_dir, tmp_path_factory) -> Path:
+    """The tied Llama as GGUF: a Q8_0 table (looked up and streamed by the head), Q8_0 q and
+    k beside a Q4_1 v (a wqkv of two block types), an F32 MLP."""
+    Q = GGMLQuantizationType
+    types = {"token_embd.weight": Q.Q8_0, "attn_v.weight": Q.Q4_1}
+    types |= {f"{name}.weight": Q.Q8_0 for name in ("attn_q", "attn_k", "attn_output")}
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tied.gguf", tied_dir, "llama", types=types)
+
+
+@pytest.fixture(scope="module")
+def olmo2_dir(tmp_path_factory) -> Path:
+    """OLMo 2: q and k normed across all heads (across the ranks, when sharded)."""
+    return write_hf_model(tmp_path_factory.mktemp("olmo2"), "olmo2")
+
+
+@pytest.mark.parametrize(
+    "checkpoint, options",
+    [
+        ("tied_gguf", {}),
+        ("tied_gguf", {"shard": TensorShard(1, 2)}),
+        ("tied_dir", {"quantization": "q8_0"}),
+        ("tied_dir", {"quantization": "q8_0", "shard": TensorShard(0, 2)}),
+        ("olmo2_dir", {"shard": TensorShard(1, 2)}),
+    ],
+)
+def test_loading_fills_the_modules_the_model_was_built_with(
+    checkpoint, options, request, monkeypatch
+):
+    """The loaders put blocks and tensors into the layers the Transformer built (on the meta
+    device): every module after loading is the one built there, under the same name. A
+    tensor-parallel rank's model is built with its vocabulary-parallel embedding and head and
+    its norms across the ranks; it loads with no process group."""
+    built: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    init = Transformer.__init__
+
+    def recording_init(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        built[id(self)] = list(self.named_modules())
+
+    monkeypatch.setattr(Transformer, "__init__", recording_init)
+    model = AutoModel.from_pretrained(request.getfixturevalue(checkpoint), **options)
+    after = [(name, id(module)) for name, module in model.named_modules()]
+    before = [(name, id(module)) for name, module in built[id(model)]]
+    changed = sorted({name for name, _ in set(after) ^ set(before)})
+    assert not changed, f"modules put in or taken out after construction: {changed}"
 
 
 def test_pickled_weights_are_refused_not_unpickled(hf_dir, tmp_path):
