@@ -25,6 +25,7 @@ from tiny_models import (
 
 from astrai.inference import STOP, GenerationParams
 from astrai.kernels import lora_ops, native
+from astrai.kernels.quant_ops import QuantizedWeight
 from astrai.model import AutoModel
 from astrai.model.lora import LoraError, UnknownAdapterError, read_adapter
 from astrai.tokenize import AutoTokenizer
@@ -261,7 +262,8 @@ def test_quantized_base_with_an_adapter_follows_the_dequantized_base(
     )
     quantized = AutoModel.from_pretrained(path)
     dequantized = AutoModel.from_pretrained(path, dequantize=True)
-    assert type(quantized.layers[0].attention.wo) is not type(dequantized.layers[0].attention.wo)
+    wo, dense_wo = quantized.layers[0].attention.wo, dequantized.layers[0].attention.wo
+    assert isinstance(wo.weight, QuantizedWeight) and isinstance(dense_wo.weight, torch.Tensor)
     ids = prompts()
     loras = {"all": str(adapters["all"])}
     with make_engine(dequantized, tokenizer, loras=loras) as engine:
