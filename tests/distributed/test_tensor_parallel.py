@@ -42,6 +42,13 @@ def greedy(engine: InferenceEngine) -> list[list[int]]:
     return [r.token_ids for r in batched + alone]
 
 
+def prompt_logprobs(engine: InferenceEngine) -> list[float]:
+    """The logprob of every prompt token after the first: a partial sum left out by one layer
+    moves them all, where a tiny model's greedy tokens may come out the same."""
+    results = engine.generate_results(PROMPTS, max_tokens=0, prompt_logprobs=1)
+    return [entry.logprob for result in results for entry in result.prompt_logprobs[1:]]
+
+
 def spawned_workers() -> list[psutil.Process]:
     return [
         p
@@ -83,11 +90,12 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, arch, overrides):
     directory = write_hf_model(tmp_path / arch, arch, **overrides)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     with InferenceEngine(AutoModel.from_pretrained(directory), tokenizer, **SMALL) as engine:
-        expected = greedy(engine)
+        expected, logprobs = greedy(engine), prompt_logprobs(engine)
     sharded = load_sharded(directory, 2)
     assert len(spawned_workers()) == 1
     with InferenceEngine(sharded, tokenizer, tensor_parallel_size=2, **SMALL) as engine:
         assert greedy(engine) == expected
+        assert prompt_logprobs(engine) == pytest.approx(logprobs, abs=1e-4)
     assert not spawned_workers()
 
 
