@@ -34,7 +34,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from astrai.config import ConfigError
-from astrai.kernels import launch_opaque, lora_ops
+from astrai.kernels import Linear, launch_opaque, lora_ops
 from astrai.model.families import FAMILIES, Family, gguf_family
 from astrai.model.families.gguf_metadata import metadata_value
 from astrai.model.transformer import Transformer
@@ -139,7 +139,7 @@ def read_adapter(name: str, path: str | Path, model: Transformer) -> LoraAdapter
         target = _target(name, layer, hf_name, model)
         rows = _part_rows(target, layer, model)
         where = f"adapter {name!r}: layers.{layer}.{hf_name}"
-        in_features = _linear_shape(model, target.linear)[1]
+        in_features = _module(model, layer, target.linear).in_features
         if a.shape != (rank, in_features):
             raise LoraError(
                 f"{where}: lora_A has shape {list(a.shape)}, expected [{rank}, {in_features}] "
@@ -290,26 +290,15 @@ def _target(name: str, layer: int, hf_name: str, model: Transformer) -> Target:
 
 def _part_rows(target: Target, layer: int, model: Transformer) -> slice:
     """The rows of its native linear's output that a Hugging Face linear's part writes."""
-    shape = _linear_shape(model, target.linear)
+    module = _module(model, layer, target.linear)
+    shape = (module.out_features, module.in_features)
     name = f"layers.{layer}.{target.linear}.weight"
     parts = target.family.hf_tensors(model.config, name, shape)
     start = sum(part_shape[0] for _, part_shape in parts[: target.part])
     return slice(start, start + parts[target.part][1][0])
 
 
-def _linear_shape(model: Transformer, linear: str) -> tuple[int, int]:
-    """(out, in) of a native linear, from the config: a quantized linear has no weight shape."""
-    config = model.config
-    q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    return {
-        "attention.wqkv": (q_size + 2 * kv_size, config.dim),
-        "attention.wo": (config.dim, q_size),
-        "feed_forward.w13": (2 * config.dim_ffn, config.dim),
-        "feed_forward.w2": (config.dim, config.dim_ffn),
-    }[linear]
-
-
-def _module(model: Transformer, layer: int, linear: str) -> torch.nn.Module | None:
+def _module(model: Transformer, layer: int, linear: str) -> Linear | None:
     try:
         return model.layers[layer].get_submodule(linear)
     except AttributeError:
@@ -348,7 +337,7 @@ class AdapterTable:
                 module = _module(model, layer, linear)
                 if module is None:
                     continue
-                out, in_features = _linear_shape(model, linear)
+                out, in_features = module.out_features, module.in_features
                 width = MAX_PARTS[linear] * max_rank
                 stack = Stack(
                     torch.zeros(
