@@ -69,7 +69,7 @@ from offline_throughput import _NoTextTokenizer, run_astrai
 from workload import LLAMA_1B, SMOLLM2_135M, Request, offline_workload
 
 from astrai.inference import STOP, GenerationParams, InferenceEngine
-from astrai.kernels import Linear
+from astrai.kernels import Linear, TiedTable
 from astrai.kernels.quant_ops import ConcatenatedWeight, QuantizedWeight
 from astrai.model import AutoModel
 from astrai.tokenize import AutoTokenizer
@@ -218,12 +218,12 @@ def dense_dtype(gguf_type: str, dtype: str) -> str:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads.
 
-    The embedding table is read one row a token; only a head that is that table reads it all.
-    A GGUF load keeps the table in its quantized blocks and a tied head streams the same blocks
-    (model.output), so the table is counted once, as the head.
+    The embedding table is read one row a token, unless the head streams it whole: a tied head
+    of a dense table (TiedTable), or of the table's own blocks (a GGUF load keeps the table in
+    its blocks, and the tied head holds the same ones). weight_bytes counts each weight once.
     """
-    table = model.tok_embeddings.weight
-    if getattr(model.output, "weight", None) is table:
+    table, head = model.tok_embeddings.weight, model.output.weight
+    if head is table or isinstance(head, TiedTable):
         return model.weight_bytes()
     table_bytes = table.nbytes() if isinstance(table, QuantizedWeight) else table.nbytes
     return model.weight_bytes() - table_bytes
