@@ -530,6 +530,12 @@ class EngineConfig:
                 "the option out (the ranks then run their decode steps eagerly), or serve the "
                 "model on one GPU to replay them"
             )
+        if self.cuda_graphs and self.lora_slots:
+            raise ConfigError(
+                "cuda_graphs=True (--cuda-graphs) with LoRA adapters: a step's adapters change "
+                "from step to step, which a captured graph cannot follow, so the decode steps "
+                "run eagerly; leave the option out, or serve without --lora to replay them"
+            )
         if self.lora_slots and self.tensor_parallel_size > 1:
             raise ConfigError("LoRA adapters under tensor parallelism are not supported yet")
         if not (self.kv_cache_memory > 0):

@@ -217,6 +217,14 @@ def test_kv_cache_memory_reads_bytes_or_a_fraction(text, value):
     assert EngineConfig(kv_cache_memory=parse_kv_cache_memory(text)).kv_cache_memory == value
 
 
+def test_cuda_graphs_asked_for_beside_lora_adapters_are_refused():
+    """A captured graph cannot follow each step's adapters: asking for both would be accepted
+    and the graphs not replayed. Without the option, adapters are allowed."""
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True \(--cuda-graphs\) with LoRA"):
+        EngineConfig(cuda_graphs=True, loras=("sql=adapters/sql",))
+    assert EngineConfig(loras=("sql=adapters/sql",)).lora_slots == 1
+
+
 @pytest.mark.parametrize("text", ["", "lots", "8GB"])
 def test_kv_cache_memory_that_is_no_number_is_refused(text):
     with pytest.raises(ConfigError, match=f"byte count .* fraction .* got {text!r}"):

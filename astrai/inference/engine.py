@@ -423,8 +423,13 @@ class InferenceEngine:
 
     def _takes_cuda_graphs(self, device: torch.device) -> bool:
         """Whether decode steps on device may replay from CUDA graphs: on CUDA, unless
-        config.cuda_graphs turns them off; a cuda_graphs setting given off CUDA is refused."""
+        config.cuda_graphs turns them off or LoRA adapters are loaded; a cuda_graphs setting
+        given off CUDA is refused."""
         asked = self.config.cuda_graphs
+        if device.type == "cuda" and asked is None and self.config.lora_slots:
+            # EngineConfig refuses graphs asked for beside adapters
+            log.info("decode steps run eagerly: CUDA graphs do not follow LoRA adapters")
+            return False
         if device.type == "cuda":
             return asked is not False
         if asked is not None:
