@@ -440,6 +440,24 @@ def assert_image_greedy_equal(engine, prompts, expected, expected_logprobs, max_
     torch.testing.assert_close(logprobs, torch.stack(expected_logprobs), rtol=1e-4, atol=1e-4)
 
 
+def assert_image_cases(vlm, cases, max_tokens, order=None, **settings) -> None:
+    """cases (prompts, transformers' greedy tokens, their logprobs) of a (model, tokenizer)
+    vlm continue as transformers' did (assert_image_greedy_equal): each prompt alone in an
+    engine of its own, or, given order, the prompts at order side by side in one engine of
+    settings."""
+    prompts, expected, logprobs = cases
+    runs = [[i] for i in range(len(prompts))] if order is None else [order]
+    for run in runs:
+        with make_engine(*vlm, **settings) as engine:
+            assert_image_greedy_equal(
+                engine,
+                [prompts[i] for i in run],
+                [expected[i] for i in run],
+                [logprobs[i] for i in run],
+                max_tokens,
+            )
+
+
 def run_ids(engine, prompts, params):
     """Submit token-id prompts (a list of lists) at once; return one TaskResult per prompt."""
     import queue

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import assert_image_greedy_equal, make_engine, noise_image, run_ids
+from tiny_models import assert_image_cases, make_engine, noise_image, run_ids
 
 from astrai.inference import GenerationParams, GenerationRequest
 from astrai.inference.task import RequestError
@@ -137,28 +137,16 @@ def test_prompt_layout_equals_transformers_processor(vlm, checkpoint):
 
 def test_greedy_equals_transformers_alone(vlm, cases):
     """One image, two of different sizes, and text only."""
-    prompts, expected, logprobs = cases
-    for i in range(len(prompts)):
-        with make_engine(*vlm) as engine:
-            assert_image_greedy_equal(
-                engine, prompts[i : i + 1], expected[i : i + 1], logprobs[i : i + 1], MAX_TOKENS
-            )
+    assert_image_cases(vlm, cases, MAX_TOKENS)
 
 
 def test_batched_in_small_chunks(vlm, cases):
     """7 tokens a step: every image's tokens are split across chunks of a ragged batch (the
     encoder runs once for the whole image, each chunk takes its rows and their M-RoPE
     positions), beside text-only requests at other offsets."""
-    prompts, expected, logprobs = cases
-    order = [3, 0, 1, 2, 3]
-    with make_engine(*vlm, max_num_batched_tokens=7, enable_prefix_cache=False) as engine:
-        assert_image_greedy_equal(
-            engine,
-            [prompts[i] for i in order],
-            [expected[i] for i in order],
-            [logprobs[i] for i in order],
-            MAX_TOKENS,
-        )
+    assert_image_cases(
+        vlm, cases, MAX_TOKENS, [3, 0, 1, 2, 3], max_num_batched_tokens=7, enable_prefix_cache=False
+    )
 
 
 def test_preempted_requests_recompute_with_their_images_and_positions(vlm, cases):
