@@ -94,12 +94,10 @@ def load_gguf(
             rows = [_unpermuted(t, r, config) for t, r in zip(sources, rows, strict=True)]
         if in_blocks and name != "tok_embeddings.weight":
             model.get_submodule(name.removesuffix(".weight")).hold(_blocks(sources, rows))
-        elif in_blocks:  # the embedding table: its rows decoded as a step looks them up
+        elif in_blocks:  # the embedding table (a rank's: its share of the vocabulary's rows),
+            # its rows decoded as a step looks them up
             table = _blocks(sources, rows)
-            if shard is None:
-                model.tok_embeddings.hold(table, dtype)
-            else:  # a rank looks up its share of the vocabulary's rows dense
-                state[name] = table.dequantize(dtype)
+            model.tok_embeddings.hold(table, dtype)
             if config.tie_weight:  # the tied head streams the whole table: the same blocks
                 model.output.hold(table)
         else:
