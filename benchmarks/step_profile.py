@@ -36,9 +36,10 @@ from astrai.inference.executor import ModelExecutor
 from astrai.inference.sample import SamplingBatch, sample
 from astrai.inference.scheduler import InferenceScheduler, schedule
 from astrai.inference.step_batch import StepBatch
-from astrai.kernels import native
+from astrai.kernels import linear_ops, native, quant_ops
 from astrai.kernels.graph import StepGraph
 from astrai.model import AutoModel
+from astrai.model.lora import AdapterTable
 from astrai.model.transformer import Transformer
 
 
@@ -105,15 +106,23 @@ def main() -> None:
 
 
 def call_kind(call) -> str:
-    """What a recorded call computes: products by weight type, attention, or small ops."""
-    if call.func is native.quant_linear.linear:
+    """What a recorded call computes: products by weight type (a decode's few rows take the
+    kernels; the GEMM paths are named too), LoRA's products, attention, or small ops."""
+    func = call.func
+    if func is native.quant_linear.linear:
         return f"products, {GGMLQuantizationType(call.args[8]).name}"
-    if native.skinny_linear is not None and call.func is native.skinny_linear.linear:
+    if func is quant_ops._dense_linear:
+        return f"products, {GGMLQuantizationType(call.args[3]).name} (GEMM)"
+    if func in (torch.mm, torch.addmm, linear_ops._upcast_linear) or (
+        native.skinny_linear is not None and func is native.skinny_linear.linear
+    ):
         return "products, dense"
-    if native.paged_attention is not None and call.func is native.paged_attention.decode:
+    if native.paged_attention is not None and func is native.paged_attention.decode:
         return "attention"
-    if call.func in (torch.mm, torch.addmm) or "linear" in getattr(call.func, "__name__", ""):
-        return "products, dense"
+    if (native.lora is not None and func is native.lora.add_products) or getattr(
+        func, "__func__", None
+    ) is AdapterTable._add_products:
+        return "LoRA products"
     return "small ops"
 
 
