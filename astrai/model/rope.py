@@ -135,6 +135,8 @@ class RotaryEmbedding(nn.Module):
         # Explicit CPU: real tensors even when the model is built under torch.device("meta").
         for name, freqs in self._frequencies().items():
             self.register_buffer(name, freqs, persistent=False)
+        # rotation's tables: cos and signed sin of positions 0 .. len - 1, in one dtype
+        self.tables: tuple[Tensor, Tensor] | None = None
 
     def _frequencies(self) -> dict[str, Tensor]:
         frequencies = {"inv_freq": rope_inv_freqs(self.config)}
@@ -148,6 +150,7 @@ class RotaryEmbedding(nn.Module):
         super()._apply(fn, recurse)
         for name, freqs in self._frequencies().items():
             setattr(self, name, freqs.to(self.inv_freq.device))
+        self.tables = None
         return self
 
     @property
@@ -192,6 +195,30 @@ class RotaryEmbedding(nn.Module):
             lengths = positions + 1
         freqs = positions[None, :, None].float() * self.token_inv_freq(lengths)
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def rotation(
+        self, positions: Tensor, lengths: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """(cos, signed_sin) [n_ropes, num_tokens, 1, rotary_dim] in dtype, what apply_rope
+        reads: forward's cos and sin, each half of the rotary dims turned by its frequency,
+        signed_sin's first half negated.
+
+        On the CPU, where a token's rotation depends on its position alone, they are rows of
+        tables of every position so far (grown by doubling), so a decode step looks its token
+        up instead of computing it: a position's row is the same whichever step and batch
+        its token is in.
+        """
+        if positions.dim() == 2 or self.length_dependent or positions.device.type != "cpu":
+            cos, sin = (t.to(dtype)[:, :, None, :] for t in self(positions, lengths))
+            return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        needed = int(positions.max()) + 1 if len(positions) else 0
+        tables = self.tables
+        if tables is None or tables[0].dtype != dtype or tables[0].shape[1] < needed:
+            size = max(1024, 1 << (needed - 1).bit_length())
+            cos, sin = (t.to(dtype)[:, :, None, :] for t in self(torch.arange(size)))
+            tables = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+            self.tables = tables
+        return tables[0].index_select(1, positions), tables[1].index_select(1, positions)
 
     @property
     def mrope_axes(self) -> Tensor:

@@ -370,8 +370,7 @@ class Transformer(nn.Module):
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
         if self.config.embedding_multiplier != 1.0:  # Granite
             h = h * self.config.embedding_multiplier
-        cos, sin = (t.to(h.dtype)[:, :, None, :] for t in self.rope(positions, rope_lengths))
-        return h, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return h, *self.rope.rotation(positions, rope_lengths, h.dtype)
 
     def run_layers(
         self, h: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend

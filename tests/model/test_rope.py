@@ -91,3 +91,30 @@ def test_longrope_switches_to_long_factors_past_the_original_context():
     assert torch.allclose(cos**2 + sin**2, torch.full_like(cos, attention_factor**2))
     rope.to(torch.bfloat16)  # both sets stay fp32
     assert torch.equal(rope.inv_freq[0], short) and torch.equal(rope.long_inv_freq, long)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_rows_are_what_forward_computes_for_the_position_whatever_the_batch(dtype):
+    """The table rotation() looks decode steps up in: grown past its first 1024 positions,
+    rebuilt for another dtype and after .to(), each row transformers' cos and sin, and a
+    position's row the same alone as in any batch."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = hf_config(ROPES["llama3"])
+    rope = RotaryEmbedding(astrai_config(hf))
+    positions = torch.tensor([3000, 0, 5, 1023, 1024, 700, 5])
+    cos, signed_sin = rope.rotation(positions, None, dtype)
+    assert rope.tables[0].shape[1] == 4096 and rope.tables[0].dtype == dtype
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, dtype=dtype), positions[None])
+    half = hf_sin.shape[-1] // 2
+    tolerance = {"rtol": 0, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(cos[0, :, 0], hf_cos[0], **tolerance)
+    torch.testing.assert_close(signed_sin[0, :, 0, half:], hf_sin[0, :, half:], **tolerance)
+    torch.testing.assert_close(signed_sin[0, :, 0, :half], -hf_sin[0, :, :half], **tolerance)
+    for i, position in enumerate(positions.tolist()):
+        alone = rope.rotation(torch.tensor([position]), None, dtype)
+        assert torch.equal(alone[0][:, 0], cos[:, i]) and torch.equal(
+            alone[1][:, 0], signed_sin[:, i]
+        )
+    rope.to(torch.float64)
+    assert rope.tables is None
