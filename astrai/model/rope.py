@@ -206,9 +206,11 @@ class RotaryEmbedding(nn.Module):
         On the CPU, where a token's rotation depends on its position alone, they are rows of
         tables of every position so far (grown by doubling), so a decode step looks its token
         up instead of computing it: a position's row is the same whichever step and batch
-        its token is in.
+        its token is in. A traced forward (torch.compile) computes them: a table's size
+        depends on the positions' values.
         """
-        if positions.dim() == 2 or self.length_dependent or positions.device.type != "cpu":
+        computed = positions.dim() == 2 or self.length_dependent or torch.compiler.is_compiling()
+        if computed or positions.device.type != "cpu":
             cos, sin = (t.to(dtype)[:, :, None, :] for t in self(positions, lengths))
             return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         needed = int(positions.max()) + 1 if len(positions) else 0
