@@ -37,13 +37,8 @@ class CacheView:
     def __init__(self, kv: KVStore, batch: StepBatch):
         device = kv.k_cache.device
         self.k_cache, self.v_cache = kv.k_cache, kv.v_cache
-        starts, lens, offsets = batch.starts, batch.lengths, batch.first_rows
-        block_table, table_lengths = batch.block_tables, batch.table_lengths
         # [num_tokens] the model's rope positions, one per flattened token
         self.positions = torch.from_numpy(batch.positions).to(device)
-        self.slot_mapping = torch.from_numpy(batch.slots).to(device)
-
-        decodes = np.flatnonzero(lens == 1)
         self.paged_decode: PagedDecode | None = None
         self.decode_groups: list[DecodeGroup] = []
         self.chunks: list[PromptChunk] = []
@@ -52,17 +47,20 @@ class CacheView:
             # one order whatever else is in the step: a token's result is then the same
             # whether it is prefilled with the whole prompt, in a later chunk, after a prefix
             # cache hit, alone or in a batch (SDPA's rounding changes with the rows it is given).
+            # It stores the rows' K/V itself, at the slots their tables and positions give.
             self.paged_decode = PagedDecode(
                 kv.k_cache,
                 kv.v_cache,
-                rows=torch.arange(len(batch.row_seqs), device=device),
-                block_tables=torch.from_numpy(block_table[batch.row_seqs]).to(device),
-                context_lens=torch.from_numpy(batch.positions + 1).to(device),
-                key_ends=None
-                if batch.key_ends is None
-                else torch.from_numpy(batch.key_ends).to(device),
+                rows=torch.from_numpy(np.arange(len(batch.positions))),
+                block_tables=torch.from_numpy(batch.row_tables),
+                context_lens=self.positions + 1,
+                key_ends=None if batch.key_ends is None else torch.from_numpy(batch.key_ends),
             )
             return
+        self.slot_mapping = torch.from_numpy(batch.slots).to(device)
+        starts, lens, offsets = batch.starts, batch.lengths, batch.first_rows
+        block_table, table_lengths = batch.block_tables, batch.table_lengths
+        decodes = np.flatnonzero(lens == 1)
         if len(decodes):
             for group in group_by_context(table_lengths[decodes].tolist(), decodes.tolist()):
                 n_pages = int(table_lengths[group].max())

@@ -121,7 +121,12 @@ class StepBatch:
         recorded graph can replay."""
         no_hidden = self.hidden_rows is None or not len(self.hidden_rows)
         plain = self.images is None and self.mrope_positions is None
-        return bool(np.all(self.lengths == 1)) and no_hidden and plain
+        return self.one_row_each and no_hidden and plain
+
+    @cached_property
+    def one_row_each(self) -> bool:
+        """Whether every sequence feeds one token (a step of decodes): row i is sequence i."""
+        return int(self.lengths.max(initial=1)) == 1
 
     @cached_property
     def first_rows(self) -> np.ndarray:
@@ -136,13 +141,20 @@ class StepBatch:
     @cached_property
     def positions(self) -> np.ndarray:
         """[num_tokens] each row's position."""
+        if self.one_row_each:
+            return self.starts
         seq = self.row_seqs
         return np.arange(len(seq)) - self.first_rows[seq] + self.starts[seq]
+
+    @property
+    def row_tables(self) -> np.ndarray:
+        """[num_tokens, max pages] each row's sequence's page table."""
+        return self.block_tables if self.one_row_each else self.block_tables[self.row_seqs]
 
     @cached_property
     def slots(self) -> np.ndarray:
         """[num_tokens] the KV slot each row's K/V is written to: page * page_size + offset."""
-        pages = self.block_tables[self.row_seqs, self.positions // self.page_size]
+        pages = self.row_tables[np.arange(len(self.positions)), self.positions // self.page_size]
         return pages * self.page_size + self.positions % self.page_size
 
     @property
