@@ -279,10 +279,10 @@ class CudaSteps:
             captured.graph.replay()
             # pooling rows come with prompt chunks, which take no graph: none here
             hidden = None if batch.hidden_rows is None else captured.logits.new_empty(0, self.dim)
-            rows = batch.logit_rows
-            if np.array_equal(rows, np.arange(n_seqs)):
+            if batch.logits_of_every_row:
                 return captured.logits[:n_seqs], hidden
-            return captured.logits[torch.from_numpy(rows).to(captured.logits.device)], hidden
+            rows = torch.from_numpy(batch.logit_rows).to(captured.logits.device)
+            return captured.logits[rows], hidden
         view = DeviceCacheView.build(
             self.kv, batch, self.n_heads, self.upload, logit_rows=batch.logit_rows,
             rope_positions=batch.rope_positions,
@@ -408,7 +408,10 @@ class ModelExecutor:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         else:
             h, residual = model.run_layers(h, cos, signed_sin, view)
-        logits = model.logits(h, residual, torch.from_numpy(batch.logit_rows).to(self.device))
+        rows = None
+        if not batch.logits_of_every_row:
+            rows = torch.from_numpy(batch.logit_rows).to(self.device)
+        logits = model.logits(h, residual, rows)
         if batch.hidden_rows is None:
             return logits, None
         indices = torch.from_numpy(batch.hidden_rows).to(self.device)
@@ -421,23 +424,25 @@ class ModelExecutor:
 
         Prompt chunks that owe prompt logprobs or pool an embedding get them set on the chunk
         (ScheduledChunk.prompt_logprobs, .pooled) from the same pass."""
+        # Python lists, not NumPy, for the few values of a step: each NumPy call costs more
+        # than the arithmetic, all the more just after the weights went through the cache.
         token_ids: list[int] = []
+        starts: list[int] = []  # each chunk's first row
         for chunk in chunks:
+            starts.append(len(token_ids))
             token_ids.extend(chunk.token_ids())
-        starts = np.cumsum([0] + [chunk.length for chunk in chunks])[:-1]
-        ends = starts + [chunk.length for chunk in chunks]
         sampling = [chunk for chunk in chunks if chunk.samples]
         # A row of logits for a chunk's last token, and for each token before its draft ones;
         # after them, the rows that score prompt tokens.
         scored = [(c, start) for c, start in zip(chunks, starts, strict=True) if c.scored_rows]
-        rows = _concatenated(
-            [
-                np.arange(end - 1 - len(chunk.draft), end)
-                for chunk, end in zip(chunks, ends, strict=True)
-                if chunk.samples
-            ]
-            + [np.arange(start, start + chunk.scored_rows) for chunk, start in scored]
-        )
+        rows = [
+            row
+            for chunk, start in zip(chunks, starts, strict=True)
+            if chunk.samples
+            for row in range(start + chunk.length - 1 - len(chunk.draft), start + chunk.length)
+        ]
+        n_sampled = len(rows)
+        rows += [row for chunk, start in scored for row in range(start, start + chunk.scored_rows)]
         pooling = [(c, start) for c, start in zip(chunks, starts, strict=True) if c.task.pooling]
         hidden_rows = None
         if pooling:
@@ -482,12 +487,11 @@ class ModelExecutor:
             self._release_images(chunks)
         if pooling:
             self._pool(hidden, [chunk for chunk, _ in pooling])
-        n_sampled = len(rows) - sum(chunk.scored_rows for chunk, _ in scored)
         if scored:
             self._score_prompts(logits[n_sampled:], [chunk for chunk, _ in scored])
+            logits = logits[:n_sampled]
         if not sampling:
             return []
-        logits = logits[:n_sampled]
         # Row i of a speculative chunk samples as plain decoding would after its first i
         # draft tokens: its own output so far, grammar state and seeded draw.
         row_tasks = [c.task for c in sampling for _ in range(len(c.draft) + 1)]
@@ -614,7 +618,7 @@ class ModelExecutor:
         return self.masker.fill(states)
 
 
-def _key_ends(chunks: Sequence[ScheduledChunk], first_rows: np.ndarray) -> np.ndarray | None:
+def _key_ends(chunks: Sequence[ScheduledChunk], first_rows: Sequence[int]) -> np.ndarray | None:
     """StepBatch.key_ends of the chunks, whose rows start at first_rows: the end of each image
     whose tokens see each other for the rows of its tokens, position + 1 for the others; None
     when no chunk computes such a token. schedule() keeps each such image whole in one chunk

@@ -129,6 +129,12 @@ class StepBatch:
         return int(self.lengths.max(initial=1)) == 1
 
     @cached_property
+    def logits_of_every_row(self) -> bool:
+        """Whether logit_rows are every row in order (a step of decodes): no rows to pick."""
+        num_tokens = self.n_seqs if self.one_row_each else int(self.lengths.sum())
+        return self.logit_rows.tolist() == list(range(num_tokens))
+
+    @cached_property
     def first_rows(self) -> np.ndarray:
         """[n_seqs] each sequence's first row."""
         return np.cumsum(self.lengths) - self.lengths
