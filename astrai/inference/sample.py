@@ -86,30 +86,30 @@ class SamplingBatch:
     penalties, biases, allowed tokens and masks.
     """
 
-    # [B] bool, the greedy rows where greedy and random rows mix (else None: all_greedy says)
-    greedy: Tensor | None
     all_greedy: bool
-    temperature: Tensor | None  # [B] float32, 1 for greedy rows
-    top_k: Tensor | None  # [B] int64, 0 = off
     top_k_max: int
-    top_p: Tensor | None  # [B] float32, 1 = off
-    min_p: Tensor | None  # [B] float32, 0 = off
-    repetition_penalty: Tensor | None  # [B] float32, 1 = off
-    prompt_and_output: TokenOccurrences | None  # what repetition_penalty looks at
-    presence_penalty: Tensor | None  # [B] float32, set (maybe all 0) when output is
-    frequency_penalty: Tensor | None  # [B] float32, set (maybe all 0) when output is
-    output: TokenOccurrences | None  # what presence and frequency penalties look at
-    logit_bias: TokenOccurrences | None  # the biased tokens of every row
-    logit_bias_values: Tensor | None  # [N] float32, the bias of each of them
-    allowed: TokenOccurrences | None  # the tokens rows with allowed_token_ids may sample
-    allowed_rows: Tensor | None  # [R] int64, the rows with allowed_token_ids
-    banned: TokenOccurrences | None  # stop tokens of rows short of their min_tokens
-    mask: TokenMask | None  # the constrained rows' grammar masks
-    forced_rows: Tensor | None  # [F] int64, rows whose thinking budget forces their token
-    forced_ids: Tensor | None  # [F] int64, the token each of them must take
-    seeded_rows: Tensor | None  # [S] int64, random rows with a seed
-    seeded_uniforms: Tensor | None  # [S] float32, seeded_uniform(seed, len(output_ids))
     logprobs: list[int | None]  # per row: None, or how many alternatives besides the chosen
+    # [B] bool, the greedy rows where greedy and random rows mix (else None: all_greedy says)
+    greedy: Tensor | None = None
+    temperature: Tensor | None = None  # [B] float32, 1 for greedy rows
+    top_k: Tensor | None = None  # [B] int64, 0 = off
+    top_p: Tensor | None = None  # [B] float32, 1 = off
+    min_p: Tensor | None = None  # [B] float32, 0 = off
+    repetition_penalty: Tensor | None = None  # [B] float32, 1 = off
+    prompt_and_output: TokenOccurrences | None = None  # what repetition_penalty looks at
+    presence_penalty: Tensor | None = None  # [B] float32, set (maybe all 0) when output is
+    frequency_penalty: Tensor | None = None  # [B] float32, set (maybe all 0) when output is
+    output: TokenOccurrences | None = None  # what presence and frequency penalties look at
+    logit_bias: TokenOccurrences | None = None  # the biased tokens of every row
+    logit_bias_values: Tensor | None = None  # [N] float32, the bias of each of them
+    allowed: TokenOccurrences | None = None  # the tokens rows with allowed_token_ids may sample
+    allowed_rows: Tensor | None = None  # [R] int64, the rows with allowed_token_ids
+    banned: TokenOccurrences | None = None  # stop tokens of rows short of their min_tokens
+    mask: TokenMask | None = None  # the constrained rows' grammar masks
+    forced_rows: Tensor | None = None  # [F] int64, rows whose thinking budget forces their token
+    forced_ids: Tensor | None = None  # [F] int64, the token each of them must take
+    seeded_rows: Tensor | None = None  # [S] int64, random rows with a seed
+    seeded_uniforms: Tensor | None = None  # [S] float32, seeded_uniform(seed, len(output_ids))
 
     @classmethod
     def build(
@@ -123,6 +123,9 @@ class SamplingBatch:
     ) -> SamplingBatch:
         """stop_token_ids: per row, what min_tokens bans (the task's, EOS included; default
         each row's params.stop_token_ids); mask: the step's grammar masks of its rows."""
+
+        if mask is None and all(map(_raw_argmax, params)):
+            return cls(all_greedy=True, top_k_max=0, logprobs=[p.logprobs for p in params])
 
         def per_row(values: list, neutral: float, dtype=torch.float32) -> Tensor | None:
             if all(v == neutral for v in values):
@@ -215,6 +218,21 @@ class SamplingBatch:
             seeded_uniforms=torch.tensor(uniforms, device=device) if seeded else None,
             logprobs=[p.logprobs for p in params],
         )
+
+
+def _raw_argmax(params: GenerationParams) -> bool:
+    """Whether a row's token is the argmax of its raw logits: greedy, with no penalty, bias,
+    allowed set, min_tokens or thinking budget to change them first (a grammar mask is the
+    step's, not the row's)."""
+    return (
+        (params.temperature < MIN_TEMPERATURE or params.top_k == 1)
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == params.frequency_penalty == 0.0
+        and not params.logit_bias
+        and not params.allowed_token_ids
+        and params.min_tokens == 0
+        and params.thinking_budget is None
+    )
 
 
 class BaseSamplingStrategy(ABC):

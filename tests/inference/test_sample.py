@@ -7,6 +7,7 @@ small vocabulary, with the RNG seeded, and compare frequencies with the exact di
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from astrai.inference.sample import (
     TopPStrategy,
     sample,
 )
-from astrai.inference.task import GenerationParams
+from astrai.inference.task import GenerationParams, ThinkingBudget
 
 V = 8
 # Distinct, well separated probabilities so no filter boundary is a rounding question.
@@ -115,6 +116,45 @@ def test_top_k_one_equals_greedy():
         top1 = [GenerationParams(temperature=1.7, top_k=1, top_p=0.9, **extra)] * 16
         expected = sample(logits, build(greedy, prompts, outputs)).token_ids
         assert sample(logits, build(top1, prompts, outputs)).token_ids == expected
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {},
+        {"top_k": 1, "temperature": 0.7},
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.2},
+        {"logit_bias": {3: 5.0}},
+        {"allowed_token_ids": (1, 2)},
+        {"min_tokens": 4},
+        {"thinking_budget": ThinkingBudget(tokens=2, end_ids=(7,))},
+        {"logprobs": 2},
+    ],
+    ids=lambda setting: ",".join(setting) or "plain",
+)
+def test_a_greedy_batch_built_at_once_is_the_batch_built_field_by_field(monkeypatch, setting):
+    """Plain greedy rows take a batch of neutral fields without working each out (a decode
+    step's shortcut); whatever a setting changes before the argmax keeps its field."""
+    params = [GenerationParams(**{"temperature": 0.0, **setting}), GenerationParams(temperature=0)]
+    prompts, outputs = [[1, 2, 3], [4]], [[3, 3], []]
+    at_once = build(params, prompts, outputs)
+    monkeypatch.setattr(sys.modules[SamplingBatch.__module__], "_raw_argmax", lambda p: False)
+    assert settings_of(at_once) == settings_of(build(params, prompts, outputs))
+
+
+def settings_of(batch: SamplingBatch) -> dict:
+    """The batch's fields as plain values, tensors as lists."""
+
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+
+    return plain(batch)
 
 
 # Seeds
