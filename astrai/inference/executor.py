@@ -127,12 +127,15 @@ class RecordedStep:
 
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h, cos, signed_sin
     graph: StepGraph
-    outputs: tuple[torch.Tensor, torch.Tensor]  # last feed-forward output, residual stream
+    # the last feed-forward output and the residual stream, or the LM head's output
+    outputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor
 
 
 class RecordedLayers:
     """The model's layers recorded once per batch size of up to SKINNY_MAX_ROWS rows on the
-    CPU, and replayed: a few-row step is then its kernel calls and little else.
+    CPU, and replayed: a few-row step is then its kernel calls and little else. A step that
+    wants the logits of every row (a step of decodes) records the final norm and the LM head
+    with them.
 
     A batch size whose forward cannot be recorded (an op outside the kernels, as Qwen3's q/k
     norm) runs the layers eagerly from then on. Graphs hold the weights' pointers, so weights
@@ -141,7 +144,7 @@ class RecordedLayers:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.steps: dict[int, RecordedStep | None] = {}
+        self.steps: dict[tuple[int, bool], RecordedStep | None] = {}  # by (rows, head)
         self.arena = Arena(SKINNY_MAX_ROWS)
         # Each module's parameter dict, which load_state_dict(assign=True) updates in place:
         # reading the weights' addresses through them costs little enough for every step.
@@ -149,31 +152,49 @@ class RecordedLayers:
         self.addresses = data_addresses(self._weights())
 
     def run(
-        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, view: CacheView
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What model.run_layers returns; views of the graph's buffers, valid until next run."""
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        view: CacheView,
+        head: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """What model.run_layers returns, or with head the LM head's output for every row
+        (before Transformer.scaled_logits); views of the graph's buffers, valid until next run.
+        A head that cannot be recorded (an op outside the kernels) runs after the recorded
+        layers."""
         rows = h.shape[0]
         if rows > SKINNY_MAX_ROWS:
-            return self.model.run_layers(h, cos, signed_sin, view)
+            return self._forward(head, h, cos, signed_sin, view)
         addresses = data_addresses(self._weights())
         if addresses != self.addresses:
             self.steps.clear()
             self.arena = Arena(SKINNY_MAX_ROWS)
             self.addresses = addresses
-        if rows not in self.steps:  # record while running: the result is this step's either way
+        key = (rows, head)
+        if key not in self.steps:  # record while running: the result is this step's either way
             inputs = (h.clone(), cos.clone(), signed_sin.clone())
             graph = StepGraph(self.arena)
             with graph.record(self.model.layers):
-                outputs = self.model.run_layers(*inputs, graph.attention(view))
-            self.steps[rows] = RecordedStep(inputs, graph, outputs) if graph.valid else None
+                outputs = self._forward(head, *inputs, graph.attention(view))
+            self.steps[key] = RecordedStep(inputs, graph, outputs) if graph.valid else None
             return outputs
-        step = self.steps[rows]
+        step = self.steps[key]
         if step is None:
+            if head:
+                return self._head(*self.run(h, cos, signed_sin, view))
             return self.model.run_layers(h, cos, signed_sin, view)
         for static, new in zip(step.inputs, (h, cos, signed_sin), strict=True):
             static.copy_(new)
         step.graph.replay(view)
         return step.outputs
+
+    def _forward(self, head: bool, h, cos, signed_sin, attention):
+        outputs = self.model.run_layers(h, cos, signed_sin, attention)
+        return self._head(*outputs) if head else outputs
+
+    def _head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.model.output(self.model.final_hidden(h, residual, None))
 
     def _weights(self) -> list[torch.Tensor]:
         return [w for params in self.parameters for w in params.values() if w is not None]
@@ -404,6 +425,8 @@ class ModelExecutor:
         h, cos, signed_sin = model.embed(token_ids, positions, lengths)
         if batch.images is not None:
             batch.images.place(h)
+        if self.recorded is not None and batch.logits_of_every_row and batch.hidden_rows is None:
+            return model.scaled_logits(self.recorded.run(h, cos, signed_sin, view, head=True)), None
         if self.recorded is not None:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         else:

@@ -392,8 +392,10 @@ class Transformer(nn.Module):
 
     def logits(self, h: Tensor, residual: Tensor, logits_indices: Tensor | None) -> Tensor:
         """float32 logits of the rows in logits_indices (all rows if None): final norm, head."""
-        h = self.final_hidden(h, residual, logits_indices)
-        logits = self.output(h)
+        return self.scaled_logits(self.output(self.final_hidden(h, residual, logits_indices)))
+
+    def scaled_logits(self, logits: Tensor) -> Tensor:
+        """float32 logits from the head's output: scaled (Granite) and capped (Gemma 2)."""
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap

@@ -49,10 +49,17 @@ def random_model(seed: int, dtype: torch.dtype = torch.float32, **overrides) -> 
 class Steps:
     """A KV cache and a run of steps over it: each step's seqs are (task, start, new tokens)."""
 
-    def __init__(self, model: Transformer, prompts: list[int], recorded: RecordedLayers | None):
+    def __init__(
+        self,
+        model: Transformer,
+        prompts: list[int],
+        recorded: RecordedLayers | None,
+        head: bool = False,
+    ):
+        """head: the recorded steps take in the final norm and the LM head (a decode step's)."""
         config = model.config
         dtype = model.tok_embeddings.weight.dtype
-        self.model, self.recorded = model, recorded
+        self.model, self.recorded, self.head = model, recorded, head
         self.cache = PagedCache(
             config.n_layers, config.n_kv_heads, config.head_dim, 64, page_size=4, dtype=dtype
         )
@@ -67,6 +74,8 @@ class Steps:
         h, cos, signed_sin = self.model.embed(ids, view.positions)
         if self.recorded is None:
             h, residual = self.model.run_layers(h, cos, signed_sin, view)
+        elif self.head:
+            return self.model.scaled_logits(self.recorded.run(h, cos, signed_sin, view, head=True))
         else:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         return self.model.logits(h, residual, None)
@@ -78,9 +87,9 @@ def prompt_then_decodes(prompts: list[int], n_decodes: int) -> list[list[tuple[i
     return steps
 
 
-def assert_replay_matches(model, prompts, steps, recorded=None):
+def assert_replay_matches(model, prompts, steps, recorded=None, head=False):
     recorded = recorded or RecordedLayers(model)
-    replayed, eager = Steps(model, prompts, recorded), Steps(model, prompts, None)
+    replayed, eager = Steps(model, prompts, recorded, head), Steps(model, prompts, None)
     for seqs in steps:
         assert torch.equal(replayed.logits(seqs), eager.logits(seqs)), seqs
     return recorded
@@ -103,11 +112,13 @@ def replays(monkeypatch) -> list[int]:
 @needs_kernels
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_replayed_steps_give_the_modules_logits_bit_for_bit(config, dtype, replays):
+@pytest.mark.parametrize("head", [False, True], ids=["layers", "with the head"])
+def test_replayed_steps_give_the_modules_logits_bit_for_bit(config, dtype, head, replays):
     model = random_model(0, dtype, **CONFIGS[config])
-    recorded = assert_replay_matches(model, [3, 5, 1], prompt_then_decodes([3, 5, 1], 4))
+    steps = prompt_then_decodes([3, 5, 1], 4)
+    recorded = assert_replay_matches(model, [3, 5, 1], steps, head=head)
     # the prompt step (9 rows) and the first decode step (3) recorded, later decodes replayed
-    assert sorted(recorded.steps) == [3, 9]
+    assert sorted(recorded.steps) == [(3, head), (9, head)]
     assert all(step is not None for step in recorded.steps.values())
     assert replays == [3, 3, 3]
 
@@ -204,10 +215,28 @@ def test_steps_that_cannot_be_recorded_run_the_modules(monkeypatch, case, replay
     prompts = [SKINNY_MAX_ROWS + 1] if case == "too many rows" else [3]
     recorded = assert_replay_matches(model, prompts, [[(0, 0, prompts[0])], [(0, prompts[0], 1)]])
     if case == "too many rows":
-        assert SKINNY_MAX_ROWS + 1 not in recorded.steps
+        assert (SKINNY_MAX_ROWS + 1, False) not in recorded.steps
     else:
-        assert recorded.steps == {3: None, 1: None}
+        assert recorded.steps == {(3, False): None, (1, False): None}
     assert replays == []
+
+
+@needs_kernels
+def test_a_head_that_cannot_be_recorded_runs_after_the_recorded_layers(monkeypatch, replays):
+    """A head outside the kernels (here plain F.linear) voids only the recording that takes it
+    in: the layers are recorded and replayed without it, and the head runs after them."""
+    model = random_model(7)
+    weight = model.output.weight
+    monkeypatch.setattr(model.output, "forward", lambda x: torch.nn.functional.linear(x, weight))
+    prompts = [3, 2]
+    recorded = assert_replay_matches(model, prompts, prompt_then_decodes(prompts, 4), head=True)
+    # the first two decode steps record, each its own way; the last two replay the layers
+    assert {key: step is not None for key, step in recorded.steps.items()} == {
+        (5, True): False,
+        (2, True): False,
+        (2, False): True,
+    }
+    assert replays == [2, 2]
 
 
 @needs_kernels
