@@ -27,6 +27,7 @@ from astrai.kernels import (
     tune_kernels,
 )
 from astrai.kernels.kernel_plan import DEFAULT_ACTIVATION_PRECISION
+from astrai.kernels.paged_attention import PagedDecode
 from astrai.model.lora import AdapterTable, row_adapters
 
 log = logging.getLogger("astrai.executor")
@@ -198,6 +199,60 @@ class RecordedLayers:
 
     def _weights(self) -> list[torch.Tensor]:
         return [w for params in self.parameters for w in params.values() if w is not None]
+
+
+class DecodeLayout:
+    """A step of decodes alone on the C attention kernel, laid out once (its StepBatch and
+    CacheView) and advanced in place while the same tasks decode step after step: each
+    position and context length moves on by one, a table takes the page its next position
+    opens, and the tokens are the ones just sampled. A step it cannot describe so (another
+    task or order, a prompt chunk, guesses, a table wider than the layout's) is laid out
+    afresh."""
+
+    def __init__(self, tasks: list[Task], batch: StepBatch):
+        self.tasks = tasks
+        self.batch = batch
+        self.view: CacheView | None = None  # made by the step that runs it first
+
+    @classmethod
+    def of(cls, chunks: Sequence[ScheduledChunk], batch: StepBatch, kv: KVStore):
+        """The layout of the step of chunks laid out as batch, or None where it cannot be
+        advanced in place."""
+        plain = batch.decodes_only and batch.key_ends is None and PagedDecode.supports(kv.k_cache)
+        if not plain or not all(map(_decodes_output, chunks)):
+            return None
+        return cls([chunk.task for chunk in chunks], batch)
+
+    def advance(self, chunks: Sequence[ScheduledChunk], pages: Callable[[int], list[int]]):
+        """The layout's StepBatch moved on to the step of chunks, or None (nothing changed)
+        if the chunks are not each the next decode of the layout's tasks."""
+        batch = self.batch
+        if self.view is None or len(chunks) != len(self.tasks):
+            return None
+        starts, tables, page_size = batch.starts, batch.block_tables, batch.page_size
+        opened: list[tuple[int, int, int]] = []  # row, table index, page
+        for row, (chunk, task) in enumerate(zip(chunks, self.tasks, strict=True)):
+            start = chunk.start
+            if chunk.task is not task or start != starts[row] + 1 or not _decodes_output(chunk):
+                return None
+            if start % page_size == 0:
+                index, table = start // page_size, pages(task.id)
+                if index >= tables.shape[1] or index >= len(table):
+                    return None
+                opened.append((row, index, table[index]))
+        for row, index, page in opened:
+            tables[row, index] = page
+            batch.table_lengths[row] = index + 1
+        starts += 1  # the rows' positions, which the view's positions tensor shares
+        self.view.paged_decode.context_lens += 1
+        batch.token_ids[:] = [chunk.token_ids()[0] for chunk in chunks]
+        return batch
+
+
+def _decodes_output(chunk: ScheduledChunk) -> bool:
+    """Whether the chunk is a plain decode of a generated token (which samples the next one,
+    and scores and pools nothing)."""
+    return chunk.length == 1 and not chunk.draft and chunk.start >= len(chunk.task.prompt_ids)
 
 
 class HostToDevice:
@@ -402,6 +457,7 @@ class ModelExecutor:
             self.kernel_plan = tune_kernels(model, batch_invariant, activation_precision)
             self.recorded = RecordedLayers(model)
             release_openmp_workers()  # after the timing, which ran on this thread's pool
+        self.layout: DecodeLayout | None = None  # the last step's, if it was decodes alone
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -413,7 +469,13 @@ class ModelExecutor:
             return self._forward_on_cpu(batch)
 
     def _forward_on_cpu(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        view = CacheView(self.kv, batch)
+        layout = self.layout
+        if layout is not None and layout.batch is batch:
+            if layout.view is None:
+                layout.view = CacheView(self.kv, batch)
+            view = layout.view
+        else:
+            view = CacheView(self.kv, batch)
         model = self.model
         lengths = None
         if model.rope.length_dependent:
@@ -447,6 +509,11 @@ class ModelExecutor:
 
         Prompt chunks that owe prompt logprobs or pool an embedding get them set on the chunk
         (ScheduledChunk.prompt_logprobs, .pooled) from the same pass."""
+        batch = None if self.layout is None else self.layout.advance(chunks, self.pages)
+        if batch is not None:  # the next decodes of the last step's tasks
+            self._begin_adapters(chunks)
+            logits, _ = self.forward(batch)
+            return self._sample(chunks, logits)
         # Python lists, not NumPy, for the few values of a step: each NumPy call costs more
         # than the arithmetic, all the more just after the weights went through the cache.
         token_ids: list[int] = []
@@ -485,10 +552,7 @@ class ModelExecutor:
             )
         ]
         spans = [len(c.task.prompt_ids) for c in chunks for _ in range(c.length if c.draft else 1)]
-        if self.adapters is not None:
-            self.adapters.begin_step(
-                *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
-            )
+        self._begin_adapters(chunks)
         images = self._image_rows(chunks)
         mrope_positions = None
         if any(c.task.mrope is not None for c in chunks):
@@ -505,6 +569,7 @@ class ModelExecutor:
             seqs, token_ids, self.pages, self.kv.page_size, spans, rows, hidden_rows, images,
             mrope_positions, _key_ends(chunks, starts),
         )  # fmt: skip
+        self.layout = None if self.recorded is None else DecodeLayout.of(chunks, batch, self.kv)
         logits, hidden = self.forward(batch)
         if images is not None:
             self._release_images(chunks)
@@ -515,6 +580,18 @@ class ModelExecutor:
             logits = logits[:n_sampled]
         if not sampling:
             return []
+        return self._sample(sampling, logits)
+
+    def _begin_adapters(self, chunks: Sequence[ScheduledChunk]) -> None:
+        if self.adapters is not None:
+            self.adapters.begin_step(
+                *row_adapters([c.task.adapter for c in chunks], [c.length for c in chunks])
+            )
+
+    def _sample(
+        self, sampling: Sequence[ScheduledChunk], logits: torch.Tensor
+    ) -> list[SampledToken]:
+        """The sampling chunks' tokens from their rows of logits, in order."""
         # Row i of a speculative chunk samples as plain decoding would after its first i
         # draft tokens: its own output so far, grammar state and seeded draw.
         row_tasks = [c.task for c in sampling for _ in range(len(c.draft) + 1)]

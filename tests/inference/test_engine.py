@@ -15,6 +15,7 @@ from tiny_models import hf_greedy, make_engine, run_ids, tokens_logprobs_cached
 from astrai.inference import GenerationParams, GenerationRequest
 from astrai.inference import scheduler as scheduler_module
 from astrai.inference.constraints import Constraint
+from astrai.inference.executor import DecodeLayout
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.kernels import native
 
@@ -98,6 +99,30 @@ def test_greedy_batch_equals_transformers(model, tokenizer, reference, config, m
     if budget < 300:
         chunks = [c for _, p in plans for c in p.chunks if len(c.task.prompt_ids) == 300 > c.start]
         assert len(chunks) >= -(-300 // budget)  # the 300-token prompt, in budget-sized pieces
+
+
+@pytest.mark.skipif(native.paged_attention is None, reason="the C attention kernel was not built")
+def test_decode_steps_advance_the_last_steps_layout_in_place(
+    model, tokenizer, reference, monkeypatch
+):
+    """While the same tasks decode, a step moves the last one's layout on (positions, context
+    lengths, a table's new page, the tokens) instead of laying it out again; tasks that come
+    and go, and pages of 4 tokens that fill every fourth step, keep transformers' tokens."""
+    advanced = []
+    advance = DecodeLayout.advance
+
+    def counted(layout, chunks, pages):
+        batch = advance(layout, chunks, pages)
+        advanced.append(batch is not None)
+        return batch
+
+    monkeypatch.setattr(DecodeLayout, "advance", counted)
+    prompts, max_tokens, expected = reference
+    params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    with make_engine(model, tokenizer, page_size=4, max_batch_size=5) as engine:
+        results = run_ids(engine, prompts, params)
+    assert [result[0].token_ids for result in results] == expected
+    assert sum(advanced) > len(advanced) // 2 > 0, advanced
 
 
 def test_greedy_batch_equals_transformers_on_pytorch_ops_alone(
