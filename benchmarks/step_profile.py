@@ -32,10 +32,11 @@ from workload import offline_workload, write_random_model
 from astrai.inference import executor as executor_module
 from astrai.inference import scheduler as scheduler_module
 from astrai.inference.attention import CacheView
-from astrai.inference.executor import ModelExecutor
+from astrai.inference.executor import DecodeLayout, ModelExecutor, RecordedLayers
 from astrai.inference.sample import SamplingBatch, sample
 from astrai.inference.scheduler import InferenceScheduler, schedule
 from astrai.inference.step_batch import StepBatch
+from astrai.kernels import graph as graph_module
 from astrai.kernels import linear_ops, native, quant_ops
 from astrai.kernels.graph import StepGraph
 from astrai.model import AutoModel
@@ -58,19 +59,18 @@ def main() -> None:
     model = AutoModel.from_pretrained(write_random_model(), dtype=getattr(torch, args.dtype))
     # One entry per step that ran the model: [decodes, prompt tokens, forward s, step s]
     steps: list[list] = []
-    execute, step = ModelExecutor.execute, InferenceScheduler.step
-    model_forward = model.forward
+    execute, step, forward = ModelExecutor.execute, InferenceScheduler.step, ModelExecutor.forward
 
     def timed_execute(executor: ModelExecutor, chunks):
         decodes = sum(chunk.length == 1 for chunk in chunks)
         steps.append([decodes, sum(c.length for c in chunks) - decodes, 0.0, 0.0])
         return execute(executor, chunks)
 
-    def timed_forward(*inputs, **kwargs):
+    def timed_forward(executor: ModelExecutor, batch):
         start = time.perf_counter()
-        logits = model_forward(*inputs, **kwargs)
+        outputs = forward(executor, batch)
         steps[-1][2] = time.perf_counter() - start
-        return logits
+        return outputs
 
     def timed_step(scheduler: InferenceScheduler) -> bool:
         before = len(steps)
@@ -80,12 +80,13 @@ def main() -> None:
             steps[-1][3] = time.perf_counter() - start
         return ran
 
-    model.forward = timed_forward
     ModelExecutor.execute, InferenceScheduler.step = timed_execute, timed_step
+    ModelExecutor.forward = timed_forward
     try:
         tokens, seconds = run_astrai(model, offline_workload(args.num_requests), 64)
     finally:
         ModelExecutor.execute, InferenceScheduler.step = execute, step
+        ModelExecutor.forward = forward
 
     print(f"{tokens} output tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s)")
     buckets: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -142,8 +143,8 @@ def profile_decode(path: str, dtype: torch.dtype) -> None:
 
         return run
 
-    def timed_call(call):
-        kind = call_kind(call)
+    def timed_call(call, kind: str | None = None):
+        kind = kind or call_kind(call)
 
         def run() -> None:
             start = time.perf_counter()
@@ -152,13 +153,25 @@ def profile_decode(path: str, dtype: torch.dtype) -> None:
 
         return run
 
-    replay, step = StepGraph.replay, InferenceScheduler.step
+    replay, step, head = StepGraph.replay, InferenceScheduler.step, RecordedLayers._head
+
+    def marked_head(recorded: RecordedLayers, *outputs):
+        # A decode step's graph records the final norm and the head after the layers: note
+        # where their calls start.
+        graph = getattr(graph_module._recording, "graph", None)
+        if graph is not None:
+            graph.head_start = len(graph.calls)
+        return head(recorded, *outputs)
 
     def timed_replay(graph: StepGraph, backend) -> None:
         # Once a replay has bound the attention calls (its first), each call is timed; the
         # wrappers' own cost (well under a microsecond a call) falls to "host: the rest".
         if graph.attention_calls and not getattr(graph, "timed", False):
-            graph.calls = [call and timed_call(call) for call in graph.calls]
+            head_start = getattr(graph, "head_start", len(graph.calls))
+            graph.calls = [
+                call and timed_call(call, "LM head" if i >= head_start else None)
+                for i, call in enumerate(graph.calls)
+            ]
             graph.attention_calls = [timed_call(call) for call in graph.attention_calls]
             graph.timed = True
         replay(graph, backend)
@@ -173,6 +186,8 @@ def profile_decode(path: str, dtype: torch.dtype) -> None:
     layout = "host: the step's layout"
     patches = [
         patch.object(StepGraph, "replay", timed_replay),
+        patch.object(RecordedLayers, "_head", marked_head),
+        patch.object(DecodeLayout, "advance", timed(layout, DecodeLayout.advance)),
         patch.object(InferenceScheduler, "step", timed_step),
         patch.object(Transformer, "embed", timed("embedding, rope angles", Transformer.embed)),
         patch.object(Transformer, "logits", timed("LM head", Transformer.logits)),

@@ -243,9 +243,13 @@ class DecodeLayout:
         for row, index, page in opened:
             tables[row, index] = page
             batch.table_lengths[row] = index + 1
-        starts += 1  # the rows' positions, which the view's positions tensor shares
-        self.view.paged_decode.context_lens += 1
-        batch.token_ids[:] = [chunk.token_ids()[0] for chunk in chunks]
+        # Item by item: a NumPy or torch op on the arrays would cost more, run cold after the
+        # weights went through the cache. The view's positions tensor shares starts.
+        context_lens, token_ids = self.view.paged_decode.context_lens.numpy(), batch.token_ids
+        for row, chunk in enumerate(chunks):
+            starts[row] = chunk.start
+            context_lens[row] = chunk.start + 1
+            token_ids[row] = chunk.token_ids()[0]
         return batch
 
 

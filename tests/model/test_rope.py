@@ -102,6 +102,8 @@ def test_rotation_rows_are_what_forward_computes_for_the_position_whatever_the_b
 
     hf = hf_config(ROPES["llama3"])
     rope = RotaryEmbedding(astrai_config(hf))
+    rope.rotation(torch.tensor([5]), None, dtype)
+    assert rope.tables[0].shape[1] == 1024
     positions = torch.tensor([3000, 0, 5, 1023, 1024, 700, 5])
     cos, signed_sin = rope.rotation(positions, None, dtype)
     assert rope.tables[0].shape[1] == 4096 and rope.tables[0].dtype == dtype
