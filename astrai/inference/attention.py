@@ -51,7 +51,7 @@ class CacheView:
             self.paged_decode = PagedDecode(
                 kv.k_cache,
                 kv.v_cache,
-                rows=torch.from_numpy(np.arange(len(batch.positions))),
+                rows=torch.from_numpy(np.arange(len(batch.positions), dtype=np.int64)),
                 block_tables=torch.from_numpy(batch.row_tables),
                 context_lens=self.positions + 1,
                 key_ends=None if batch.key_ends is None else torch.from_numpy(batch.key_ends),
