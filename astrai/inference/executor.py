@@ -126,7 +126,7 @@ def release_openmp_workers() -> None:
 class RecordedStep:
     """A recorded forward of the layers for one batch size: its inputs, graph and outputs."""
 
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h, cos, signed_sin
+    inputs: tuple[torch.Tensor, ...]  # h, cos and signed_sin, or token ids and positions
     graph: StepGraph
     # the last feed-forward output and the residual stream, or the LM head's output
     outputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor
@@ -145,12 +145,17 @@ class RecordedLayers:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.steps: dict[tuple[int, bool], RecordedStep | None] = {}  # by (rows, head)
+        # by (rows, head): head True takes in the final norm and the LM head, "ids" the
+        # embedding and rope's lookups too (run_ids)
+        self.steps: dict[tuple[int, bool | str], RecordedStep | None] = {}
         self.arena = Arena(SKINNY_MAX_ROWS)
         # Each module's parameter dict, which load_state_dict(assign=True) updates in place:
         # reading the weights' addresses through them costs little enough for every step.
         self.parameters = [m._parameters for m in model.modules() if m._parameters]
         self.addresses = data_addresses(self._weights())
+        # the dtype and addresses of the rope tables that graphs from token ids read
+        self.rope_dtype: torch.dtype | None = None
+        self.table_addresses: list[int] = []
 
     def run(
         self,
@@ -167,11 +172,7 @@ class RecordedLayers:
         rows = h.shape[0]
         if rows > SKINNY_MAX_ROWS:
             return self._forward(head, h, cos, signed_sin, view)
-        addresses = data_addresses(self._weights())
-        if addresses != self.addresses:
-            self.steps.clear()
-            self.arena = Arena(SKINNY_MAX_ROWS)
-            self.addresses = addresses
+        self._check_addresses()
         key = (rows, head)
         if key not in self.steps:  # record while running: the result is this step's either way
             inputs = (h.clone(), cos.clone(), signed_sin.clone())
@@ -189,6 +190,56 @@ class RecordedLayers:
             static.copy_(new)
         step.graph.replay(view)
         return step.outputs
+
+    def run_ids(
+        self, ids: torch.Tensor, positions: torch.Tensor, top: int, view: CacheView
+    ) -> torch.Tensor:
+        """The LM head's output for every row of a step of token ids at positions [rows]
+        (int64; top the highest position): with the embedding and rope's table lookups
+        recorded too where they can be (one rope, an embedding of kernel calls alone), else
+        run(..., head=True) after them. A view of the graph's buffers, valid until next run."""
+        rows = len(ids)
+        model = self.model
+        if rows <= SKINNY_MAX_ROWS and self.rope_dtype is not None:
+            # Such a graph reads rope's tables where they were when it was recorded: cover the
+            # step's positions first (no recording grows them then), and drop the graphs if the
+            # tables moved (grown by another step, rebuilt after .to()).
+            tables = data_addresses(model.rope.covering(top + 1, self.rope_dtype))
+            if tables != self.table_addresses:
+                self.steps = {key: step for key, step in self.steps.items() if key[1] != "ids"}
+                self.table_addresses = tables
+        step = self.steps.get((rows, "ids"), False)
+        if rows > SKINNY_MAX_ROWS or step is None:
+            return self.run(*model.embed(ids, positions, top=top), view, head=True)
+        if step is False:  # record while running: the result is this step's either way
+            self._check_addresses()
+            inputs = (ids.clone(), positions.clone())
+            graph = StepGraph(self.arena)
+            with graph.record(model.layers):
+                h, cos, signed_sin = model.embed(*inputs, top=top)
+                outputs = self._forward(True, h, cos, signed_sin, graph.attention(view))
+            self.steps[(rows, "ids")] = (
+                RecordedStep(inputs, graph, outputs) if graph.valid else None
+            )
+            if graph.valid:
+                self.rope_dtype = model.rope.tables[0].dtype
+                self.table_addresses = data_addresses(model.rope.tables)
+            return outputs
+        self._check_addresses()
+        if (rows, "ids") not in self.steps:  # weights moved: record again
+            return self.run_ids(ids, positions, top, view)
+        for static, new in zip(step.inputs, (ids, positions), strict=True):
+            static.copy_(new)
+        step.graph.replay(view)
+        return step.outputs
+
+    def _check_addresses(self) -> None:
+        """Drop every graph if a weight moved."""
+        addresses = data_addresses(self._weights())
+        if addresses != self.addresses:
+            self.steps.clear()
+            self.arena = Arena(SKINNY_MAX_ROWS)
+            self.addresses = addresses
 
     def _forward(self, head: bool, h, cos, signed_sin, attention):
         outputs = self.model.run_layers(h, cos, signed_sin, attention)
@@ -486,19 +537,23 @@ class ModelExecutor:
             lengths = torch.from_numpy(batch.rope_lengths).to(self.device)
         token_ids = torch.from_numpy(batch.token_ids).to(self.device)
         positions = view.positions
+        every_row = batch.logits_of_every_row
+        if self.recorded is not None and every_row and batch.decodes_only and lengths is None:
+            top = int(batch.positions.max()) if batch.n_seqs else 0
+            return model.scaled_logits(self.recorded.run_ids(token_ids, positions, top, view)), None
         if batch.mrope_positions is not None:
             positions = torch.from_numpy(batch.mrope_positions).to(self.device)
         h, cos, signed_sin = model.embed(token_ids, positions, lengths)
         if batch.images is not None:
             batch.images.place(h)
-        if self.recorded is not None and batch.logits_of_every_row and batch.hidden_rows is None:
+        if self.recorded is not None and every_row and batch.hidden_rows is None:
             return model.scaled_logits(self.recorded.run(h, cos, signed_sin, view, head=True)), None
         if self.recorded is not None:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
         else:
             h, residual = model.run_layers(h, cos, signed_sin, view)
         rows = None
-        if not batch.logits_of_every_row:
+        if not every_row:
             rows = torch.from_numpy(batch.logit_rows).to(self.device)
         logits = model.logits(h, residual, rows)
         if batch.hidden_rows is None:

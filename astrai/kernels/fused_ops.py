@@ -165,6 +165,34 @@ def _rope_op(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return out
 
 
+@kernel_op(
+    "gather_rows", fake=lambda table, index: table.new_empty(index.shape[0], *table.shape[1:])
+)
+def _gather_rows_op(table: Tensor, index: Tensor) -> Tensor:
+    out = new_output((index.shape[0], *table.shape[1:]), table.dtype)
+    launch(
+        native.fused_ops.gather_rows,
+        out.data_ptr(), table.data_ptr(), index.data_ptr(), index.shape[0],
+        table.stride(0) * table.element_size(), table.shape[0],
+    )  # fmt: skip
+    return out
+
+
+def gather_rows(table: Tensor, index: Tensor) -> Tensor:
+    """table's rows index [n] (int64), [n, ...]: table.index_select(0, index), on the CPU one
+    C call that a recorded step replays (an index outside the table raises IndexError)."""
+    if (
+        native.fused_ops is not None
+        and native.cpu_kernel_may_take(table)
+        and table.is_contiguous()
+        and index.dtype == torch.int64
+        and index.dim() == 1
+        and index.is_contiguous()
+    ):
+        return torch.ops.astrai.gather_rows(table, index)
+    return table.index_select(0, index)
+
+
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """Rotate x [num_tokens, heads, head_dim] in transformers' rotate_half layout.
 

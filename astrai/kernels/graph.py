@@ -67,21 +67,27 @@ class Arena:
     """Kernel outputs of recorded steps, shared by every batch size up to max_rows.
 
     Layer i takes its buffers from set i % 2 and reads only its own and layer i - 1's, so two
-    sets serve any depth: the same memory, warm in the cache, for every layer. Within a set,
-    the n-th buffer a layer asks for of a given row shape is always the same one, so a layer
-    that asks for one fewer (the first norms without a residual add) does not shift the rest.
-    Buffers are never replaced: recorded calls hold their addresses.
+    sets serve any depth: the same memory, warm in the cache, for every layer. What a step
+    computes before its first layer (the embedding, rope's angles, which every layer reads)
+    takes a third set, which no layer writes. Within a set, the n-th buffer a layer asks for
+    of a given row shape is always the same one, so a layer that asks for one fewer (the
+    first norms without a residual add) does not shift the rest. Buffers are never replaced:
+    recorded calls hold their addresses.
     """
 
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
         # per set: (row shape, dtype) -> buffers [max_rows, *row shape]
-        self.sets: tuple[dict, dict] = ({}, {})
-        self.parity = 0
+        self.sets: tuple[dict, dict, dict] = ({}, {}, {})
+        self.current = 2  # the set taken from: 2 before the first layer
         self.taken: dict[tuple, int] = {}
 
+    def start_step(self) -> None:
+        self.current = 2
+        self.taken = {}
+
     def start_layer(self) -> None:
-        self.parity ^= 1
+        self.current = 1 if self.current == 0 else 0
         self.taken = {}
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
@@ -90,7 +96,7 @@ class Arena:
         key = (tuple(row_shape), dtype)
         index = self.taken.get(key, 0)
         self.taken[key] = index + 1
-        buffers = self.sets[self.parity].setdefault(key, [])
+        buffers = self.sets[self.current].setdefault(key, [])
         if index == len(buffers):
             buffers.append(torch.empty(self.max_rows, *row_shape, dtype=dtype))
         return buffers[index][:rows]
@@ -164,6 +170,7 @@ class StepGraph:
 
         hooks = [layer.register_forward_pre_hook(start_layer) for layer in layers]
         mode = _KernelsOnly()
+        self.arena.start_step()
         _recording.graph = self
         try:
             with mode:

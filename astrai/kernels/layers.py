@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from astrai.kernels.fused_ops import gather_rows
 from astrai.kernels.linear_ops import linear
 from astrai.kernels.quant_ops import (
     ConcatenatedWeight,
@@ -124,7 +125,7 @@ class Embedding(nn.Module):
             weight.normal_()
         self.weight = nn.Parameter(weight)
         self.sum_partials = sum_partials
-        self._lookup = F.embedding
+        self._lookup = dense_rows
 
     def hold(self, table: QuantizedWeight, dtype: torch.dtype) -> None:
         """Keep the table in its blocks from now on, in place of the dense Parameter (which
@@ -142,6 +143,14 @@ class Embedding(nn.Module):
         h = self._lookup(local, self.weight).masked_fill(outside[:, None], 0.0)
         self.sum_partials(h)
         return h
+
+
+def dense_rows(ids: Tensor, table: Tensor) -> Tensor:
+    """F.embedding(ids, table); a step's ids [num_tokens] by gather_rows, which a recorded
+    step replays."""
+    if ids.dim() == 1:
+        return gather_rows(table, ids)
+    return F.embedding(ids, table)
 
 
 def held_blocks(model: nn.Module) -> list[QuantizedWeight | ConcatenatedWeight]:

@@ -256,8 +256,9 @@ def _quant_embedding_op(
     ids: Tensor, packed: Tensor, qtype: int, rows: int, dim: int, dtype: torch.dtype
 ) -> Tensor:
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(flat.numel(), dim, dtype=dtype)
-    native.quant_linear.gather_rows(
+    out = new_output((flat.numel(), dim), dtype)
+    launch(
+        native.quant_linear.gather_rows,
         out.data_ptr(), packed.data_ptr(), packed.nbytes, flat.data_ptr(), flat.numel(), rows,
         dim, qtype, dtype == torch.bfloat16,
     )  # fmt: skip
@@ -271,8 +272,10 @@ def lookup_rows(ids: Tensor, table: QuantizedWeight, dtype: torch.dtype) -> Tens
     8B's)."""
     if native.quant_linear is None or dtype not in native.KERNEL_DTYPES:
         return F.embedding(ids, table.dequantize(dtype))
+    # int64 ids before the op, so a recorded step reads the step's own (a conversion inside
+    # the op would leave the recording a pointer to a temporary)
     return torch.ops.astrai.quant_embedding(
-        ids, table.packed, int(table.qtype), *table.shape, dtype
+        ids.to(torch.int64).contiguous(), table.packed, int(table.qtype), *table.shape, dtype
     )
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.config import ModelConfig
+from astrai.kernels.fused_ops import gather_rows
 
 
 def rotary_dim(config: ModelConfig) -> int:
@@ -197,7 +198,7 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
     def rotation(
-        self, positions: Tensor, lengths: Tensor | None, dtype: torch.dtype
+        self, positions: Tensor, lengths: Tensor | None, dtype: torch.dtype, top: int | None = None
     ) -> tuple[Tensor, Tensor]:
         """(cos, signed_sin) [n_ropes, num_tokens, 1, rotary_dim] in dtype, what apply_rope
         reads: forward's cos and sin, each half of the rotary dims turned by its frequency,
@@ -207,20 +208,30 @@ class RotaryEmbedding(nn.Module):
         tables of every position so far (grown by doubling), so a decode step looks its token
         up instead of computing it: a position's row is the same whichever step and batch
         its token is in. A traced forward (torch.compile) computes them: a table's size
-        depends on the positions' values.
+        depends on the positions' values. top, the highest of the positions where the caller
+        knows it, spares reading it from them (a recorded step reads nothing back).
         """
         computed = positions.dim() == 2 or self.length_dependent or torch.compiler.is_compiling()
         if computed or positions.device.type != "cpu":
             cos, sin = (t.to(dtype)[:, :, None, :] for t in self(positions, lengths))
             return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        needed = int(positions.max()) + 1 if len(positions) else 0
+        if top is None:
+            top = int(positions.max()) if len(positions) else -1
+        tables = self.covering(top + 1, dtype)
+        if len(self.inv_freq) == 1:  # one rope: rows a recorded step can look up
+            return tuple(gather_rows(table[0], positions)[None] for table in tables)
+        return tables[0].index_select(1, positions), tables[1].index_select(1, positions)
+
+    def covering(self, positions: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """rotation's tables in dtype, [n_ropes, at least positions, 1, rotary_dim] each: the
+        ones it has if they are long enough, else new ones."""
         tables = self.tables
-        if tables is None or tables[0].dtype != dtype or tables[0].shape[1] < needed:
-            size = max(1024, 1 << (needed - 1).bit_length())
+        if tables is None or tables[0].dtype != dtype or tables[0].shape[1] < positions:
+            size = max(1024, 1 << (positions - 1).bit_length())
             cos, sin = (t.to(dtype)[:, :, None, :] for t in self(torch.arange(size)))
             tables = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
             self.tables = tables
-        return tables[0].index_select(1, positions), tables[1].index_select(1, positions)
+        return tables
 
     @property
     def mrope_axes(self) -> Tensor:

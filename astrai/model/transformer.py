@@ -358,19 +358,24 @@ class Transformer(nn.Module):
         return self.logits(h, residual, logits_indices)
 
     def embed(
-        self, input_ids: Tensor, positions: Tensor, rope_lengths: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        rope_lengths: Tensor | None = None,
+        top: int | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(embeddings [num_tokens, dim], cos, signed_sin [n_ropes, num_tokens, 1, head_dim]):
         what the layers read, rope's angles built once for all of them; positions are
         [num_tokens], or [3, num_tokens] on a model with M-RoPE; rope_lengths [num_tokens] are
-        the sequence lengths the tokens rotate for (RotaryEmbedding.forward)."""
+        the sequence lengths the tokens rotate for (RotaryEmbedding.forward); top, the highest
+        position where the caller knows it (RotaryEmbedding.rotation)."""
         h = self.tok_embeddings(input_ids)
         if self.config.scale_embeddings:
             # Gemma: sqrt(dim) rounded to the model dtype first, as transformers does
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
         if self.config.embedding_multiplier != 1.0:  # Granite
             h = h * self.config.embedding_multiplier
-        return h, *self.rope.rotation(positions, rope_lengths, h.dtype)
+        return h, *self.rope.rotation(positions, rope_lengths, h.dtype, top)
 
     def run_layers(
         self, h: Tensor, cos: Tensor, signed_sin: Tensor, attention: AttentionBackend

@@ -54,14 +54,16 @@ class Steps:
         model: Transformer,
         prompts: list[int],
         recorded: RecordedLayers | None,
-        head: bool = False,
+        mode: str = "layers",
     ):
-        """head: the recorded steps take in the final norm and the LM head (a decode step's)."""
+        """mode: what the recorded steps take in besides the layers: "head" the final norm and
+        the LM head, "ids" the embedding and rope's lookups too (a decode step's)."""
         config = model.config
         dtype = model.tok_embeddings.weight.dtype
-        self.model, self.recorded, self.head = model, recorded, head
+        self.model, self.recorded, self.mode = model, recorded, mode
+        n_pages = max(64, sum(-(-(length + 8) // 4) for length in prompts))
         self.cache = PagedCache(
-            config.n_layers, config.n_kv_heads, config.head_dim, 64, page_size=4, dtype=dtype
+            config.n_layers, config.n_kv_heads, config.head_dim, n_pages, page_size=4, dtype=dtype
         )
         for task_id, length in enumerate(prompts):
             assert self.cache.allocate(task_id, length + 8)
@@ -74,7 +76,10 @@ class Steps:
         h, cos, signed_sin = self.model.embed(ids, view.positions)
         if self.recorded is None:
             h, residual = self.model.run_layers(h, cos, signed_sin, view)
-        elif self.head:
+        elif self.mode == "ids":
+            top = int(view.positions.max())
+            return self.model.scaled_logits(self.recorded.run_ids(ids, view.positions, top, view))
+        elif self.mode == "head":
             return self.model.scaled_logits(self.recorded.run(h, cos, signed_sin, view, head=True))
         else:
             h, residual = self.recorded.run(h, cos, signed_sin, view)
@@ -87,9 +92,9 @@ def prompt_then_decodes(prompts: list[int], n_decodes: int) -> list[list[tuple[i
     return steps
 
 
-def assert_replay_matches(model, prompts, steps, recorded=None, head=False):
+def assert_replay_matches(model, prompts, steps, recorded=None, mode="layers"):
     recorded = recorded or RecordedLayers(model)
-    replayed, eager = Steps(model, prompts, recorded, head), Steps(model, prompts, None)
+    replayed, eager = Steps(model, prompts, recorded, mode), Steps(model, prompts, None)
     for seqs in steps:
         assert torch.equal(replayed.logits(seqs), eager.logits(seqs)), seqs
     return recorded
@@ -112,13 +117,23 @@ def replays(monkeypatch) -> list[int]:
 @needs_kernels
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head", [False, True], ids=["layers", "with the head"])
-def test_replayed_steps_give_the_modules_logits_bit_for_bit(config, dtype, head, replays):
+@pytest.mark.parametrize(
+    "mode", ["layers", "head", "ids"], ids=["layers", "with the head", "from token ids"]
+)
+def test_replayed_steps_give_the_modules_logits_bit_for_bit(config, dtype, mode, replays):
     model = random_model(0, dtype, **CONFIGS[config])
     steps = prompt_then_decodes([3, 5, 1], 4)
-    recorded = assert_replay_matches(model, [3, 5, 1], steps, head=head)
+    recorded = assert_replay_matches(model, [3, 5, 1], steps, mode=mode)
+    if mode == "ids" and config == "gemma2":
+        # the embedding's scale is no kernel call: from the second decode the layers and the
+        # head are recorded without the embedding
+        valid = {key: step is not None for key, step in recorded.steps.items()}
+        assert valid == {(9, "ids"): False, (3, "ids"): False, (3, True): True}
+        assert replays == [3, 3]
+        return
     # the prompt step (9 rows) and the first decode step (3) recorded, later decodes replayed
-    assert sorted(recorded.steps) == [(3, head), (9, head)]
+    key = {"layers": False, "head": True, "ids": "ids"}[mode]
+    assert sorted(recorded.steps) == [(3, key), (9, key)]
     assert all(step is not None for step in recorded.steps.values())
     assert replays == [3, 3, 3]
 
@@ -229,7 +244,7 @@ def test_a_head_that_cannot_be_recorded_runs_after_the_recorded_layers(monkeypat
     weight = model.output.weight
     monkeypatch.setattr(model.output, "forward", lambda x: torch.nn.functional.linear(x, weight))
     prompts = [3, 2]
-    recorded = assert_replay_matches(model, prompts, prompt_then_decodes(prompts, 4), head=True)
+    recorded = assert_replay_matches(model, prompts, prompt_then_decodes(prompts, 4), mode="head")
     # the first two decode steps record, each its own way; the last two replay the layers
     assert {key: step is not None for key, step in recorded.steps.items()} == {
         (5, True): False,
@@ -237,6 +252,31 @@ def test_a_head_that_cannot_be_recorded_runs_after_the_recorded_layers(monkeypat
         (2, False): True,
     }
     assert replays == [2, 2]
+
+
+@needs_kernels
+def test_steps_from_token_ids_follow_the_rope_tables_they_read(replays):
+    """A graph from token ids reads rope's tables where they lay when it was recorded: when
+    they move (rebuilt, as .to() leaves them, or grown for a decode past their 1024
+    positions), the graphs are recorded again, never replayed over the old tables (filled
+    with NaN here) or past their end."""
+    model = random_model(8)
+    prompts = [1019, 2]
+    recorded = RecordedLayers(model)
+    replayed, eager = Steps(model, prompts, recorded, "ids"), Steps(model, prompts, None)
+    steps = [[(0, 0, 1019)], [(1, 0, 2)]] + decodes(prompts, [[0, 1]] * 8)
+    for i, seqs in enumerate(steps):
+        old = model.rope.tables
+        if i == 4:
+            model.rope.tables = None
+        assert torch.equal(replayed.logits(seqs), eager.logits(seqs)), i
+        if old is not None and model.rope.tables is not old:
+            with torch.inference_mode():
+                for table in old:
+                    table.fill_(float("nan"))
+    # the second prompt's 2 rows record; rebuilt before the third decode, grown at the sixth
+    # (position 1024): those record again, the other six decodes replay
+    assert replays == [2] * 6
 
 
 @needs_kernels

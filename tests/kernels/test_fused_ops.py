@@ -15,6 +15,7 @@ from astrai.kernels import (
     rms_norm,
     silu_and_mul,
 )
+from astrai.kernels.fused_ops import gather_rows
 
 # Each gated activation (SwiGLU, GeGLU): the op, the PyTorch function of the gate it replaces,
 # and how far from it the fallback and the kernel may be. PyTorch's fp32 GELU, 0.5 g (1 +
@@ -214,3 +215,13 @@ def test_every_kernel_op_has_a_fake_implementation_for_tracing():
         assert torch.ops.astrai.silu_and_mul(x).shape == (3, 16)
         assert torch.ops.astrai.gelu_tanh_and_mul(x).shape == (3, 16)
         assert torch.ops.astrai.rope(qk, cos, cos).shape == (3, 6, 8)
+
+
+@pytest.mark.skipif(native.fused_ops is None, reason="the C fused-ops kernels were not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_rows_are_index_selects_and_an_index_outside_is_refused(dtype):
+    table = torch.randn(10, 1, 6).to(dtype)
+    index = torch.tensor([3, 0, 9, 3])
+    assert torch.equal(gather_rows(table, index), table.index_select(0, index))
+    with pytest.raises(IndexError, match="row 10 of a table of 10 rows"):
+        gather_rows(table, torch.tensor([2, 10]))

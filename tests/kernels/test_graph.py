@@ -81,6 +81,21 @@ def test_arena_alternates_two_sets_of_buffers_across_layers():
     assert len({*ptr[0], *ptr[1]}) == 4  # never a buffer of its own or of the layer before
 
 
+def test_what_a_step_takes_before_its_first_layer_no_layer_takes():
+    """The embedding and rope's angles, which every layer reads, are taken before the first
+    layer: from a set of their own, in every step however many layers the last one had."""
+    arena = Arena(max_rows=8)
+    for n_layers in (3, 2, 1):
+        arena.start_step()
+        angles = arena.take((3, 1, 16), torch.float32).data_ptr()
+        in_layers = set()
+        for _ in range(n_layers):
+            arena.start_layer()
+            in_layers |= {arena.take((3, 1, 16), torch.float32).data_ptr() for _ in range(2)}
+        assert angles not in in_layers
+        assert arena.take((3, 1, 16), torch.float32).data_ptr() != angles  # nor the head
+
+
 def test_arena_keeps_each_row_shape_in_its_place_when_a_layer_takes_one_more():
     """The first layer norms without the residual add and takes one buffer fewer; the layers
     after it still get the buffers of the same shape in the same order."""

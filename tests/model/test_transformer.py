@@ -192,7 +192,8 @@ def test_forward_captures_as_one_graph():
 
 @pytest.mark.skipif(native.fused_ops is None, reason="the C fused-ops kernels were not built")
 def test_fp32_cpu_forward_takes_every_fused_kernel(monkeypatch):
-    """RMSNorm (with and without the residual add), SwiGLU and rope reach their C kernels."""
+    """RMSNorm (with and without the residual add), SwiGLU and rope reach their C kernels, and
+    the embedding's and rope's table lookups the row gather."""
     calls: list[str] = []
     monkeypatch.setattr(native, "fused_ops", CountingKernels(native.fused_ops, calls))
     model = Transformer(tiny_config()).eval()
@@ -200,9 +201,10 @@ def test_fp32_cpu_forward_takes_every_fused_kernel(monkeypatch):
         model.forward(torch.tensor([3, 4, 5]), torch.tensor([0, 1, 2]), RaggedAttention([3]))
     n_layers = model.config.n_layers
     # a norm before each of 2 sublayers per layer, plus the final one; one SwiGLU and rope each
-    assert sorted(set(calls)) == ["gated_mul", "rms_norm", "rope"]
+    assert sorted(set(calls)) == ["gated_mul", "gather_rows", "rms_norm", "rope"]
     assert calls.count("rms_norm") == 2 * n_layers + 1
     assert calls.count("gated_mul") == calls.count("rope") == n_layers
+    assert calls.count("gather_rows") == 3  # the embedding's rows, rope's cos and signed sin
 
 
 def test_every_linear_runs_through_astrai_linear():

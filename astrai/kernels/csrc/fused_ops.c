@@ -7,6 +7,8 @@
  *   rms_norm   (x + residual, then RMSNorm of the sum): add, pow, mean, add, rsqrt, mul, mul
  *   gated_mul  silu(gate) * up (or GELU's, Gemma) of the fused gate/up projection: chunk, act, mul
  *   rope       x * cos + swap_halves(x) * signed_sin: roll, mul, mul, add
+ * and gather_rows copies a table's rows (a dense embedding's, rope's cos and sin tables) as
+ * index_select would, so a recorded step can look them up.
  * Every row is computed alone in a fixed order, so a row's result does not depend on the batch.
  * Built with -ffp-contract=off: rope is then bit-identical to the PyTorch ops it replaces.
  */
@@ -14,6 +16,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "module.h"
 #include "vec8.h"
@@ -190,6 +193,21 @@ static PyObject *rope(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *gather_rows(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_ssize_t out, table, index, rows, row_bytes, table_rows;
+    if (!PyArg_ParseTuple(args, "nnnnnn", &out, &table, &index, &rows, &row_bytes, &table_rows))
+        return NULL;
+    const int64_t *const at = (const int64_t *)index;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        if (at[r] < 0 || at[r] >= table_rows)
+            return PyErr_Format(PyExc_IndexError, "row %lld of a table of %zd rows",
+                                (long long)at[r], table_rows);
+    for (Py_ssize_t r = 0; r < rows; r++)
+        memcpy((char *)out + r * row_bytes, (const char *)table + at[r] * row_bytes, row_bytes);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS,
      "rms_norm(out, residual_out, x, residual, weight, eps, rows, dim, is_bf16): data pointers "
@@ -202,6 +220,10 @@ static PyMethodDef methods[] = {
      "rope(out, x, cos, signed_sin, rows, heads, head_dim, x_row_stride, is_bf16): out [rows, "
      "heads, head_dim] from x rows x_row_stride values apart; cos and signed_sin [rows, "
      "head_dim]."},
+    {"gather_rows", gather_rows, METH_VARARGS,
+     "gather_rows(out, table, index, rows, row_bytes, table_rows): out's rows are the table's "
+     "rows index[0 .. rows) (int64), row_bytes each; IndexError for an index outside "
+     "[0, table_rows)."},
     {NULL, NULL, 0, NULL},
 };
 
