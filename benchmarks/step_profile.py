@@ -108,7 +108,8 @@ def main() -> None:
 
 def call_kind(call) -> str:
     """What a recorded call computes: products by weight type (a decode's few rows take the
-    kernels; the GEMM paths are named too), LoRA's products, attention, or small ops."""
+    kernels; the GEMM paths are named too), LoRA's products, attention, the embedding's and
+    rope's row lookups (recorded in a decode step), or small ops."""
     func = call.func
     if func is native.quant_linear.linear:
         return f"products, {GGMLQuantizationType(call.args[8]).name}"
@@ -120,6 +121,8 @@ def call_kind(call) -> str:
         return "products, dense"
     if native.paged_attention is not None and func is native.paged_attention.decode:
         return "attention"
+    if func in (native.fused_ops.gather_rows, native.quant_linear.gather_rows):
+        return "embedding, rope angles"
     if (native.lora is not None and func is native.lora.add_products) or getattr(
         func, "__func__", None
     ) is AdapterTable._add_products:
