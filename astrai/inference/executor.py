@@ -153,9 +153,9 @@ class RecordedLayers:
         # reading the weights' addresses through them costs little enough for every step.
         self.parameters = [m._parameters for m in model.modules() if m._parameters]
         self.addresses = data_addresses(self._weights())
-        # the dtype and addresses of the rope tables that graphs from token ids read
+        # rope's tables that graphs from token ids read, and their dtype
+        self.tables: tuple[torch.Tensor, ...] = ()
         self.rope_dtype: torch.dtype | None = None
-        self.table_addresses: list[int] = []
 
     def run(
         self,
@@ -200,14 +200,16 @@ class RecordedLayers:
         run(..., head=True) after them. A view of the graph's buffers, valid until next run."""
         rows = len(ids)
         model = self.model
-        if rows <= SKINNY_MAX_ROWS and self.rope_dtype is not None:
+        dtype = self.rope_dtype or (model.rope.tables and model.rope.tables[0].dtype)
+        if rows <= SKINNY_MAX_ROWS and dtype:
             # Such a graph reads rope's tables where they were when it was recorded: cover the
-            # step's positions first (no recording grows them then), and drop the graphs if the
-            # tables moved (grown by another step, rebuilt after .to()).
-            tables = data_addresses(model.rope.covering(top + 1, self.rope_dtype))
-            if tables != self.table_addresses:
+            # step's positions first (no recording grows them then), drop the graphs if the
+            # tables moved (grown by another step, rebuilt after .to()), and hold the tables
+            # the graphs read, whatever replaces them on the model (another engine's step).
+            tables = model.rope.covering(top + 1, dtype)
+            if data_addresses(tables) != data_addresses(self.tables):
                 self.steps = {key: step for key, step in self.steps.items() if key[1] != "ids"}
-                self.table_addresses = tables
+                self.tables = tables
         step = self.steps.get((rows, "ids"), False)
         if rows > SKINNY_MAX_ROWS or step is None:
             return self.run(*model.embed(ids, positions, top=top), view, head=True)
@@ -222,8 +224,8 @@ class RecordedLayers:
                 RecordedStep(inputs, graph, outputs) if graph.valid else None
             )
             if graph.valid:
-                self.rope_dtype = model.rope.tables[0].dtype
-                self.table_addresses = data_addresses(model.rope.tables)
+                self.tables = model.rope.tables
+                self.rope_dtype = self.tables[0].dtype
             return outputs
         self._check_addresses()
         if (rows, "ids") not in self.steps:  # weights moved: record again
@@ -234,12 +236,14 @@ class RecordedLayers:
         return step.outputs
 
     def _check_addresses(self) -> None:
-        """Drop every graph if a weight moved."""
+        """Drop every graph if a weight moved (rope's tables are then rebuilt in the weights'
+        dtype, if that changed)."""
         addresses = data_addresses(self._weights())
         if addresses != self.addresses:
             self.steps.clear()
             self.arena = Arena(SKINNY_MAX_ROWS)
             self.addresses = addresses
+            self.rope_dtype, self.tables = None, ()
 
     def _forward(self, head: bool, h, cos, signed_sin, attention):
         outputs = self.model.run_layers(h, cos, signed_sin, attention)
