@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -153,9 +154,8 @@ class RecordedLayers:
         # reading the weights' addresses through them costs little enough for every step.
         self.parameters = [m._parameters for m in model.modules() if m._parameters]
         self.addresses = data_addresses(self._weights())
-        # rope's tables that graphs from token ids read, and their dtype
+        # rope's tables that graphs from token ids read
         self.tables: tuple[torch.Tensor, ...] = ()
-        self.rope_dtype: torch.dtype | None = None
 
     def run(
         self,
@@ -174,22 +174,11 @@ class RecordedLayers:
             return self._forward(head, h, cos, signed_sin, view)
         self._check_addresses()
         key = (rows, head)
-        if key not in self.steps:  # record while running: the result is this step's either way
-            inputs = (h.clone(), cos.clone(), signed_sin.clone())
-            graph = StepGraph(self.arena)
-            with graph.record(self.model.layers):
-                outputs = self._forward(head, *inputs, graph.attention(view))
-            self.steps[key] = RecordedStep(inputs, graph, outputs) if graph.valid else None
-            return outputs
-        step = self.steps[key]
-        if step is None:
+        if self.steps.get(key, True) is None:
             if head:
                 return self._head(*self.run(h, cos, signed_sin, view))
             return self.model.run_layers(h, cos, signed_sin, view)
-        for static, new in zip(step.inputs, (h, cos, signed_sin), strict=True):
-            static.copy_(new)
-        step.graph.replay(view)
-        return step.outputs
+        return self._replay_or_record(key, (h, cos, signed_sin), partial(self._forward, head), view)
 
     def run_ids(
         self, ids: torch.Tensor, positions: torch.Tensor, top: int, view: CacheView
@@ -198,52 +187,54 @@ class RecordedLayers:
         (int64; top the highest position): with the embedding and rope's table lookups
         recorded too where they can be (one rope, an embedding of kernel calls alone), else
         run(..., head=True) after them. A view of the graph's buffers, valid until next run."""
-        rows = len(ids)
-        model = self.model
-        dtype = self.rope_dtype or (model.rope.tables and model.rope.tables[0].dtype)
-        if rows <= SKINNY_MAX_ROWS and dtype:
+        model, key = self.model, (len(ids), "ids")
+        if key[0] > SKINNY_MAX_ROWS or self.steps.get(key, True) is None:
+            return self.run(*model.embed(ids, positions, top=top), view, head=True)
+        self._check_addresses()
+        if model.rope.tables is not None:
             # Such a graph reads rope's tables where they were when it was recorded: cover the
             # step's positions first (no recording grows them then), drop the graphs if the
             # tables moved (grown by another step, rebuilt after .to()), and hold the tables
             # the graphs read, whatever replaces them on the model (another engine's step).
-            tables = model.rope.covering(top + 1, dtype)
+            tables = model.rope.covering(top + 1, model.rope.tables[0].dtype)
             if data_addresses(tables) != data_addresses(self.tables):
-                self.steps = {key: step for key, step in self.steps.items() if key[1] != "ids"}
+                self.steps = {k: step for k, step in self.steps.items() if k[1] != "ids"}
                 self.tables = tables
-        step = self.steps.get((rows, "ids"), False)
-        if rows > SKINNY_MAX_ROWS or step is None:
-            return self.run(*model.embed(ids, positions, top=top), view, head=True)
-        if step is False:  # record while running: the result is this step's either way
-            self._check_addresses()
-            inputs = (ids.clone(), positions.clone())
+
+        def forward(ids, positions, attention):
+            return self._forward(True, *model.embed(ids, positions, top=top), attention)
+
+        recording = key not in self.steps
+        outputs = self._replay_or_record(key, (ids, positions), forward, view)
+        if recording:
+            self.tables = model.rope.tables  # what the recording read
+        return outputs
+
+    def _replay_or_record(self, key, inputs: tuple, forward: Callable, view: CacheView):
+        """forward(*inputs, attention) as the recorded step key: replayed, or recorded while
+        running if key is new (the result is this step's either way; key then maps to None
+        if the step cannot be recorded)."""
+        step = self.steps.get(key)
+        if step is None:
+            static = tuple(t.clone() for t in inputs)
             graph = StepGraph(self.arena)
-            with graph.record(model.layers):
-                h, cos, signed_sin = model.embed(*inputs, top=top)
-                outputs = self._forward(True, h, cos, signed_sin, graph.attention(view))
-            self.steps[(rows, "ids")] = (
-                RecordedStep(inputs, graph, outputs) if graph.valid else None
-            )
-            if graph.valid:
-                self.tables = model.rope.tables
-                self.rope_dtype = self.tables[0].dtype
+            with graph.record(self.model.layers):
+                outputs = forward(*static, graph.attention(view))
+            self.steps[key] = RecordedStep(static, graph, outputs) if graph.valid else None
             return outputs
-        self._check_addresses()
-        if (rows, "ids") not in self.steps:  # weights moved: record again
-            return self.run_ids(ids, positions, top, view)
-        for static, new in zip(step.inputs, (ids, positions), strict=True):
+        for static, new in zip(step.inputs, inputs, strict=True):
             static.copy_(new)
         step.graph.replay(view)
         return step.outputs
 
     def _check_addresses(self) -> None:
-        """Drop every graph if a weight moved (rope's tables are then rebuilt in the weights'
-        dtype, if that changed)."""
+        """Drop every graph if a weight moved."""
         addresses = data_addresses(self._weights())
         if addresses != self.addresses:
             self.steps.clear()
             self.arena = Arena(SKINNY_MAX_ROWS)
             self.addresses = addresses
-            self.rope_dtype, self.tables = None, ()
+            self.tables = ()
 
     def _forward(self, head: bool, h, cos, signed_sin, attention):
         outputs = self.model.run_layers(h, cos, signed_sin, attention)
