@@ -132,7 +132,7 @@ class SamplingBatch:
                 return None
             return torch.tensor(values, dtype=dtype, device=device)
 
-        greedy = [p.temperature < MIN_TEMPERATURE or p.top_k == 1 for p in params]
+        greedy = [_greedy(p) for p in params]
         settings = list(zip(params, greedy, strict=True))
         temperature = [1.0 if g else p.temperature for p, g in settings]
         top_k = [0 if g else p.top_k for p, g in settings]
@@ -220,12 +220,17 @@ class SamplingBatch:
         )
 
 
+def _greedy(params: GenerationParams) -> bool:
+    """Whether a row takes its argmax: temperature below MIN_TEMPERATURE, or top_k 1."""
+    return params.temperature < MIN_TEMPERATURE or params.top_k == 1
+
+
 def _raw_argmax(params: GenerationParams) -> bool:
     """Whether a row's token is the argmax of its raw logits: greedy, with no penalty, bias,
     allowed set, min_tokens or thinking budget to change them first (a grammar mask is the
     step's, not the row's)."""
     return (
-        (params.temperature < MIN_TEMPERATURE or params.top_k == 1)
+        _greedy(params)
         and params.repetition_penalty == 1.0
         and params.presence_penalty == params.frequency_penalty == 0.0
         and not params.logit_bias
