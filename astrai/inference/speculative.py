@@ -27,6 +27,7 @@ import numpy as np
 from astrai.inference.constraints import ConstraintState
 from astrai.inference.executor import ModelExecutor, ScheduledChunk
 from astrai.inference.kv_cache import PagedCache
+from astrai.inference.sample import argmax_rows
 from astrai.inference.step_batch import StepBatch
 from astrai.inference.task import Task
 
@@ -109,7 +110,7 @@ class DraftModelProposer:
             pages = cache.tasks.pages
             batch = StepBatch.build(seqs, token_ids, pages, cache.page_size, spans, rows)
             logits, _ = self.executor.forward(batch)
-            guesses = logits.argmax(dim=-1).tolist()
+            guesses = argmax_rows(logits).tolist()
             for i, guess in zip(active, guesses, strict=True):
                 drafts[i].append(guess)
             active = [i for i in active if len(drafts[i]) < lengths[i]]

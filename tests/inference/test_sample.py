@@ -23,6 +23,7 @@ from astrai.inference.sample import (
     TemperatureStrategy,
     TopKStrategy,
     TopPStrategy,
+    argmax_rows,
     sample,
 )
 from astrai.inference.task import GenerationParams, ThinkingBudget
@@ -496,3 +497,16 @@ def test_custom_pipeline_runs_only_its_strategies():
     tokens = sample(LOGITS.expand(N, -1), build(params), pipeline).token_ids
     freqs = torch.bincount(torch.tensor(tokens), minlength=V).double() / N
     assert_matches(freqs, renormalised(PROBS, torch.arange(V) < 4))
+
+
+def test_argmax_rows_picks_as_torch_argmax():
+    """The first of equal maxima, a NaN above any number, a row of -inf's first token; large
+    rows too (NumPy's vectorised search)."""
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3))
+    logits[0, 17] = logits[0, 40000] = 100.0
+    logits[1, 5], logits[1, 9] = float("nan"), float("nan")
+    logits[2] = float("-inf")
+    logits[3, 48000] = float("inf")
+    logits[4, :] = 1.5
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits).tolist()[:5] == [17, 5, 0, 48000, 0]
