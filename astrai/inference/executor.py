@@ -141,7 +141,10 @@ class RecordedLayers:
 
     A batch size whose forward cannot be recorded (an op outside the kernels, as Qwen3's q/k
     norm) runs the layers eagerly from then on. Graphs hold the weights' pointers, so weights
-    that moved (.to(), load_state_dict) drop them.
+    that moved (.to(), load_state_dict(assign=True), .data = ...) drop them, found by a look
+    at every parameter's address before a step. The weights' storage is held as well, so that
+    a step of run_ids told the look may wait (a decode continuing the last step's) reads
+    moved weights as they were, never freed memory.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -153,7 +156,9 @@ class RecordedLayers:
         # Each module's parameter dict, which load_state_dict(assign=True) updates in place:
         # reading the weights' addresses through them costs little enough for every step.
         self.parameters = [m._parameters for m in model.modules() if m._parameters]
-        self.addresses = data_addresses(self._weights())
+        self.addresses: list[int] = []
+        self.held: list[torch.UntypedStorage] = []  # what the graphs read, kept alive
+        self._check_addresses()
         # rope's tables that graphs from token ids read
         self.tables: tuple[torch.Tensor, ...] = ()
 
@@ -181,16 +186,27 @@ class RecordedLayers:
         return self._replay_or_record(key, (h, cos, signed_sin), partial(self._forward, head), view)
 
     def run_ids(
-        self, ids: torch.Tensor, positions: torch.Tensor, top: int, view: CacheView
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        top: int,
+        view: CacheView,
+        continued: bool = False,
     ) -> torch.Tensor:
         """The LM head's output for every row of a step of token ids at positions [rows]
         (int64; top the highest position): with the embedding and rope's table lookups
         recorded too where they can be (one rope, an embedding of kernel calls alone), else
-        run(..., head=True) after them. A view of the graph's buffers, valid until next run."""
+        run(..., head=True) after them. A view of the graph's buffers, valid until next run.
+
+        continued: the step is the next decode of the last step's sequences, so the weights'
+        addresses are not looked at (a cold look at every parameter costs 1-2 % of a small
+        model's step); weights moved while they decode are read as they were until a step
+        that is not continued."""
         model, key = self.model, (len(ids), "ids")
         if key[0] > SKINNY_MAX_ROWS or self.steps.get(key, True) is None:
             return self.run(*model.embed(ids, positions, top=top), view, head=True)
-        self._check_addresses()
+        if not continued:
+            self._check_addresses()
         if model.rope.tables is not None:
             # Such a graph reads rope's tables where they were when it was recorded: cover the
             # step's positions first (no recording grows them then), drop the graphs if the
@@ -228,12 +244,14 @@ class RecordedLayers:
         return step.outputs
 
     def _check_addresses(self) -> None:
-        """Drop every graph if a weight moved."""
-        addresses = data_addresses(self._weights())
+        """Drop every graph if a weight moved, and hold the weights' storage."""
+        weights = self._weights()
+        addresses = data_addresses(weights)
         if addresses != self.addresses:
             self.steps.clear()
             self.arena = Arena(SKINNY_MAX_ROWS)
             self.addresses = addresses
+            self.held = [w.untyped_storage() for w in weights]
             self.tables = ()
 
     def _forward(self, head: bool, h, cos, signed_sin, attention):
@@ -520,6 +538,7 @@ class ModelExecutor:
 
     def _forward_on_cpu(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         layout = self.layout
+        continued = layout is not None and layout.batch is batch and layout.view is not None
         if layout is not None and layout.batch is batch:
             if layout.view is None:
                 layout.view = CacheView(self.kv, batch)
@@ -535,7 +554,8 @@ class ModelExecutor:
         every_row = batch.logits_of_every_row
         if self.recorded is not None and every_row and batch.decodes_only and lengths is None:
             top = int(batch.positions.max()) if batch.n_seqs else 0
-            return model.scaled_logits(self.recorded.run_ids(token_ids, positions, top, view)), None
+            logits = self.recorded.run_ids(token_ids, positions, top, view, continued)
+            return model.scaled_logits(logits), None
         if batch.mrope_positions is not None:
             positions = torch.from_numpy(batch.mrope_positions).to(self.device)
         h, cos, signed_sin = model.embed(token_ids, positions, lengths)

@@ -10,14 +10,16 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 from tiny_models import hf_greedy, make_engine, run_ids, tokens_logprobs_cached
 
-from astrai.inference import GenerationParams, GenerationRequest
+from astrai.inference import STOP, GenerationParams, GenerationRequest
 from astrai.inference import scheduler as scheduler_module
 from astrai.inference.constraints import Constraint
 from astrai.inference.executor import DecodeLayout
 from astrai.inference.task import PromptTooLongError, RequestError
 from astrai.kernels import native
+from astrai.model import AutoModel
 
 
 @pytest.fixture(scope="module")
@@ -553,3 +555,50 @@ def test_the_kv_pool_holds_what_the_engine_can_use_within_its_budget(model, toke
         f"written: 160 tokens in 10 pages of 16, capped by kv_cache_memory, {budget / 1e6:.1f} "
         f"MB (max_total_tokens 1000 would take {megabytes:.0f} MB)" in caplog.text
     )
+
+
+@pytest.mark.skipif(native.paged_attention is None, reason="the C attention kernel was not built")
+def test_weights_given_new_storage_mid_request_are_read_as_they_were_until_a_new_layout(
+    llama_dir, tokenizer
+):
+    """A decode that continues the last step's does not look at the weights' addresses: a
+    weight given new storage between two of its steps (here by the request's own callback) is
+    read from its old storage, which the recorded steps hold (freed, it would now hold the NaN
+    written after it), and the next request, laid out afresh, reads the new weight."""
+    prompt = list(range(5, 25))
+    params = GenerationParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    model = AutoModel.from_pretrained(llama_dir)
+    weight = model.layers[0].feed_forward.w13.weight
+    new_values = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+
+    def tokens(engine, on_token=lambda: None):
+        events = queue.SimpleQueue()
+
+        def callback(task, event):
+            on_token()
+            events.put(event)
+
+        (task,) = engine.submit(prompt, params, callback)
+        while events.get(timeout=120) is not STOP:
+            pass
+        return task.result().token_ids
+
+    with make_engine(AutoModel.from_pretrained(llama_dir), tokenizer) as engine:
+        before = tokens(engine)
+    replaced = AutoModel.from_pretrained(llama_dir)
+    replaced.layers[0].feed_forward.w13.weight.data = new_values.clone()
+    with make_engine(replaced, tokenizer) as engine:
+        after = tokens(engine)
+    assert after != before
+
+    seen, filler = [], []
+
+    def replace_at_the_fourth_token():
+        seen.append(None)
+        if len(seen) == 4:
+            weight.data = new_values.clone()
+            filler.extend(torch.full_like(new_values, float("nan")) for _ in range(8))
+
+    with make_engine(model, tokenizer) as engine:
+        assert tokens(engine, replace_at_the_fourth_token) == before
+        assert tokens(engine) == after
