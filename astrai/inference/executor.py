@@ -144,7 +144,8 @@ class RecordedLayers:
     that moved (.to(), load_state_dict(assign=True), .data = ...) drop them, found by a look
     at every parameter's address before a step. The weights' storage is held as well, so that
     a step of run_ids told the look may wait (a decode continuing the last step's) reads
-    moved weights as they were, never freed memory.
+    moved weights as they were, never freed memory; weights moved so stay allocated until the
+    next look.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -198,10 +199,10 @@ class RecordedLayers:
         recorded too where they can be (one rope, an embedding of kernel calls alone), else
         run(..., head=True) after them. A view of the graph's buffers, valid until next run.
 
-        continued: the step is the next decode of the last step's sequences, so the weights'
-        addresses are not looked at (a cold look at every parameter costs 1-2 % of a small
-        model's step); weights moved while they decode are read as they were until a step
-        that is not continued."""
+        continued: the step is the next decode of the last step's sequences, so a replay does
+        not look at the weights' addresses (a cold look at every parameter costs 1-2 % of a
+        small model's step); weights moved while they decode are read as they were until a
+        step that is not continued. A recording always looks, so that what it reads is held."""
         model, key = self.model, (len(ids), "ids")
         if key[0] > SKINNY_MAX_ROWS or self.steps.get(key, True) is None:
             return self.run(*model.embed(ids, positions, top=top), view, head=True)
@@ -216,6 +217,9 @@ class RecordedLayers:
             if data_addresses(tables) != data_addresses(self.tables):
                 self.steps = {k: step for k, step in self.steps.items() if k[1] != "ids"}
                 self.tables = tables
+
+        if continued and key not in self.steps:
+            self._check_addresses()
 
         def forward(ids, positions, attention):
             return self._forward(True, *model.embed(ids, positions, top=top), attention)

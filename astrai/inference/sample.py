@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -455,7 +456,7 @@ def argmax_rows(logits: Tensor) -> Tensor:
     first of equal maxima, a NaN above any number. On the CPU through NumPy, whose argmax of a
     large vocabulary's row takes a tenth of torch's time."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
     return logits.argmax(dim=-1)
 
 

@@ -557,14 +557,19 @@ def test_the_kv_pool_holds_what_the_engine_can_use_within_its_budget(model, toke
     )
 
 
+def held_addresses(engine) -> set[int]:
+    """Where the storages lie that the engine's recorded steps hold."""
+    return {storage.data_ptr() for storage in engine.scheduler.executor.recorded.held}
+
+
 @pytest.mark.skipif(native.paged_attention is None, reason="the C attention kernel was not built")
 def test_weights_given_new_storage_mid_request_are_read_as_they_were_until_a_new_layout(
     llama_dir, tokenizer
 ):
     """A decode that continues the last step's does not look at the weights' addresses: a
     weight given new storage between two of its steps (here by the request's own callback) is
-    read from its old storage, which the recorded steps hold (freed, it would now hold the NaN
-    written after it), and the next request, laid out afresh, reads the new weight."""
+    read from its old storage, which the recorded steps hold, and the next request, laid out
+    afresh, reads the new weight."""
     prompt = list(range(5, 25))
     params = GenerationParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     model = AutoModel.from_pretrained(llama_dir)
@@ -591,14 +596,44 @@ def test_weights_given_new_storage_mid_request_are_read_as_they_were_until_a_new
         after = tokens(engine)
     assert after != before
 
-    seen, filler = [], []
+    old = weight.untyped_storage().data_ptr()
+    seen, old_held = [], []
 
     def replace_at_the_fourth_token():
         seen.append(None)
         if len(seen) == 4:
             weight.data = new_values.clone()
-            filler.extend(torch.full_like(new_values, float("nan")) for _ in range(8))
+        if len(seen) > 4:
+            old_held.append(old in held_addresses(engine))
 
     with make_engine(model, tokenizer) as engine:
         assert tokens(engine, replace_at_the_fourth_token) == before
+        assert old_held and all(old_held)
         assert tokens(engine) == after
+        assert old not in held_addresses(engine)
+
+
+@pytest.mark.skipif(native.paged_attention is None, reason="the C attention kernel was not built")
+def test_a_decode_recorded_again_mid_request_holds_the_weights_it_reads(llama_dir, tokenizer):
+    """A continued decode whose graph is recorded again (rope's tables moved: another engine on
+    the model, or growth) looks at the weights first, so the storage it records is held:
+    replaced once more before a fresh layout, it is not freed under the graph."""
+    model = AutoModel.from_pretrained(llama_dir)
+    weight = model.layers[0].feed_forward.w13.weight
+    params = GenerationParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    events, seen, recorded_held = queue.SimpleQueue(), [], []
+
+    def on_token(task, event):
+        seen.append(None)
+        if len(seen) == 3:
+            weight.data = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
+            model.rope.tables = tuple(table.clone() for table in model.rope.tables)
+        if len(seen) > 4:
+            recorded_held.append(weight.untyped_storage().data_ptr() in held_addresses(engine))
+        events.put(event)
+
+    with make_engine(model, tokenizer) as engine:
+        engine.submit(list(range(5, 25)), params, on_token)
+        while events.get(timeout=120) is not STOP:
+            pass
+    assert recorded_held and all(recorded_held)

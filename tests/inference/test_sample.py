@@ -510,3 +510,4 @@ def test_argmax_rows_picks_as_torch_argmax():
     logits[4, :] = 1.5
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
     assert argmax_rows(logits).tolist()[:5] == [17, 5, 0, 48000, 0]
+    assert torch.equal(argmax_rows(logits[0]), logits[0].argmax(dim=-1))  # one row, 0-d
