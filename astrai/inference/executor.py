@@ -200,9 +200,10 @@ class RecordedLayers:
         run(..., head=True) after them. A view of the graph's buffers, valid until next run.
 
         continued: the step is the next decode of the last step's sequences, so a replay does
-        not look at the weights' addresses (a cold look at every parameter costs 1-2 % of a
-        small model's step); weights moved while they decode are read as they were until a
-        step that is not continued. A recording always looks, so that what it reads is held."""
+        not look at the weights' addresses (a look at every parameter, cold, is a part of a
+        small model's step, benchmarks/README.md); weights moved while they decode are read as
+        they were until a step that is not continued. A recording always looks, so that what
+        it reads is held."""
         model, key = self.model, (len(ids), "ids")
         if key[0] > SKINNY_MAX_ROWS or self.steps.get(key, True) is None:
             return self.run(*model.embed(ids, positions, top=top), view, head=True)
@@ -488,8 +489,8 @@ class CudaSteps:
 
 def _in_inference_mode(method: Callable) -> Callable:
     """method under torch.inference_mode, entered only where its caller is not in it already
-    (execute's forward): entering costs some 20 us a step cold, after the weights went through
-    the cache, where the check costs 4."""
+    (execute's forward): entering, run cold after the weights went through the cache, costs
+    several times the check (benchmarks/README.md)."""
 
     @wraps(method)
     def run(*args, **kwargs):

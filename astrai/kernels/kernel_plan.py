@@ -168,8 +168,8 @@ class KernelPlan:
 
 class _Activation:
     """KernelPlan.active's context. A class rather than a generator: every step enters one,
-    after the weights went through the cache, where a generator-based context manager cost
-    about 30 us cold against 10 for this."""
+    after the weights went through the cache, where a generator-based context manager costs
+    several times as much (benchmarks/README.md)."""
 
     __slots__ = ("plan", "before")
 
