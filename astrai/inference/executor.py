@@ -157,11 +157,11 @@ class RecordedLayers:
         # Each module's parameter dict, which load_state_dict(assign=True) updates in place:
         # reading the weights' addresses through them costs little enough for every step.
         self.parameters = [m._parameters for m in model.modules() if m._parameters]
+        # rope's tables that graphs from token ids read
+        self.tables: tuple[torch.Tensor, ...] = ()
         self.addresses: list[int] = []
         self.held: list[torch.UntypedStorage] = []  # what the graphs read, kept alive
         self._check_addresses()
-        # rope's tables that graphs from token ids read
-        self.tables: tuple[torch.Tensor, ...] = ()
 
     def run(
         self,
@@ -557,14 +557,11 @@ class ModelExecutor:
             return self._forward_on_cpu(batch)
 
     def _forward_on_cpu(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        layout = self.layout
-        continued = layout is not None and layout.batch is batch and layout.view is not None
-        if layout is not None and layout.batch is batch:
-            if layout.view is None:
-                layout.view = CacheView(self.kv, batch)
-            view = layout.view
-        else:
-            view = CacheView(self.kv, batch)
+        layout = self.layout if self.layout is not None and self.layout.batch is batch else None
+        continued = layout is not None and layout.view is not None  # it ran a step before
+        view = layout.view if continued else CacheView(self.kv, batch)
+        if layout is not None:
+            layout.view = view
         model = self.model
         lengths = None
         if model.rope.length_dependent:
