@@ -27,8 +27,12 @@ LAYER_KINDS = {
 }
 
 
+# A window that a long decode's keys outrun, so that its first key is not the sequence's.
+LONG_KINDS = {"full": {}, "window-200": {"window": 200}, "softcap": {"softcap": 0.5}}
+
+
 def layer_attention(index: int, head_dim: int, kind: str = "full") -> LayerAttention:
-    settings = {"scale": head_dim**-0.5, **LAYER_KINDS[kind]}
+    settings = {"scale": head_dim**-0.5, **{**LAYER_KINDS, **LONG_KINDS}[kind]}
     return LayerAttention(index=index, **settings)
 
 
@@ -242,6 +246,45 @@ def test_steps_of_decodes_alone_store_their_kv(
         view = check(decodes, kind=kind, path=decode_attention)
         if decode_attention != "triton":
             assert isinstance(view.paged_decode, PagedDecode) == (decode_attention == "c-kernel")
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv_heads"), [(6, 2), (3, 1)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kind", list(LONG_KINDS))
+def test_long_decodes_match_dense_attention_alone_and_in_a_batch(
+    n_heads, n_kv_heads, cache_dtype, kind, decode_attention
+):
+    """Decodes of more keys than the C kernel takes in one part (128): 128 keys (one part),
+    129 (a part of one key), 300 and 700, over dense attention; and, on the C kernel, each
+    decode's output alone equal, bit for bit, to its row of the batch of all four (how its keys
+    are cut into parts may not depend on what else runs; SDPA's groups promise no such thing)."""
+    if decode_attention == "triton":
+        pytest.skip("interpreted, these contexts take minutes; the short ones check Triton's")
+    generator = torch.Generator().manual_seed(6)
+    n_layers, head_dim, page_size = 1, 16, 16
+    context = {0: 128, 1: 129, 2: 300, 3: 700}
+    full_k, full_v = (
+        random_kv(n_layers, context, n_kv_heads, head_dim, generator) for _ in range(2)
+    )
+    cache = PagedCache(
+        n_layers, n_kv_heads, head_dim, n_pages=90, page_size=page_size, dtype=cache_dtype
+    )
+    for pages in range(1, -(-max(context.values()) // page_size) + 1):
+        for task_id, length in context.items():
+            assert cache.allocate(task_id, min(length, pages * page_size))
+    check = partial(run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator)
+    check([(t, 0, n - 1) for t, n in context.items()], path=decode_attention)
+    decodes = [(t, n - 1, 1) for t, n in context.items()]
+    check(decodes, kind=kind, path=decode_attention, dtype=torch.float32)
+    if decode_attention != "c-kernel":
+        return
+    attention = layer_attention(0, head_dim, kind)
+    q = torch.randn(len(decodes), n_heads, head_dim, generator=generator)
+    k, v = (torch.cat([full[0][t][-1:] for t in context]) for full in (full_k, full_v))
+    together = cpu_view(cache, decodes)(attention, q, k, v)
+    for row, decode in enumerate(decodes):
+        alone = cpu_view(cache, [decode])(attention, *(t[row : row + 1] for t in (q, k, v)))
+        assert torch.equal(alone, together[row : row + 1]), f"decode {decode} alone differs"
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,11 @@
  * Gathering each decode's pages into a contiguous buffer and calling SDPA copies every K/V
  * byte once more and runs a flash kernel tuned for long queries on one-token ones: at 64
  * decodes of 100-380 tokens the gather and SDPA took as long as all the model's linears
- * (benchmarks/README.md). Here each OpenMP work item -- a decode, or a (decode, kv head) pair
- * when there are too few decodes to share out -- walks its pages once for K and once for V,
- * serving every query head that reads a key from the one load. Each sequence is computed alone
- * in a fixed order, so its result does not depend on what else is in the batch. In a step of
+ * (benchmarks/README.md). Here each OpenMP work item -- a part of up to KEY_CHUNK keys of a
+ * decode, or a (part, kv head) pair when there are too few parts to share out -- walks its pages
+ * once for K and once for V, serving every query head that reads a key from the one load; a
+ * decode of several parts is then joined from their softmax sums. Each sequence is computed
+ * alone in a fixed order, so its result does not depend on what else is in the batch. In a step of
  * decodes alone the kernel also stores each decode's new K/V in its page first, which saves
  * the caller two scatter ops a layer. A layer with a sliding window reads only the keys within
  * it, and a soft-capped one (Gemma 2) caps each scaled logit x at softcap * tanh(x / softcap).
@@ -93,6 +94,13 @@ static inline int64_t key_range(const DecodeBatch *b, int64_t i, int64_t *first)
  * one's lanes at once. */
 #define KEY_BLOCK LANES
 
+/* Keys a work item attends to at most: a decode's keys are cut into parts of KEY_CHUNK from
+ * the first it sees, each part's softmax and weighted values computed on its own and the parts
+ * then joined, so that a lone decode's few kv heads still share out over the threads in even
+ * parts. The cut depends on the decode's keys alone, never on the batch or the threads, so a
+ * decode's result is the same whatever else runs beside it. */
+#define KEY_CHUNK 128
+
 /* Keys ahead of the block being scored whose K and V rows are fetched now. An item reads a
  * few hundred bytes a key, in rows a token apart; the step's linears have streamed the cache
  * out of the caches, and a core left to miss on each row in turn reads far below the memory's
@@ -138,18 +146,63 @@ weigh_values_of(void *out, const float *s, int64_t stride, const void *const *va
     }
 }
 
+/* out = scores @ V for query heads [kv_begin * group, kv_end * group), written as out_dtype:
+ * per kv head, HEAD_BLOCK of its query heads at a time, over 16 values of head_dim at a time (8
+ * for the rest). key_rows holds each key's row in the layer's caches and is overwritten. */
+static inline __attribute__((always_inline)) void
+weigh_heads(void *out, const float *scores, int64_t stride, int64_t *key_rows, int64_t ctx,
+            const DecodeBatch *b, int64_t kv_begin, int64_t kv_end, const int out_dtype,
+            const int cache) {
+    const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
+    const void **values = (const void **)key_rows; /* [ctx] V rows, each in its offset's place */
+    for (int64_t t = 0; t < ctx; t++) values[t] = at(b->v_cache, key_rows[t], cache);
+    for (int64_t kv = kv_begin; kv < kv_end; kv++) {
+        if (kv > kv_begin)
+            for (int64_t t = 0; t < ctx; t++) values[t] = at(values[t], hd, cache);
+        for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
+            const int64_t h = (kv - kv_begin) * group + g0; /* first head, of this item's */
+            const int64_t n = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
+            void *out_h = (void *)at(out, h * hd, out_dtype);
+            int64_t d0 = 0;
+            for (; d0 + 2 * LANES <= hd; d0 += 2 * LANES)
+                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 2,
+                                out_dtype, cache);
+            if (d0 < hd)
+                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 1,
+                                out_dtype, cache);
+        }
+    }
+}
+
+/* The parts of KEY_CHUNK keys decode i's keys are cut into. */
+static inline int64_t key_chunks(const DecodeBatch *b, int64_t i) {
+    int64_t first;
+    const int64_t end = key_range(b, i, &first);
+    return (end - first + KEY_CHUNK - 1) / KEY_CHUNK;
+}
+
+/* Where a decode cut into several parts keeps each part's results until they are joined, in
+ * floats from the part's start: [n_heads, hd] values weighted by exp(score - max), then [n_heads]
+ * maxes, then [n_heads] sums of exp(score - max). */
+static inline int64_t part_floats(const DecodeBatch *b) { return b->n_heads * (b->head_dim + 2); }
+
 /* Attention of query heads [kv_begin * group, kv_end * group) of decode i, which read kv heads
- * [kv_begin, kv_end). scratch holds scratch_len(...) floats. head_dim is a multiple of LANES.
- * Every value is read as fp32, computed in fp32 and rounded once, at the output; io and cache
- * are the dtypes of q/out and of the cache, constants after inlining. */
+ * [kv_begin, kv_end), over part chunk of its keys. A decode of one part is written to out;
+ * a part of several is written to part (part_floats() floats) and joined by join_parts().
+ * scratch holds scratch_len(...) floats. head_dim is a multiple of LANES. Every value is read
+ * as fp32, computed in fp32 and rounded once, at the output; io and cache are the dtypes of
+ * q/out and of the cache, constants after inlining. */
 static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, int64_t i,
                                                          int64_t kv_begin, int64_t kv_end,
+                                                         int64_t chunk, float *part,
                                                          float *scratch, const int io,
                                                          const int cache) {
     const int64_t hd = b->head_dim, group = b->n_heads / b->kv_heads;
     const int64_t n_heads = (kv_end - kv_begin) * group;
     int64_t first;
-    const int64_t ctx = key_range(b, i, &first) - first; /* the keys seen: first .. + ctx - 1 */
+    const int64_t end = key_range(b, i, &first);
+    first += chunk * KEY_CHUNK; /* the keys seen: first .. + ctx - 1 */
+    const int64_t ctx = end - first < KEY_CHUNK ? end - first : KEY_CHUNK;
     const int64_t stride = (ctx + LANES - 1) / LANES * LANES; /* a head's row of scores */
     const int64_t *pages = b->block_tables + i * b->max_pages;
     const int64_t first_head = kv_begin * group;
@@ -221,44 +274,36 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
             store8(s + t0, e);
             sums += e;
         }
-        const float inv = 1.0f / (sum8(sums) - (float)(stride - ctx)); /* padding gave exp(0) */
+        const float sum = sum8(sums) - (float)(stride - ctx); /* padding gave exp(0) */
+        if (part != NULL) { /* kept apart, and joined with the decode's other parts */
+            part[b->n_heads * hd + first_head + h] = max;
+            part[b->n_heads * (hd + 1) + first_head + h] = sum;
+            continue;
+        }
+        const float inv = 1.0f / sum;
         for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
     }
-
-    /* out = scores @ V: per kv head, HEAD_BLOCK of its query heads at a time, over 16 values
-     * of head_dim at a time (8 for the rest) */
-    const void **values = (const void **)key_rows; /* [ctx] V rows, each in its offset's place */
-    for (int64_t t = 0; t < ctx; t++) values[t] = at(b->v_cache, key_rows[t], cache);
-    for (int64_t kv = kv_begin; kv < kv_end; kv++) {
-        if (kv > kv_begin)
-            for (int64_t t = 0; t < ctx; t++) values[t] = at(values[t], hd, cache);
-        for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
-            const int64_t h = (kv - kv_begin) * group + g0; /* first head, of this item's */
-            const int64_t n = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
-            void *out_h = (void *)at(out, h * hd, io);
-            int64_t d0 = 0;
-            for (; d0 + 2 * LANES <= hd; d0 += 2 * LANES)
-                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 2, io,
-                                cache);
-            if (d0 < hd)
-                weigh_values_of(out_h, scores + h * stride, stride, values, ctx, hd, d0, n, 1, io,
-                                cache);
-        }
-    }
+    if (part != NULL)
+        weigh_heads(part + first_head * hd, scores, stride, key_rows, ctx, b, kv_begin, kv_end,
+                    DTYPE_FP32, cache);
+    else
+        weigh_heads(out, scores, stride, key_rows, ctx, b, kv_begin, kv_end, io, cache);
 }
 
 /* attend_<io>_<kv>: attend compiled for one pair of dtypes (and each as VECTOR_CLONES). */
 #define ATTEND_FOR(io, kv)                                                                         \
-    VECTOR_CLONES static void attend_##io##_##kv(                                                  \
-        const DecodeBatch *b, int64_t i, int64_t kv_begin, int64_t kv_end, float *scratch) {       \
-        attend(b, i, kv_begin, kv_end, scratch, DTYPE_##io, DTYPE_##kv);                           \
+    VECTOR_CLONES static void attend_##io##_##kv(const DecodeBatch *b, int64_t i,                \
+                                                 int64_t kv_begin, int64_t kv_end, int64_t chunk, \
+                                                 float *part, float *scratch) {                   \
+        attend(b, i, kv_begin, kv_end, chunk, part, scratch, DTYPE_##io, DTYPE_##kv);              \
     }
 #define ATTEND_FOR_CACHES(io) ATTEND_FOR(io, FP32) ATTEND_FOR(io, BF16) ATTEND_FOR(io, FP16)
 ATTEND_FOR_CACHES(FP32)
 ATTEND_FOR_CACHES(BF16)
 ATTEND_FOR_CACHES(FP16)
 
-typedef void (*AttendFn)(const DecodeBatch *, int64_t, int64_t, int64_t, float *);
+typedef void (*AttendFn)(const DecodeBatch *, int64_t, int64_t, int64_t, int64_t, float *,
+                         float *);
 
 /* [io_dtype][cache_dtype] */
 static const AttendFn attend_fns[N_DTYPES][N_DTYPES] = {
@@ -287,18 +332,72 @@ static void store_new_kv(const DecodeBatch *b, int64_t i) {
             at(b->new_v, b->rows[i] * b->new_v_row_stride, b->io_dtype), b->io_dtype, n_values);
 }
 
+/* Decode i's query head h joined from its chunks parts (part_floats() apart) into out: each
+ * part's weighted values scaled by exp(its max - the largest max) and summed in order over the
+ * parts, then divided by the parts' sums scaled alike, and rounded to out's dtype once. Each
+ * part's max is overwritten by its scale. */
+static void join_parts(const DecodeBatch *b, int64_t i, int64_t h, float *parts, int64_t chunks) {
+    const int64_t hd = b->head_dim, apart = part_floats(b);
+    float *const maxes = parts + b->n_heads * hd + h, *const sums = maxes + b->n_heads;
+    float max = -INFINITY, sum = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) max = maxes[c * apart] > max ? maxes[c * apart] : max;
+    for (int64_t c = 0; c < chunks; c++) {
+        maxes[c * apart] = expf(maxes[c * apart] - max);
+        sum += maxes[c * apart] * sums[c * apart];
+    }
+    const float inv = 1.0f / sum;
+    void *out = (void *)at(b->out, (b->rows[i] * b->n_heads + h) * hd, b->io_dtype);
+    for (int64_t d0 = 0; d0 < hd; d0 += LANES) {
+        vec8 acc = {0.0f};
+        for (int64_t c = 0; c < chunks; c++)
+            acc += load8(parts + c * apart + h * hd + d0) * (maxes[c * apart] * inv);
+        store_as(out, d0, acc, b->io_dtype);
+    }
+}
+
+/* The decode whose work items start at or before item: the last i with first_item[i] <= item. */
+static int64_t decode_of(const int64_t *first_item, int64_t n, int64_t item) {
+    int64_t low = 0, high = n - 1;
+    while (low < high) {
+        const int64_t mid = (low + high + 1) / 2;
+        if (first_item[mid] <= item)
+            low = mid;
+        else
+            high = mid - 1;
+    }
+    return low;
+}
+
 /* The decodes' new K/V stored first, all of them (rows of one sequence -- a speculative check
- * -- see each other's), then one work item per decode when there are enough to keep every
- * thread busy, else one per (decode, kv head). Returns 0, or -1 when scratch memory could not
- * be had. */
+ * -- see each other's), then one work item per part of KEY_CHUNK keys of a decode when there
+ * are enough to keep every thread busy, else one per (part, kv head); then the decodes cut
+ * into several parts are joined. Returns 0, or -1 when scratch memory could not be had. */
 static int attend_all(const DecodeBatch *b) {
-    const int64_t kv_per_item = b->n >= 4 * omp_get_max_threads() ? b->kv_heads : 1;
-    const int64_t items_per_decode = b->kv_heads / kv_per_item;
-    int64_t max_ctx = 0;
+    /* first_item[i]: decode i's first work item (first_item[n]: the count); part_at[i]: where
+     * its parts start in parts, -1 for a decode of one part */
+    int64_t *first_item = malloc(sizeof(int64_t) * (2 * b->n + 1));
+    if (first_item == NULL) return -1;
+    int64_t *part_at = first_item + b->n + 1;
+    int64_t chunks_in_all = 0;
+    for (int64_t i = 0; i < b->n; i++) chunks_in_all += key_chunks(b, i);
+    const int64_t kv_per_item = chunks_in_all >= 4 * omp_get_max_threads() ? b->kv_heads : 1;
+    const int64_t items_per_chunk = b->kv_heads / kv_per_item;
+    int64_t items = 0, part_values = 0, longest = 0;
     for (int64_t i = 0; i < b->n; i++) {
+        const int64_t chunks = key_chunks(b, i);
         int64_t first;
         const int64_t ctx = key_range(b, i, &first) - first;
-        if (ctx > max_ctx) max_ctx = ctx;
+        longest = ctx > longest ? ctx : longest;
+        first_item[i] = items;
+        items += chunks * items_per_chunk;
+        part_at[i] = chunks > 1 ? part_values : -1;
+        part_values += chunks > 1 ? chunks * part_floats(b) : 0;
+    }
+    first_item[b->n] = items;
+    float *parts = part_values > 0 ? malloc(sizeof(float) * part_values) : NULL;
+    if (part_values > 0 && parts == NULL) {
+        free(first_item);
+        return -1;
     }
     const AttendFn attend_item = attend_fns[b->io_dtype][b->cache_dtype];
     int failed = 0;
@@ -308,21 +407,34 @@ static int attend_all(const DecodeBatch *b) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < b->n; i++) store_new_kv(b, i);
         }
-        /* one scratch buffer per thread, for the longest context */
-        float *scratch = malloc(sizeof(float) * scratch_len(b, kv_per_item, max_ctx));
+        /* one scratch buffer per thread, for the longest part */
+        float *scratch = malloc(
+            sizeof(float) * scratch_len(b, kv_per_item, longest < KEY_CHUNK ? longest : KEY_CHUNK));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < b->n * items_per_decode; item++) {
+        for (int64_t item = 0; item < items; item++) {
             if (scratch == NULL) continue;
-            const int64_t i = item / items_per_decode;
-            const int64_t kv_begin = item % items_per_decode * kv_per_item;
-            attend_item(b, i, kv_begin, kv_begin + kv_per_item, scratch);
+            const int64_t i = decode_of(first_item, b->n, item), own = item - first_item[i];
+            const int64_t chunk = own / items_per_chunk;
+            const int64_t kv_begin = own % items_per_chunk * kv_per_item;
+            float *part = part_at[i] < 0 ? NULL : parts + part_at[i] + chunk * part_floats(b);
+            attend_item(b, i, kv_begin, kv_begin + kv_per_item, chunk, part, scratch);
+        }
+        if (parts != NULL && !failed) { /* failed is read after the loop's barrier: alike */
+#pragma omp for schedule(static)
+            for (int64_t ih = 0; ih < b->n * b->n_heads; ih++) {
+                const int64_t i = ih / b->n_heads;
+                if (part_at[i] >= 0)
+                    join_parts(b, i, ih % b->n_heads, parts + part_at[i], key_chunks(b, i));
+            }
         }
         free(scratch);
     }
+    free(parts);
+    free(first_item);
     return failed ? -1 : 0;
 }
 
