@@ -139,7 +139,7 @@ def main() -> None:
             reference, ids = outputs["fp32", batch], outputs[dtype, batch]
             equal = sum(x == y for x, y in zip(reference, ids, strict=True))
             cache = engine.cache
-            token_bytes = 2 * cache.k_cache.nbytes / (cache.n_pages * cache.page_size)
+            token_bytes = 2 * cache.kv.k_cache.nbytes / (cache.n_pages * cache.page_size)
             print(
                 f"| {dtype} | {token_bytes * args.context / 1e6:.0f} | {batch} | "
                 f"{best[dtype, batch]:.1f} | {best[dtype, batch] / best['fp32', batch]:.2f}x | "

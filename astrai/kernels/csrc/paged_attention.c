@@ -222,6 +222,10 @@ static inline __attribute__((always_inline)) void attend(const DecodeBatch *b, i
     for (int64_t t = 0; t < ctx; t++) key_rows[t] = page_token(b, pages, first + t) + kv_begin * hd;
 
     const int64_t row_bytes = widened_row * dtype_size(cache); /* of this item's K or V */
+    for (int64_t t = 0; t < PREFETCH_KEYS && t < ctx; t++) { /* the keys the loop does not */
+        prefetch_row(at(b->k_cache, key_rows[t], cache), row_bytes);
+        prefetch_row(at(b->v_cache, key_rows[t], cache), row_bytes);
+    }
     for (int64_t t0 = 0; t0 < ctx; t0 += KEY_BLOCK) {
         const int64_t n_keys = ctx - t0 < KEY_BLOCK ? ctx - t0 : KEY_BLOCK;
         for (int64_t t = t0 + PREFETCH_KEYS; t < t0 + PREFETCH_KEYS + KEY_BLOCK && t < ctx; t++) {
