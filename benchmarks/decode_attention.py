@@ -18,27 +18,17 @@ that share the noise; each build's outputs are checked equal to the first's.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import time
 from functools import partial
 
 import torch
+from builds import chosen_builds
 from machine import read_bandwidth
 
 from astrai.kernels import PagedDecode, native
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 9, 3, 64, 16
 COLD_LAYERS = 30
-
-
-def load_build(path: str):
-    """A build of the _paged_attention extension from its file, beside any other loaded."""
-    loader = importlib.machinery.ExtensionFileLoader("_paged_attention", path)
-    spec = importlib.util.spec_from_file_location("_paged_attention", path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def shape_calls(builds, decodes: int, keys: int, layers: int):
@@ -74,9 +64,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="the kernel's OpenMP threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the kernel shares torch's OpenMP runtime
-    builds = [load_build(p) for p in args.builds.split(",")] if args.builds else []
-    builds = builds or [native.paged_attention]
-    names = args.builds.split(",") if args.builds else ["built"]
+    names, builds = chosen_builds(args.builds, "_paged_attention", native.paged_attention)
     layers = COLD_LAYERS if args.cold else 1
     evict = torch.ones(16 << 20)  # 64 MB
     bandwidth = read_bandwidth()

@@ -14,27 +14,17 @@ extension into one process and times them in alternation, so that they share the
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import time
 
 import numpy as np
 import torch
+from builds import chosen_builds
 from gguf import GGMLQuantizationType
 from quant_rows import random_weight
 
 from astrai.config import ACTIVATION_PRECISIONS
 from astrai.kernels import native
 from astrai.kernels.kernel_plan import ACTIVATION_TERMS, DEFAULT_PREFETCH
-
-
-def load_build(path: str):
-    """A build of the _quant_linear extension from its file, beside any other loaded."""
-    loader = importlib.machinery.ExtensionFileLoader("_quant_linear", path)
-    spec = importlib.util.spec_from_file_location("_quant_linear", path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -53,9 +43,7 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime
-    builds = [load_build(p) for p in args.builds.split(",")] if args.builds else []
-    builds = builds or [native.quant_linear]
-    names = args.builds.split(",") if args.builds else ["built"]
+    names, builds = chosen_builds(args.builds, "_quant_linear", native.quant_linear)
     shape_text = f"W {args.out_features} x {args.in_features}, x at {args.precision}"
     print(f"path {args.isa}, {shape_text}, GB/s of W on {args.threads} thread(s)\n")
     print("| type | rows | " + " | ".join(names) + " |")
