@@ -249,10 +249,19 @@ def test_steps_of_decodes_alone_store_their_kv(
 
 
 @pytest.mark.parametrize(("n_heads", "n_kv_heads"), [(6, 2), (3, 1)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+    ],
+    ids=["fp32", "fp32-fp16", "bf16", "fp16"],
+)
 @pytest.mark.parametrize("kind", list(LONG_KINDS))
 def test_long_decodes_match_dense_attention_alone_and_in_a_batch(
-    n_heads, n_kv_heads, cache_dtype, kind, decode_attention
+    n_heads, n_kv_heads, dtype, cache_dtype, kind, decode_attention
 ):
     """Decodes of more keys than the C kernel takes in one part (128): 128 keys (one part),
     129 (a part of one key), 300 and 700, over dense attention; and, on the C kernel, each
@@ -275,12 +284,12 @@ def test_long_decodes_match_dense_attention_alone_and_in_a_batch(
     check = partial(run_pass, cache, full_k, full_v, n_heads=n_heads, generator=generator)
     check([(t, 0, n - 1) for t, n in context.items()], path=decode_attention)
     decodes = [(t, n - 1, 1) for t, n in context.items()]
-    check(decodes, kind=kind, path=decode_attention, dtype=torch.float32)
+    check(decodes, kind=kind, path=decode_attention, dtype=dtype)
     if decode_attention != "c-kernel":
         return
     attention = layer_attention(0, head_dim, kind)
-    q = torch.randn(len(decodes), n_heads, head_dim, generator=generator)
-    k, v = (torch.cat([full[0][t][-1:] for t in context]) for full in (full_k, full_v))
+    q = torch.randn(len(decodes), n_heads, head_dim, generator=generator).to(dtype)
+    k, v = (torch.cat([full[0][t][-1:] for t in context]).to(dtype) for full in (full_k, full_v))
     together = cpu_view(cache, decodes)(attention, q, k, v)
     for row, decode in enumerate(decodes):
         alone = cpu_view(cache, [decode])(attention, *(t[row : row + 1] for t in (q, k, v)))
