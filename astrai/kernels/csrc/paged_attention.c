@@ -372,6 +372,20 @@ static int64_t decode_of(const int64_t *first_item, int64_t n, int64_t item) {
     return low;
 }
 
+/* Room for floats of a call's parts, kept by the calling thread and grown as needed: at a
+ * large batch of long decodes the parts take tens of MB, which fresh memory would fault in anew
+ * at every layer's call. NULL when it cannot be had. */
+static float *parts_buffer(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (floats > capacity) {
+        free(buffer);
+        buffer = malloc(sizeof(float) * floats);
+        capacity = buffer != NULL ? floats : 0;
+    }
+    return buffer;
+}
+
 /* The decodes' new K/V stored first, all of them (rows of one sequence -- a speculative check
  * -- see each other's), then one work item per part of KEY_CHUNK keys of a decode when there
  * are enough to keep every thread busy, else one per (part, kv head); then the decodes cut
@@ -398,7 +412,7 @@ static int attend_all(const DecodeBatch *b) {
         part_values += chunks > 1 ? chunks * part_floats(b) : 0;
     }
     first_item[b->n] = items;
-    float *parts = part_values > 0 ? malloc(sizeof(float) * part_values) : NULL;
+    float *parts = part_values > 0 ? parts_buffer(part_values) : NULL;
     if (part_values > 0 && parts == NULL) {
         free(first_item);
         return -1;
@@ -437,7 +451,6 @@ static int attend_all(const DecodeBatch *b) {
         }
         free(scratch);
     }
-    free(parts);
     free(first_item);
     return failed ? -1 : 0;
 }
