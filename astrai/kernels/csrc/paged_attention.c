@@ -374,7 +374,8 @@ static int64_t decode_of(const int64_t *first_item, int64_t n, int64_t item) {
 
 /* Room for floats of a call's parts, kept by the calling thread and grown as needed: at a
  * large batch of long decodes the parts take tens of MB, which fresh memory would fault in anew
- * at every layer's call. NULL when it cannot be had. */
+ * at every layer's call. Never freed: a thread holds its largest call's parts while it lives
+ * (the engine's scheduler thread, one buffer). NULL when it cannot be had. */
 static float *parts_buffer(int64_t floats) {
     static __thread float *buffer = NULL;
     static __thread int64_t capacity = 0;
